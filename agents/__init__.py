@@ -1,0 +1,1 @@
+"""RLlib side of the project: models, RLModules, algorithms and the command-line tools."""

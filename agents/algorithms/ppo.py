@@ -1,0 +1,147 @@
+"""PPO for language models on RLlib's new API stack.
+
+Differences from RLlib's stock PPO learner:
+  * a per-token KL penalty against the frozen initial policy is folded into
+    the rewards before GAE (`kl_control.ReferenceKLPenalty`), with a fixed or
+    adaptive coefficient;
+  * the loss reads only the rollout's log-prob of the chosen action, never the
+    stored full action-distribution inputs (one float per step instead of V);
+  * only trainable parameters go to the optimizer (the reference is frozen);
+  * minibatches hold whole sequences and the module forwards each sequence
+    once, reading every step's logits and value from that one pass
+    (`sequence_batching`).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ray.rllib.algorithms.ppo import PPO, PPOConfig
+from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+from ray.rllib.connectors.learner import GeneralAdvantageEstimation
+from ray.rllib.core.columns import Columns
+from ray.rllib.evaluation.postprocessing import Postprocessing
+from ray.rllib.utils.torch_utils import explained_variance
+
+from agents.algorithms.kl_control import AdaptiveKLController, ReferenceKLPenalty
+from agents.algorithms.sequence_batching import AddSequenceIds, sequence_minibatches
+
+
+class LMPPOTorchLearner(PPOTorchLearner):
+    def build(self) -> None:
+        super().build()
+        kl_cfg = self.config.learner_config_dict.get("kl", {})
+        self.kl_penalty = None
+        if kl_cfg.get("coef", 0.0) > 0.0 and self._learner_connector is not None:
+            controller = AdaptiveKLController(
+                kl_cfg["coef"], kl_cfg.get("target") if kl_cfg.get("adaptive") else None, kl_cfg.get("horizon", 10000)
+            )
+            self.kl_penalty = ReferenceKLPenalty(controller=controller)
+            self._learner_connector.insert_before(GeneralAdvantageEstimation, self.kl_penalty)
+        if self._learner_connector is not None:
+            self._learner_connector.insert_before(
+                ReferenceKLPenalty if self.kl_penalty is not None else GeneralAdvantageEstimation, AddSequenceIds()
+            )
+        self._minibatch_rng = np.random.default_rng(self.config.seed)
+
+    def _create_iterator_if_necessary(self, *, training_data, num_epochs=1, minibatch_size=None,
+                                      shuffle_batch_per_epoch=False, **kwargs):
+        """Minibatches of whole sequences, so each sequence is forwarded once per minibatch."""
+        if training_data.data_iterators:
+            return super()._create_iterator_if_necessary(
+                training_data=training_data, num_epochs=num_epochs, minibatch_size=minibatch_size,
+                shuffle_batch_per_epoch=shuffle_batch_per_epoch, **kwargs)
+        batch = self._make_batch_if_necessary(training_data=training_data)
+        for module_id in list(batch.policy_batches):
+            if not self.should_module_be_updated(module_id, batch):
+                del batch.policy_batches[module_id]
+        if not batch.policy_batches:
+            return {}
+        return sequence_minibatches(batch, num_epochs=num_epochs, minibatch_size=minibatch_size,
+                                    shuffle=shuffle_batch_per_epoch, rng=self._minibatch_rng)
+
+    def configure_optimizers_for_module(self, module_id, config=None):
+        params = [p for p in self.get_parameters(self._module[module_id]) if p.requires_grad]
+        self.register_optimizer(
+            module_id=module_id, optimizer=torch.optim.Adam(params), params=params, lr_or_lr_schedule=config.lr
+        )
+
+    def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
+        module = self.module[module_id].unwrapped()
+        if Columns.LOSS_MASK in batch:
+            mask = batch[Columns.LOSS_MASK]
+            num_valid = mask.sum()
+
+            def masked_mean(x):
+                return x[mask].sum() / num_valid
+        else:
+            masked_mean = torch.mean
+
+        dist = module.get_train_action_dist_cls().from_logits(fwd_out[Columns.ACTION_DIST_INPUTS])
+        logp = dist.logp(batch[Columns.ACTIONS])
+        ratio = torch.exp(logp - batch[Columns.ACTION_LOGP])
+        adv = batch[Postprocessing.ADVANTAGES]
+        surrogate = torch.min(adv * ratio, adv * torch.clamp(ratio, 1 - config.clip_param, 1 + config.clip_param))
+        entropy = dist.entropy()
+
+        values = module.compute_values(batch, embeddings=fwd_out.get(Columns.EMBEDDINGS))
+        vf_loss = (values - batch[Postprocessing.VALUE_TARGETS]).pow(2)
+        vf_loss_clipped = torch.clamp(vf_loss, 0, config.vf_clip_param)
+        entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
+
+        total = masked_mean(-surrogate + config.vf_loss_coeff * vf_loss_clipped - entropy_coeff * entropy)
+        # Sampled-action estimate of KL(old || new): how far this update moved the policy.
+        approx_kl = masked_mean(batch[Columns.ACTION_LOGP] - logp).detach()
+        self.metrics.log_dict(
+            {
+                "policy_loss": -masked_mean(surrogate),
+                "vf_loss": masked_mean(vf_loss_clipped),
+                "vf_explained_var": explained_variance(batch[Postprocessing.VALUE_TARGETS], values),
+                "entropy": masked_mean(entropy),
+                "mean_kl_loss": approx_kl,
+                "clip_fraction": masked_mean(((ratio - 1).abs() > config.clip_param).float()),
+            },
+            key=module_id,
+            window=1,
+        )
+        return total
+
+    def after_gradient_based_update(self, *, timesteps):
+        super().after_gradient_based_update(timesteps=timesteps)
+        if self.kl_penalty is None:
+            return
+        for module_id, measured in self.kl_penalty.last.items():
+            coef_used = self.kl_penalty.controller.coef
+            self.kl_penalty.controller.update(measured["ref_kl"], measured["n_sequences"])
+            self.metrics.log_dict(
+                {"ref_kl": measured["ref_kl"], "ref_kl_per_token": measured["ref_kl_per_token"],
+                 "ref_kl_coef": coef_used},
+                key=module_id,
+                window=1,
+            )
+
+    def get_state(self, *args, **kwargs):
+        state = super().get_state(*args, **kwargs)
+        if self.kl_penalty is not None:
+            state["ref_kl_coef"] = self.kl_penalty.controller.coef
+        return state
+
+    def set_state(self, state):
+        super().set_state(state)
+        if self.kl_penalty is not None and "ref_kl_coef" in state:
+            self.kl_penalty.controller.coef = float(state["ref_kl_coef"])
+
+
+class LMPPOConfig(PPOConfig):
+    def __init__(self, algo_class=None):
+        super().__init__(algo_class=algo_class or LMPPO)
+        self._learner_class = LMPPOTorchLearner
+
+    def get_default_learner_class(self):
+        return LMPPOTorchLearner
+
+
+class LMPPO(PPO):
+    @classmethod
+    def get_default_config(cls):
+        return LMPPOConfig()

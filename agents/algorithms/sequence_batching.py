@@ -1,0 +1,77 @@
+"""Learning on whole sequences instead of isolated token steps.
+
+Every stored step's observation is a prefix of its episode's final sequence
+(the transition is a deterministic append). So one forward pass over the
+final sequence gives the logits and values of all of its steps; recomputing
+each step's prefix separately costs O(T^2) per sequence instead of O(T).
+
+`AddSequenceIds` tags every row of the learner batch with its episode's index;
+`sequence_minibatches` cuts the batch into minibatches of whole sequences, so
+the module (`CausalLMActorCritic`) runs each sequence once per minibatch.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import tree
+
+from ray.rllib.connectors.connector_v2 import ConnectorV2
+from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
+
+SEQ_ID = "seq_id"
+
+
+class AddSequenceIds(ConnectorV2):
+    """Learner connector piece: adds `seq_id` (the row's episode index) to each module batch."""
+
+    def __call__(self, *, rl_module, batch, episodes, **kwargs):
+        lens = [len(e) for e in self.single_agent_episode_iterator(episodes, agents_that_stepped_only=False)]
+        for module_id, module_batch in batch.items():
+            ids = np.repeat(np.arange(len(lens)), lens)
+            rows = len(module_batch["actions"])
+            if len(ids) != rows:  # multi-module batches: leave grouping off rather than guess
+                continue
+            device = module_batch["actions"].device
+            module_batch[SEQ_ID] = torch.as_tensor(ids, device=device)
+        return batch
+
+
+def sequence_minibatches(batch: MultiAgentBatch, *, num_epochs: int, minibatch_size: int | None,
+                         shuffle: bool, rng: np.random.Generator):
+    """Yields `num_epochs` passes over `batch` in minibatches of whole sequences.
+
+    A minibatch takes sequences until it holds at least `minibatch_size` steps
+    (the last one of an epoch may be smaller). Without `seq_id` it falls back to
+    contiguous row slices.
+    """
+    for _ in range(num_epochs):
+        per_module = {}
+        for module_id, module_batch in batch.policy_batches.items():
+            rows = len(module_batch)
+            if SEQ_ID in module_batch:
+                seq_ids = module_batch[SEQ_ID].cpu().numpy()
+                starts = np.flatnonzero(np.r_[True, seq_ids[1:] != seq_ids[:-1]])
+                groups = np.split(np.arange(rows), starts[1:])
+            else:
+                groups = [np.arange(rows)[i:i + 1] for i in range(rows)]
+            order = rng.permutation(len(groups)) if shuffle else np.arange(len(groups))
+            chunks, current, size = [], [], 0
+            for g in order:
+                current.append(groups[g])
+                size += len(groups[g])
+                if minibatch_size and size >= minibatch_size:
+                    chunks.append(np.concatenate(current))
+                    current, size = [], 0
+            if current:
+                chunks.append(np.concatenate(current))
+            per_module[module_id] = (module_batch, chunks)
+        n = max(len(chunks) for _, chunks in per_module.values())
+        for i in range(n):
+            mini = {}
+            for module_id, (module_batch, chunks) in per_module.items():
+                idx = torch.as_tensor(chunks[i % len(chunks)])
+                mini[module_id] = SampleBatch(
+                    tree.map_structure(lambda v: v[idx.to(v.device)] if torch.is_tensor(v) else v[idx.numpy()],
+                                       dict(module_batch))
+                )
+            yield MultiAgentBatch(mini, env_steps=max(len(b) for b in mini.values()))

@@ -1,0 +1,351 @@
+"""Experiment configs: YAML in, validated dict out, then RLlib/Tune objects.
+
+Validation happens before Ray starts and fails with one line naming the field
+(`ConfigError`). Any leaf may be a Tune search space written in YAML:
+`{grid_search: [..]}`, `{choice: [..]}`, `{uniform: [lo, hi]}`,
+`{loguniform: [lo, hi]}`, `{randint: [lo, hi]}`; each candidate is validated
+like a plain value.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import math
+import os
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem, reported as one line naming the field."""
+
+
+class Field:
+    def __init__(self, kind, default=None, *, lo=None, hi=None, lo_open=False, choices=None, optional=False):
+        self.kind, self.default = kind, default
+        self.lo, self.hi, self.lo_open, self.choices, self.optional = lo, hi, lo_open, choices, optional
+
+    def describe(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        name = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}[self.kind]
+        if self.lo is not None and self.hi is not None:
+            return f"{name} in {'(' if self.lo_open else '['}{self.lo}, {self.hi}]"
+        if self.lo is not None:
+            return f"{name} {'>' if self.lo_open else '>='} {self.lo}"
+        return name
+
+    def check(self, path: str, value):
+        if value is None and self.optional:
+            return None
+        if self.kind is float and isinstance(value, str):
+            try:  # YAML 1.1 reads "1e-3" (no dot) as a string
+                value = float(value)
+            except ValueError:
+                pass
+        ok_type = {
+            int: isinstance(value, int) and not isinstance(value, bool),
+            float: isinstance(value, (int, float)) and not isinstance(value, bool),
+            bool: isinstance(value, bool),
+            str: isinstance(value, str),
+            dict: isinstance(value, dict),
+        }[self.kind]
+        if self.kind is float and ok_type:
+            value = float(value)
+            ok_type = math.isfinite(value)
+        bad = not ok_type
+        if not bad and self.choices is not None and value not in self.choices:
+            bad = True
+        if not bad and self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo)):
+            bad = True
+        if not bad and self.hi is not None and value > self.hi:
+            bad = True
+        if bad:
+            raise ConfigError(f"{path}: expected {self.describe()}, got {value!r}")
+        return value
+
+
+F = Field
+POS_INT, NONNEG_INT = dict(lo=1), dict(lo=0)
+
+SCHEMA: dict[str, dict[str, Field] | Field] = {
+    "algorithm": F(str, "ppo", choices=["ppo"]),
+    "seed": F(int, 0, **NONNEG_INT),
+    "task": {  # extra keys are passed to the task; its constructor checks them
+        "name": F(str, "increasing_numbers"),
+    },
+    "model": {
+        "name_or_path": F(str, "tiny-gpt2"),
+        "value_model": F(str, "shared", choices=["shared", "separate"]),
+        "overrides": F(dict, {}),
+    },
+    "env": {
+        "max_prompt_len": F(int, 5, **POS_INT),
+        "max_new_tokens": F(int, 20, **POS_INT),
+        "truncation_side": F(str, "left", choices=["left", "right"]),
+        "tokenizer": F(str, None, optional=True),
+    },
+    "reward": {
+        "kl_coef": F(float, 0.0, lo=0.0),
+        "kl_adaptive": F(bool, False),
+        "kl_target": F(float, 6.0, lo=0.0, lo_open=True),
+        "kl_horizon": F(int, 10000, **POS_INT),
+    },
+    "training": {
+        "lr": F(float, 1e-4, lo=0.0, lo_open=True),
+        "train_batch_size": F(int, 1024, **POS_INT),
+        "minibatch_size": F(int, 256, **POS_INT),
+        "num_epochs": F(int, 4, **POS_INT),
+        "gamma": F(float, 1.0, lo=0.0, hi=1.0),
+        "lambda": F(float, 0.95, lo=0.0, hi=1.0),
+        "clip_param": F(float, 0.2, lo=0.0, lo_open=True),
+        "vf_loss_coeff": F(float, 0.5, lo=0.0),
+        "vf_clip_param": F(float, 10.0, lo=0.0, lo_open=True),
+        "entropy_coeff": F(float, 0.0, lo=0.0),
+        "grad_clip": F(float, 1.0, lo=0.0, lo_open=True, optional=True),
+    },
+    "env_runners": {
+        "num_env_runners": F(int, 0, **NONNEG_INT),
+        "num_envs_per_env_runner": F(int, 16, **POS_INT),
+        "num_cpus_per_env_runner": F(float, 1.0, lo=0.0),
+        "num_gpus_per_env_runner": F(float, 0.0, lo=0.0),
+        "max_restarts": F(int, 3, **NONNEG_INT),
+    },
+    "learners": {
+        "num_learners": F(int, 0, **NONNEG_INT),
+        "num_cpus_per_learner": F(float, 1.0, lo=0.0),
+        "num_gpus_per_learner": F(float, 0.0, lo=0.0),
+    },
+    "stop": {
+        "training_iteration": F(int, 100, **POS_INT, optional=True),
+        "time_total_s": F(float, None, lo=0.0, lo_open=True, optional=True),
+        "num_env_steps_sampled_lifetime": F(int, None, **POS_INT, optional=True),
+        "episode_return_mean": F(float, None, optional=True),
+    },
+    "checkpoint": {
+        "frequency": F(int, 10, **NONNEG_INT),
+        "at_end": F(bool, True),
+        "num_to_keep": F(int, 3, **POS_INT, optional=True),
+    },
+    "tune": {
+        "name": F(str, None, optional=True),
+        "storage_path": F(str, "results"),
+        "num_samples": F(int, 1, **POS_INT),
+        "max_concurrent_trials": F(int, 1, **POS_INT),
+        "num_cpus_per_trial": F(float, None, lo=0.0, lo_open=True, optional=True),
+        "metric": F(str, "env_runners/episode_return_mean"),
+        "mode": F(str, "max", choices=["max", "min"]),
+    },
+    "generate": {
+        "num_samples": F(int, 3, **NONNEG_INT),
+    },
+}
+OPEN_SECTIONS = {"task"}  # sections that accept keys beyond the schema
+SEARCH_SPACES = ("grid_search", "choice", "uniform", "loguniform", "randint")
+
+
+def _unknown(path: str, key: str, known) -> ConfigError:
+    hint = difflib.get_close_matches(key, list(known), n=1)
+    suffix = f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(sorted(known))})"
+    return ConfigError(f"{path + '.' if path else ''}{key}: unknown key{suffix}")
+
+
+SEARCHABLE_SECTIONS = ("training", "reward")  # others feed values that must agree across processes
+
+
+def _is_search_space(value) -> bool:
+    return isinstance(value, dict) and len(value) == 1 and next(iter(value)) in SEARCH_SPACES
+
+
+def _check_value(path: str, field: Field, value):
+    if _is_search_space(value):
+        if path.split(".")[0] not in SEARCHABLE_SECTIONS:
+            raise ConfigError(f"{path}: search spaces are supported in the {' and '.join(SEARCHABLE_SECTIONS)} sections only")
+        (kind, args), = value.items()
+        if not isinstance(args, list) or not args:
+            raise ConfigError(f"{path}.{kind}: expected a non-empty list")
+        if kind in ("uniform", "loguniform", "randint"):
+            if len(args) != 2 or not args[0] < args[1]:
+                raise ConfigError(f"{path}.{kind}: expected [low, high] with low < high, got {args!r}")
+            if kind == "loguniform" and args[0] <= 0:
+                raise ConfigError(f"{path}.loguniform: bounds must be > 0, got {args!r}")
+        return {kind: [field.check(path, v) for v in args]}
+    return field.check(path, value)
+
+
+def validate(raw: dict) -> dict:
+    """Returns the config with defaults filled in, or raises ConfigError."""
+    if not isinstance(raw, dict):
+        raise ConfigError("config: the YAML file must hold a mapping at the top level")
+    out = {}
+    for key in raw:
+        if key not in SCHEMA:
+            raise _unknown("", key, SCHEMA)
+    for key, spec in SCHEMA.items():
+        value = raw.get(key)
+        if isinstance(spec, Field):
+            out[key] = spec.default if value is None else _check_value(key, spec, value)
+            continue
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        section = {}
+        for sub in value:
+            if sub not in spec and key not in OPEN_SECTIONS:
+                raise _unknown(key, sub, spec)
+        for sub, field in spec.items():
+            v = value.get(sub, copy.deepcopy(field.default))
+            section[sub] = _check_value(f"{key}.{sub}", field, v) if sub in value else v
+        for sub in value:
+            if sub not in spec:
+                section[sub] = value[sub]
+        out[key] = section
+    _check_cross_fields(out)
+    return out
+
+
+def _plain(value):
+    """A representative plain value for cross-field checks (first candidate of a search space)."""
+    if _is_search_space(value):
+        return next(iter(value.values()))[0]
+    return value
+
+
+def _check_cross_fields(cfg: dict):
+    t = cfg["training"]
+    if _plain(t["minibatch_size"]) > _plain(t["train_batch_size"]):
+        raise ConfigError(
+            f"training.minibatch_size: {_plain(t['minibatch_size'])} is larger than "
+            f"training.train_batch_size={_plain(t['train_batch_size'])}"
+        )
+    if cfg["reward"]["kl_adaptive"] and _plain(cfg["reward"]["kl_coef"]) == 0.0:
+        raise ConfigError("reward.kl_adaptive: needs reward.kl_coef > 0 to adapt from")
+    stop = cfg["stop"]
+    if all(v is None for v in stop.values()):
+        raise ConfigError("stop: give at least one of " + ", ".join(stop))
+
+
+def parse_override(text: str) -> tuple[list[str], object]:
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key=value, e.g. training.lr=3e-4")
+    key, value = text.split("=", 1)
+    if not key:
+        raise ConfigError(f"--set {text!r}: empty key")
+    try:
+        parsed = yaml.safe_load(value) if value else None
+    except yaml.YAMLError:
+        parsed = value
+    return key.split("."), parsed
+
+
+def load(path: str, overrides: list[str] = ()) -> dict:
+    """Reads a YAML file, applies `--set a.b=value` overrides, validates."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} not valid YAML ({getattr(e, 'problem', e)})") from None
+    raw = raw or {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = raw
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {text!r}: {k} is not a section")
+        node[keys[-1]] = value
+    return validate(raw)
+
+
+# -- to Tune / RLlib ------------------------------------------------------------------
+
+def to_tune(value):
+    """Replaces YAML search spaces (anywhere in a nested structure) with Tune objects."""
+    from ray import tune
+
+    if _is_search_space(value):
+        (kind, args), = value.items()
+        if kind == "grid_search":
+            return tune.grid_search(args)
+        if kind == "choice":
+            return tune.choice(args)
+        return getattr(tune, kind)(*args)
+    if isinstance(value, dict):
+        return {k: to_tune(v) for k, v in value.items()}
+    return value
+
+
+def env_config(cfg: dict) -> dict:
+    return {
+        "task": cfg["task"],
+        "tokenizer": cfg["env"]["tokenizer"] or (
+            None if cfg["model"]["name_or_path"] in _builtin_names() else cfg["model"]["name_or_path"]
+        ),
+        "max_prompt_len": cfg["env"]["max_prompt_len"],
+        "max_new_tokens": cfg["env"]["max_new_tokens"],
+        "truncation_side": cfg["env"]["truncation_side"],
+    }
+
+
+def _builtin_names():
+    from agents.models import BUILTIN_CONFIGS
+    return BUILTIN_CONFIGS
+
+
+def algorithm_config(cfg: dict):
+    """The RLlib AlgorithmConfig for a validated config (search spaces as Tune objects)."""
+    from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+    from agents.algorithms.ppo import LMPPOConfig
+    from agents.modules import CausalLMActorCritic
+    from env.text_env import TokenGenerationEnv
+
+    c = to_tune(cfg)
+    t, er, lr, rw = c["training"], c["env_runners"], c["learners"], c["reward"]
+    env_cfg = to_tune(env_config(cfg))
+    use_ref = _plain(cfg["reward"]["kl_coef"]) > 0
+    model_config = {"model": c["model"], "env": env_cfg, "seed": c["seed"], "reference_model": use_ref}
+    return (
+        LMPPOConfig()
+        .environment(TokenGenerationEnv, env_config=env_cfg)
+        .env_runners(
+            num_env_runners=er["num_env_runners"],
+            num_envs_per_env_runner=er["num_envs_per_env_runner"],
+            num_cpus_per_env_runner=er["num_cpus_per_env_runner"],
+            num_gpus_per_env_runner=er["num_gpus_per_env_runner"],
+            batch_mode="complete_episodes",
+        )
+        .fault_tolerance(
+            restart_failed_env_runners=True, max_num_env_runner_restarts=er["max_restarts"]
+        )
+        .learners(
+            num_learners=lr["num_learners"],
+            num_cpus_per_learner=lr["num_cpus_per_learner"],
+            num_gpus_per_learner=lr["num_gpus_per_learner"],
+            learner_config_dict={"kl": {
+                "coef": rw["kl_coef"], "adaptive": rw["kl_adaptive"],
+                "target": rw["kl_target"], "horizon": rw["kl_horizon"],
+            }},
+        )
+        .rl_module(rl_module_spec=RLModuleSpec(module_class=CausalLMActorCritic, model_config=model_config))
+        .training(
+            lr=t["lr"],
+            train_batch_size=t["train_batch_size"],
+            minibatch_size=t["minibatch_size"],
+            num_epochs=t["num_epochs"],
+            gamma=t["gamma"],
+            lambda_=t["lambda"],
+            clip_param=t["clip_param"],
+            vf_loss_coeff=t["vf_loss_coeff"],
+            vf_clip_param=t["vf_clip_param"],
+            entropy_coeff=t["entropy_coeff"],
+            grad_clip=t["grad_clip"],
+            use_kl_loss=False,
+        )
+        .debugging(seed=c["seed"])
+    )

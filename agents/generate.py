@@ -1,0 +1,103 @@
+"""Generate text with a trained policy.
+
+    python -m agents.generate --checkpoint PATH [--prompt TEXT ...] [-n N] [--greedy]
+
+PATH is a checkpoint directory written by `agents.train` (or the RLModule
+directory inside it). The task, tokenizer and lengths come from the checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+
+MODULE_SUBDIR = os.path.join("learner_group", "learner", "rl_module", "default_policy")
+
+
+def find_module_dir(path: str) -> str:
+    path = os.path.abspath(os.path.expanduser(path))
+    for candidate in (os.path.join(path, MODULE_SUBDIR), path):
+        if os.path.isfile(os.path.join(candidate, "module_state.pt")) or os.path.isfile(
+            os.path.join(candidate, "module_state.pkl")
+        ):
+            return candidate
+    raise FileNotFoundError(f"--checkpoint: {path} holds no policy (looked for {MODULE_SUBDIR})")
+
+
+def load_policy(checkpoint: str):
+    """The RLModule stored in `checkpoint`, in eval mode."""
+    from ray.rllib.core.rl_module.rl_module import RLModule
+
+    module = RLModule.from_checkpoint(find_module_dir(checkpoint))
+    module.eval()
+    return module
+
+
+@torch.no_grad()
+def generate(module, env_config: dict, prompts: list[str | None], *, greedy: bool = False, seed: int = 0):
+    """Runs the policy in one `TokenGenerationEnv` per prompt, all stepped together.
+
+    A prompt of None draws one from the task. Returns
+    `[{"prompt", "generation", "reward"}]`, the reward being the task's.
+    """
+    from ray.rllib.core.columns import Columns
+
+    from env.text_env import TokenGenerationEnv
+
+    envs = [TokenGenerationEnv(env_config) for _ in prompts]
+    obs, results = [], [None] * len(prompts)
+    for i, (env, prompt) in enumerate(zip(envs, prompts)):
+        o, _ = env.reset(seed=seed + i, options=None if prompt is None else {"prompt": prompt})
+        obs.append(o)
+    gen = torch.Generator().manual_seed(seed)
+    active = list(range(len(envs)))
+    while active:
+        batch = {Columns.OBS: {k: torch.as_tensor(np.stack([obs[i][k] for i in active])) for k in obs[0]}}
+        logits = module.forward_inference(batch)[Columns.ACTION_DIST_INPUTS].float()
+        if greedy:
+            actions = logits.argmax(-1)
+        else:
+            actions = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]
+        still = []
+        for i, a in zip(active, actions.tolist()):
+            obs[i], reward, done, _, info = envs[i].step(a)
+            if done:
+                results[i] = {"prompt": info["prompt"], "generation": info["generation"], "reward": reward}
+            else:
+                still.append(i)
+        active = still
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m agents.generate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory from agents.train")
+    parser.add_argument("--prompt", action="append", help="prompt text (repeatable); default: the task's prompts")
+    parser.add_argument("-n", type=int, default=3, help="generations per prompt (default 3)")
+    parser.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.n < 1:
+        parser.error("-n must be >= 1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        module = load_policy(args.checkpoint)
+    except (FileNotFoundError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prompts = [p for p in (args.prompt or [None]) for _ in range(args.n)]
+    try:
+        results = generate(module, module.model_config["env"], prompts, greedy=args.greedy, seed=args.seed)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for r in results:
+        print(f"[reward {r['reward']:.3f}] {r['prompt']!s}|| {r['generation']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

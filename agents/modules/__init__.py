@@ -1,0 +1,3 @@
+from agents.modules.actor_critic import CausalLMActorCritic
+
+__all__ = ["CausalLMActorCritic"]

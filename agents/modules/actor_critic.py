@@ -1,0 +1,111 @@
+"""Actor-critic RLModule around any Hugging Face causal LM.
+
+The policy's action-distribution inputs are the LM's logits at the last
+column of the (left-padded) observation, i.e. for the next token. Logits are
+the LM's output embedding (head) applied to its trunk's final hidden state;
+models whose logits need more than that (e.g. final soft-capping) are not
+reproduced exactly. The value
+head reads the LM's final hidden state there (shared trunk), or the hidden
+state of a separate copy of the trunk (`model.value_model: separate`).
+
+Learner-only parts (value head, separate value trunk, frozen reference model
+for the KL penalty) are listed in `get_non_inference_attributes`, so
+EnvRunners build and receive only the LM itself.
+
+model_config keys: `model` (the YAML model section), `env` (the env config,
+for the tokenizer and lengths), `seed`, `reference_model` (bool: keep a frozen
+copy of the initial policy for the KL penalty).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ray.rllib.core.columns import Columns
+from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, ValueFunctionAPI
+from ray.rllib.core.rl_module.torch import TorchRLModule
+
+from agents.algorithms.sequence_batching import SEQ_ID
+from agents.models import build_causal_lm, build_tokenizer
+
+
+def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that ignore left padding: the first real token is position 0."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def hidden_at_last_token(trunk: nn.Module, obs: dict, seq_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The trunk's final hidden state at each row's last (newest) token, shape (rows, hidden).
+
+    With `seq_ids`, rows of one sequence share a single forward pass: each
+    row's tokens are a prefix of the sequence's longest row, so its hidden
+    state is read at the matching column of that row's pass.
+    """
+    ids, mask = obs["input_ids"], obs["attention_mask"]
+    if seq_ids is None:
+        out = trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False)
+        return out.last_hidden_state[:, -1]
+    n_real = mask.sum(-1)
+    groups, inverse = torch.unique(seq_ids, return_inverse=True)
+    longest = torch.zeros(len(groups), dtype=n_real.dtype, device=n_real.device).scatter_reduce(
+        0, inverse, n_real, reduce="amax", include_self=False
+    )
+    is_longest = n_real == longest[inverse]
+    rep = torch.empty(len(groups), dtype=torch.long, device=ids.device)
+    rep.scatter_(0, inverse[is_longest], torch.nonzero(is_longest)[:, 0])
+    full_mask = mask[rep]
+    out = trunk(input_ids=ids[rep], attention_mask=full_mask, position_ids=position_ids_for(full_mask), use_cache=False)
+    column = ids.shape[1] - longest[inverse] + n_real - 1
+    return out.last_hidden_state[inverse, column]
+
+
+class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
+    def setup(self):
+        cfg = self.model_config
+        env_cfg = cfg["env"]
+        self.tokenizer = build_tokenizer(env_cfg)
+        seq_len = env_cfg.get("max_prompt_len", 5) + env_cfg.get("max_new_tokens", 20)
+        self.lm = build_causal_lm(cfg["model"], self.tokenizer, seed=cfg.get("seed", 0), max_positions=seq_len)
+        if self.inference_only:
+            return
+        hidden = self.lm.config.hidden_size
+        if cfg["model"].get("value_model", "shared") == "separate":
+            self.value_trunk = copy.deepcopy(self.lm.base_model)
+        self.value_head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+        if cfg.get("reference_model", False):
+            self.ref_model = copy.deepcopy(self.lm).requires_grad_(False).eval()
+
+    # -- forward passes ----------------------------------------------------------------
+
+    def _forward(self, batch, **kwargs):
+        hidden = hidden_at_last_token(self.lm.base_model, batch[Columns.OBS])
+        return {Columns.ACTION_DIST_INPUTS: self.lm.get_output_embeddings()(hidden)}
+
+    def _forward_train(self, batch, **kwargs):
+        obs, seq_ids = batch[Columns.OBS], batch.get(SEQ_ID)
+        hidden = hidden_at_last_token(self.lm.base_model, obs, seq_ids)
+        embeddings = hidden_at_last_token(self.value_trunk, obs, seq_ids) if hasattr(self, "value_trunk") else hidden
+        return {
+            Columns.ACTION_DIST_INPUTS: self.lm.get_output_embeddings()(hidden),
+            Columns.EMBEDDINGS: embeddings,
+        }
+
+    def compute_values(self, batch, embeddings=None):
+        if embeddings is None:
+            trunk = self.value_trunk if hasattr(self, "value_trunk") else self.lm.base_model
+            embeddings = hidden_at_last_token(trunk, batch[Columns.OBS], batch.get(SEQ_ID))
+        return self.value_head(embeddings).squeeze(-1)
+
+    @torch.no_grad()
+    def reference_logp(self, batch) -> torch.Tensor:
+        """log p_ref(a_t | s_t) of the batch's actions under the frozen initial policy."""
+        hidden = hidden_at_last_token(self.ref_model.base_model, batch[Columns.OBS], batch.get(SEQ_ID))
+        logits = self.ref_model.get_output_embeddings()(hidden)
+        return torch.log_softmax(logits.float(), -1).gather(-1, batch[Columns.ACTIONS].long()[:, None])[:, 0]
+
+    def get_non_inference_attributes(self) -> list[str]:
+        return ["value_head", "value_trunk", "ref_model"]

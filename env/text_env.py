@@ -1,0 +1,162 @@
+"""Text generation as a Gymnasium MDP, one token per step.
+
+state      prompt tokens + tokens generated so far
+action     the next token id, `Discrete(vocab_size)`
+transition append the action (deterministic)
+end        the EOS action, or `max_new_tokens` generated tokens (both terminal)
+reward     the task's reward on the decoded text at the end, 0 before
+
+The observation is `{"input_ids", "attention_mask"}`, int64 arrays of fixed
+length `L = max_prompt_len + max_new_tokens`, left-padded so the newest token
+is always the last column. `reset(options=...)` restarts from any prompt and
+any prefix of generated tokens (guided algorithms roll in from such states).
+"""
+from __future__ import annotations
+
+import math
+
+import gymnasium as gym
+import numpy as np
+
+from env.tasks import make_task
+from env.tokenization import load_tokenizer
+
+DEFAULTS = {
+    "task": {"name": "increasing_numbers"},
+    "tokenizer": None,  # None: the task's own tokenizer
+    "max_prompt_len": 5,
+    "max_new_tokens": 20,
+    "truncation_side": "left",
+    "split": "train",
+}
+
+
+class TokenGenerationEnv(gym.Env):
+    metadata = {"render_modes": []}
+
+    def __init__(self, config: dict | None = None, **kwargs):
+        cfg = {**DEFAULTS, **dict(config or {}), **kwargs}
+        self.max_prompt_len = int(cfg["max_prompt_len"])
+        self.max_new_tokens = int(cfg["max_new_tokens"])
+        if self.max_prompt_len < 1 or self.max_new_tokens < 1:
+            raise ValueError("env: max_prompt_len and max_new_tokens must be >= 1")
+        if cfg["truncation_side"] not in ("left", "right"):
+            raise ValueError(
+                f"env.truncation_side: must be 'left' or 'right', got {cfg['truncation_side']!r}"
+            )
+        self.truncation_side = cfg["truncation_side"]
+        self.task = make_task(cfg["task"], max_new_tokens=self.max_new_tokens)
+        self.tokenizer = self.task.tokenizer()
+        if self.tokenizer is None:
+            if not cfg["tokenizer"]:
+                raise ValueError(f"env.tokenizer: task {self.task.name!r} needs a tokenizer")
+            self.tokenizer = load_tokenizer(cfg["tokenizer"])
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        self.vocab_size = len(self.tokenizer)
+        self.seq_len = self.max_prompt_len + self.max_new_tokens
+        self.examples = self.task.examples(cfg["split"])
+        if not self.examples:
+            raise ValueError(f"task {self.task.name!r}: split {cfg['split']!r} has no examples")
+
+        ids_space = gym.spaces.Box(0, self.vocab_size - 1, (self.seq_len,), np.int64)
+        mask_space = gym.spaces.Box(0, 1, (self.seq_len,), np.int64)
+        self.observation_space = gym.spaces.Dict({"input_ids": ids_space, "attention_mask": mask_space})
+        self.action_space = gym.spaces.Discrete(self.vocab_size)
+
+        self._prompt_ids: list[int] = []
+        self._generated: list[int] = []
+        self._example: dict = {}
+        self._done = True
+
+    # -- MDP -------------------------------------------------------------------------
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        """Starts an episode.
+
+        options (all optional):
+          prompt       text of the prompt (else one is drawn from the task's split)
+          prompt_ids   the prompt as token ids (instead of `prompt`)
+          prefix_ids   generated tokens to restart from (fewer than max_new_tokens, no EOS)
+          meta         task metadata for the reward (references, labels, ...)
+        """
+        super().reset(seed=seed)
+        options = dict(options or {})
+        if "prompt" in options or "prompt_ids" in options:
+            example = {"prompt": options.get("prompt"), "meta": options.get("meta", {})}
+        else:
+            example = self.examples[int(self.np_random.integers(len(self.examples)))]
+        if options.get("prompt_ids") is not None:
+            prompt_ids = [int(t) for t in options["prompt_ids"]]
+        else:
+            prompt_ids = self.tokenizer(example["prompt"], add_special_tokens=False)["input_ids"]
+        truncated = len(prompt_ids) > self.max_prompt_len
+        if truncated:
+            keep = self.max_prompt_len
+            prompt_ids = prompt_ids[-keep:] if self.truncation_side == "left" else prompt_ids[:keep]
+        if not prompt_ids:
+            raise ValueError("reset: the prompt is empty after tokenization")
+        prefix = [int(t) for t in options.get("prefix_ids", [])]
+        if len(prefix) >= self.max_new_tokens:
+            raise ValueError(
+                f"reset: prefix_ids has {len(prefix)} tokens; it must be shorter than "
+                f"max_new_tokens={self.max_new_tokens}"
+            )
+        if self.eos_id in prefix:
+            raise ValueError("reset: prefix_ids contains EOS; the episode would already be over")
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids + prefix):
+            raise ValueError(f"reset: token ids must lie in [0, {self.vocab_size})")
+
+        self._example = example
+        self._prompt_ids = list(prompt_ids)
+        self._generated = prefix
+        self._done = False
+        prompt_text = self.tokenizer.decode(self._prompt_ids, skip_special_tokens=True)
+        self._example = {**example, "prompt": prompt_text}
+        info = {"prompt": prompt_text, "prompt_truncated": truncated}
+        return self._observation(), info
+
+    def step(self, action):
+        if self._done:
+            raise RuntimeError("step() called on a finished episode; call reset() first")
+        token = int(action)
+        if not 0 <= token < self.vocab_size:
+            raise ValueError(f"step: action {token} outside [0, {self.vocab_size})")
+        self._generated.append(token)
+        self._done = token == self.eos_id or len(self._generated) >= self.max_new_tokens
+        reward, info = 0.0, {}
+        if self._done:
+            text = self.generated_text()
+            reward = self.score([self._example["prompt"]], [text], [self._example.get("meta", {})])[0]
+            info = {"prompt": self._example["prompt"], "generation": text,
+                    "num_generated": len(self._generated)}
+        return self._observation(), reward, self._done, False, info
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def score(self, prompts: list[str], generations: list[str], metas: list[dict]) -> list[float]:
+        """The task's reward, refusing non-finite values with the text that produced them."""
+        rewards = [float(r) for r in self.task.reward(prompts, generations, metas)]
+        for r, text in zip(rewards, generations):
+            if not math.isfinite(r):
+                raise ValueError(f"task {self.task.name!r}: reward is {r} for generation {text!r}")
+        return rewards
+
+    def generated_text(self) -> str:
+        return self.tokenizer.decode(self._generated, skip_special_tokens=True)
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return list(self._generated)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return list(self._prompt_ids)
+
+    def _observation(self) -> dict:
+        ids = self._prompt_ids + self._generated
+        input_ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        mask = np.zeros(self.seq_len, dtype=np.int64)
+        input_ids[self.seq_len - len(ids):] = ids
+        mask[self.seq_len - len(ids):] = 1
+        return {"input_ids": input_ids, "attention_mask": mask}

@@ -1,0 +1,44 @@
+"""Tokenizers behind the Hugging Face tokenizer interface.
+
+Tasks with a closed vocabulary (the synthetic numbers task) build a word-level
+tokenizer here; every other task loads one from a hub name or a local directory.
+"""
+from __future__ import annotations
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+PAD_TOKEN = "<pad>"
+EOS_TOKEN = "<eos>"
+
+
+def word_level_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+    """A whitespace-split tokenizer over `words`, with `<pad>` = 0 and `<eos>` = 1."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {PAD_TOKEN: 0, EOS_TOKEN: 1}
+    for word in words:
+        if word in vocab:
+            raise ValueError(f"duplicate word {word!r} in tokenizer vocabulary")
+        vocab[word] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS_TOKEN))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # Word-level tokens decode joined by single spaces.
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD_TOKEN,
+        eos_token=EOS_TOKEN,
+        padding_side="left",
+    )
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """Loads a tokenizer from a hub name or a local directory; pads on the left.
+
+    Causal LMs without a pad token (GPT-2) pad with their EOS token.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

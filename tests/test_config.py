@@ -1,0 +1,95 @@
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from agents.config import ConfigError, algorithm_config, load, to_tune, validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "tune_configs", "quickstart.yaml")
+
+
+def test_quickstart_config_is_valid_and_builds_an_rllib_config():
+    cfg = load(QUICKSTART)
+    assert cfg["training"]["lr"] == pytest.approx(2e-3)
+    algo = algorithm_config(cfg)
+    assert algo.num_envs_per_env_runner == 16
+    assert algo.learner_config_dict["kl"]["coef"] == cfg["reward"]["kl_coef"]
+
+
+@pytest.mark.parametrize(
+    "raw,message",
+    [
+        ({"training": {"lrr": 0.1}}, "training.lrr: unknown key (did you mean 'lr'?)"),
+        ({"trainng": {}}, "trainng: unknown key (did you mean 'training'?)"),
+        ({"training": {"lr": "fast"}}, "training.lr: expected a number > 0.0, got 'fast'"),
+        ({"training": {"lr": -1}}, "training.lr: expected a number > 0.0, got -1"),
+        ({"training": {"num_epochs": 2.5}}, "training.num_epochs: expected an integer >= 1, got 2.5"),
+        ({"training": {"gamma": 1.5}}, "training.gamma: expected a number in [0.0, 1.0], got 1.5"),
+        ({"env": {"truncation_side": "middle"}}, "env.truncation_side: expected one of 'left', 'right', got 'middle'"),
+        ({"training": {"minibatch_size": 4096}}, "training.minibatch_size: 4096 is larger than training.train_batch_size=1024"),
+        ({"reward": {"kl_adaptive": True}}, "reward.kl_adaptive: needs reward.kl_coef > 0"),
+        ({"env": {"max_new_tokens": {"grid_search": [10, 20]}}}, "env.max_new_tokens: search spaces are supported"),
+        ({"training": {"lr": {"loguniform": [1e-3, 1e-5]}}}, "training.lr.loguniform: expected [low, high] with low < high"),
+        ({"training": {"lr": {"grid_search": [1e-3, -1]}}}, "training.lr: expected a number > 0.0, got -1"),
+    ],
+)
+def test_bad_values_name_the_field(raw, message):
+    with pytest.raises(ConfigError) as e:
+        validate(raw)
+    assert str(e.value).startswith(message)
+    assert "\n" not in str(e.value)
+
+
+def test_numbers_written_without_a_dot_are_numbers():
+    assert validate({"training": {"lr": "1e-3"}})["training"]["lr"] == pytest.approx(1e-3)
+
+
+def test_overrides_and_search_spaces(tmp_path):
+    cfg = load(QUICKSTART, ["training.lr=3e-4", "training.num_epochs=2", "tune.name=x"])
+    assert cfg["training"]["lr"] == pytest.approx(3e-4) and cfg["training"]["num_epochs"] == 2
+    from ray import tune
+
+    space = to_tune(validate({"training": {"lr": {"grid_search": [1e-3, 1e-4]}, "entropy_coeff": {"uniform": [0, 0.1]}}}))
+    assert space["training"]["lr"] == tune.grid_search([1e-3, 1e-4])
+    assert isinstance(space["training"]["entropy_coeff"], tune.search.sample.Float)
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load(QUICKSTART, ["training.lr"])
+
+
+def run_cli(*args, cwd=ROOT):
+    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "yaml_text,expected",
+    [
+        ("training:\n  lr: -0.5\n", "error: training.lr: expected a number > 0.0, got -0.5"),
+        ("model:\n  name_or_path: ./no/such/dir\n", "error: model.name_or_path: cannot load './no/such/dir'"),
+        ("task:\n  name: imdbb\n", "error: task.name: unknown task 'imdbb'"),
+        ("training: [1, 2\n", "not valid YAML"),
+    ],
+)
+def test_cli_rejects_bad_config_with_one_line_and_no_traceback(tmp_path, yaml_text, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    out = run_cli("agents.train", str(path))
+    assert out.returncode == 2
+    assert expected in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_cli_rejects_missing_file_and_bad_override():
+    out = run_cli("agents.train", "nope.yaml")
+    assert out.returncode == 2 and out.stderr.strip() == "error: nope.yaml: no such config file"
+    out = run_cli("agents.train", QUICKSTART, "--set", "training.clip_param=0")
+    assert out.returncode == 2 and "training.clip_param: expected a number > 0.0, got 0" in out.stderr
+
+
+def test_generate_rejects_a_path_without_a_policy(tmp_path):
+    out = run_cli("agents.generate", "--checkpoint", str(tmp_path))
+    assert out.returncode == 2 and "holds no policy" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,137 @@
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from ray.rllib.core.columns import Columns
+
+from agents.modules import CausalLMActorCritic
+from agents.modules.actor_critic import hidden_at_last_token
+from env.text_env import TokenGenerationEnv
+
+ENV_CFG = {"task": {"name": "increasing_numbers", "num_numbers": 10}, "max_prompt_len": 4, "max_new_tokens": 6}
+
+
+def make_module(inference_only=False, **model):
+    env = TokenGenerationEnv(ENV_CFG)
+    module = CausalLMActorCritic(
+        observation_space=env.observation_space,
+        action_space=env.action_space,
+        inference_only=inference_only,
+        model_config={"model": {"name_or_path": "tiny-gpt2", **model}, "env": ENV_CFG, "seed": 0,
+                      "reference_model": True},
+    )
+    return env, module.eval()
+
+
+def rollout_obs(env, episodes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    obs, seq, actions = [], [], []
+    for ep in range(episodes):
+        o, _ = env.reset(seed=ep, options={"prompt": ["1", "2 3", "4 5 6 7"][ep % 3]})
+        done = False
+        while not done:
+            a = int(rng.integers(2, env.vocab_size))
+            obs.append(o)
+            seq.append(ep)
+            actions.append(a)
+            o, _, done, _, _ = env.step(a)
+    batch = {k: torch.as_tensor(np.stack([x[k] for x in obs])) for k in obs[0]}
+    return batch, torch.as_tensor(seq), torch.as_tensor(actions)
+
+
+def test_output_shapes():
+    env, module = make_module()
+    obs, seq, actions = rollout_obs(env)
+    n = len(actions)
+    with torch.no_grad():
+        out = module.forward_exploration({Columns.OBS: obs})
+        train = module.forward_train({Columns.OBS: obs})
+        values = module.compute_values({Columns.OBS: obs})
+    assert out[Columns.ACTION_DIST_INPUTS].shape == (n, env.vocab_size)
+    assert train[Columns.EMBEDDINGS].shape == (n, module.lm.config.hidden_size)
+    assert values.shape == (n,)
+
+
+def test_logits_are_the_lms_next_token_logits_and_ignore_padding():
+    env, module = make_module()
+    env.reset(options={"prompt": "1 2"})
+    obs, *_ = env.step(5)
+    batch = {k: torch.as_tensor(v)[None] for k, v in obs.items()}
+    real = batch["attention_mask"][0] == 1
+    with torch.no_grad():
+        ours = module.forward_inference({Columns.OBS: batch})[Columns.ACTION_DIST_INPUTS][0]
+        # The same tokens with no padding at all, through the plain HF model.
+        plain = module.lm(input_ids=batch["input_ids"][:, real]).logits[0, -1]
+        # More left padding (a longer window) must not change anything either.
+        wide = {k: torch.nn.functional.pad(v, (7, 0), value=0) for k, v in batch.items()}
+        wider = module.forward_inference({Columns.OBS: wide})[Columns.ACTION_DIST_INPUTS][0]
+    torch.testing.assert_close(ours, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, wider, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("value_model", ["shared", "separate"])
+def test_sequence_grouped_forward_equals_per_row_forward(value_model):
+    env, module = make_module(value_model=value_model)
+    obs, seq, actions = rollout_obs(env, episodes=4)
+    perm = torch.randperm(len(seq), generator=torch.Generator().manual_seed(0))
+    obs = {k: v[perm] for k, v in obs.items()}
+    seq, actions = seq[perm], actions[perm]
+    with torch.no_grad():
+        per_row = module.forward_train({Columns.OBS: obs})
+        grouped = module.forward_train({Columns.OBS: obs, "seq_id": seq})
+        v_row = module.compute_values({Columns.OBS: obs})
+        v_grp = module.compute_values({Columns.OBS: obs, "seq_id": seq})
+        ref_row = module.reference_logp({Columns.OBS: obs, Columns.ACTIONS: actions})
+        ref_grp = module.reference_logp({Columns.OBS: obs, Columns.ACTIONS: actions, "seq_id": seq})
+    for key in (Columns.ACTION_DIST_INPUTS, Columns.EMBEDDINGS):
+        torch.testing.assert_close(grouped[key], per_row[key], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_grp, v_row, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref_grp, ref_row, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_forward_runs_each_sequence_once():
+    env, module = make_module()
+    obs, seq, _ = rollout_obs(env, episodes=3)
+    calls = []
+    hook = module.lm.base_model.register_forward_hook(lambda m, a, kw, out: calls.append(kw["input_ids"].shape[0]),
+                                                     with_kwargs=True)
+    with torch.no_grad():
+        hidden_at_last_token(module.lm.base_model, obs, seq)
+    hook.remove()
+    assert calls == [3]  # one batched pass over the 3 sequences, not one per step
+
+
+def test_inference_only_module_has_no_learner_parts():
+    _, full = make_module()
+    _, lite = make_module(inference_only=True)
+    assert hasattr(full, "value_head") and hasattr(full, "ref_model")
+    assert not hasattr(lite, "value_head") and not hasattr(lite, "ref_model")
+    # The learner's inference-only state loads into the EnvRunner's module exactly.
+    lite.set_state(full.get_state(inference_only=True))
+    for (name, a), (_, b) in zip(full.lm.state_dict().items(), lite.lm.state_dict().items()):
+        torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), msg=name)
+
+
+def test_reference_model_is_frozen_initial_policy():
+    _, module = make_module()
+    assert all(not p.requires_grad for p in module.ref_model.parameters())
+    for a, b in zip(module.lm.parameters(), module.ref_model.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_same_seed_same_initial_weights():
+    _, a = make_module()
+    _, b = make_module()
+    for x, y in zip(a.lm.parameters(), b.lm.parameters()):
+        assert torch.equal(x, y)
+
+
+def test_dropout_is_off_even_in_train_mode():
+    env, module = make_module()
+    module.train()
+    obs, _, _ = rollout_obs(env)
+    with torch.no_grad():
+        a = module.forward_train({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS]
+        b = module.forward_train({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS]
+    assert torch.equal(a, b)

@@ -1,0 +1,76 @@
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from agents.config import algorithm_config, load
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "tune_configs", "quickstart.yaml")
+
+
+def test_short_ppo_run_raises_reward(ray_local):
+    cfg = load(QUICKSTART, ["training.train_batch_size=512", "training.minibatch_size=128",
+                            "env_runners.num_envs_per_env_runner=8"])
+    algo = algorithm_config(cfg).build_algo()
+    try:
+        returns, kls = [], []
+        for _ in range(30):
+            result = algo.train()
+            returns.append(result["env_runners"]["episode_return_mean"])
+            kls.append(result["learners"]["default_policy"]["ref_kl"])
+    finally:
+        algo.stop()
+    first, last = returns[0], np.mean(returns[-3:])
+    assert first < 0.45  # near the random policy's score
+    assert last > first + 0.1, returns
+    assert kls[0] == pytest.approx(0.0, abs=1e-3)  # first batch is sampled by the reference itself
+    assert kls[-1] > 1.0  # the policy has moved away from the reference and the penalty sees it
+
+
+def run(*args, timeout):
+    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_train_cli_writes_checkpoint_and_event_files_that_generate_loads(tmp_path):
+    out = run("agents.train", QUICKSTART, "--set", "stop.training_iteration=3",
+              "--set", f"tune.storage_path={tmp_path}", "--set", "tune.name=cli", "--set", "generate.num_samples=2",
+              timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(re.findall(r"^iter +\d+ +steps +[\d,]+ +reward \d\.\d{3} +kl", out.stdout, re.M)) == 3
+    assert "mean episode reward" in out.stdout and "checkpoint:" in out.stdout
+    ckpt = re.search(r"checkpoint: (\S+)", out.stdout).group(1)
+    assert os.path.isdir(ckpt)
+    trial_dir = os.path.dirname(ckpt)
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(trial_dir))  # TensorBoard
+
+    gen = run("agents.generate", "--checkpoint", ckpt, "-n", "4", timeout=120)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    lines = [l for l in gen.stdout.splitlines() if l.startswith("[reward")]
+    assert len(lines) == 4
+    for line in lines:
+        numbers = line.split("||")[1].split()
+        assert all(n.isdigit() for n in numbers)
+
+
+@pytest.mark.slow
+def test_quickstart_reaches_its_bar_and_generates_increasing_numbers(tmp_path):
+    """The README's quickstart, as a user runs it: reward >= 0.9 in its time budget."""
+    out = run("agents.train", QUICKSTART, "--set", f"tune.storage_path={tmp_path}", timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rewards = [float(r) for r in re.findall(r"^iter .* reward (\d\.\d+)", out.stdout, re.M)]
+    assert max(rewards) >= 0.9, out.stdout[-2000:]
+    ckpt = re.search(r"checkpoint: (\S+)", out.stdout).group(1)
+    gen = run("agents.generate", "--checkpoint", ckpt, "-n", "5", "--greedy", timeout=120)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    for line in [l for l in gen.stdout.splitlines() if l.startswith("[reward")]:
+        reward = float(line.split("]")[0].split()[1])
+        numbers = [int(n) for n in line.split("||")[1].split()]
+        assert reward >= 0.85
+        ascending = sum(b > a for a, b in zip(numbers, numbers[1:]))
+        assert ascending >= 0.85 * 19, line
