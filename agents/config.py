@@ -77,6 +77,7 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
     "model": {
         "name_or_path": F(str, "tiny-gpt2"),
         "value_model": F(str, "shared", choices=["shared", "separate"]),
+        "kv_cache": F(bool, True),
         "overrides": F(dict, {}),
     },
     "env": {

@@ -13,7 +13,7 @@ QUICKSTART = os.path.join(ROOT, "tune_configs", "quickstart.yaml")
 
 def test_quickstart_config_is_valid_and_builds_an_rllib_config():
     cfg = load(QUICKSTART)
-    assert cfg["training"]["lr"] == pytest.approx(2e-3)
+    assert cfg["training"]["lr"] == pytest.approx(1e-3)
     algo = algorithm_config(cfg)
     assert algo.num_envs_per_env_runner == 16
     assert algo.learner_config_dict["kl"]["coef"] == cfg["reward"]["kl_coef"]
@@ -29,7 +29,7 @@ def test_quickstart_config_is_valid_and_builds_an_rllib_config():
         ({"training": {"num_epochs": 2.5}}, "training.num_epochs: expected an integer >= 1, got 2.5"),
         ({"training": {"gamma": 1.5}}, "training.gamma: expected a number in [0.0, 1.0], got 1.5"),
         ({"env": {"truncation_side": "middle"}}, "env.truncation_side: expected one of 'left', 'right', got 'middle'"),
-        ({"training": {"minibatch_size": 4096}}, "training.minibatch_size: 4096 is larger than training.train_batch_size=1024"),
+        ({"training": {"minibatch_size": 4096, "train_batch_size": 2048}}, "training.minibatch_size: 4096 is larger than training.train_batch_size=2048"),
         ({"reward": {"kl_adaptive": True}}, "reward.kl_adaptive: needs reward.kl_coef > 0"),
         ({"env": {"max_new_tokens": {"grid_search": [10, 20]}}}, "env.max_new_tokens: search spaces are supported"),
         ({"training": {"lr": {"loguniform": [1e-3, 1e-5]}}}, "training.lr.loguniform: expected [low, high] with low < high"),

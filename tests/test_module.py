@@ -45,7 +45,7 @@ def test_output_shapes():
     obs, seq, actions = rollout_obs(env)
     n = len(actions)
     with torch.no_grad():
-        out = module.forward_exploration({Columns.OBS: obs})
+        out = module.forward_inference({Columns.OBS: obs})
         train = module.forward_train({Columns.OBS: obs})
         values = module.compute_values({Columns.OBS: obs})
     assert out[Columns.ACTION_DIST_INPUTS].shape == (n, env.vocab_size)
@@ -135,3 +135,15 @@ def test_dropout_is_off_even_in_train_mode():
         a = module.forward_train({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS]
         b = module.forward_train({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS]
     assert torch.equal(a, b)
+
+
+def test_exploration_samples_in_the_module_and_returns_only_action_and_logp():
+    env, module = make_module(inference_only=True)
+    obs, _, _ = rollout_obs(env)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = module.forward_exploration({Columns.OBS: obs})
+        logits = module.forward_inference({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS]
+    assert set(out) == {Columns.ACTIONS, Columns.ACTION_LOGP}  # nothing of size V per step
+    want = torch.log_softmax(logits, -1).gather(-1, out[Columns.ACTIONS][:, None])[:, 0]
+    torch.testing.assert_close(out[Columns.ACTION_LOGP], want, atol=1e-5, rtol=1e-5)

@@ -29,11 +29,7 @@ from ray.rllib.core.rl_module.torch import TorchRLModule
 
 from agents.algorithms.sequence_batching import SEQ_ID
 from agents.models import build_causal_lm, build_tokenizer
-
-
-def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that ignore left padding: the first real token is position 0."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+from agents.modules.kv_cache import WindowKVCache, position_ids_for
 
 
 def hidden_at_last_token(trunk: nn.Module, obs: dict, seq_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,6 +64,8 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         self.tokenizer = build_tokenizer(env_cfg)
         seq_len = env_cfg.get("max_prompt_len", 5) + env_cfg.get("max_new_tokens", 20)
         self.lm = build_causal_lm(cfg["model"], self.tokenizer, seed=cfg.get("seed", 0), max_positions=seq_len)
+        # Rollouts (forward_inference / forward_exploration) step the LM incrementally.
+        self.kv_cache = WindowKVCache() if cfg["model"].get("kv_cache", True) else None
         if self.inference_only:
             return
         hidden = self.lm.config.hidden_size
@@ -81,9 +79,27 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
 
     # -- forward passes ----------------------------------------------------------------
 
+    def _next_token_logits(self, obs: dict) -> torch.Tensor:
+        if self.kv_cache is not None:
+            hidden = self.kv_cache.hidden_at_last_token(self.lm.base_model, obs)
+        else:
+            hidden = hidden_at_last_token(self.lm.base_model, obs)
+        return self.lm.get_output_embeddings()(hidden)
+
     def _forward(self, batch, **kwargs):
-        hidden = hidden_at_last_token(self.lm.base_model, batch[Columns.OBS])
-        return {Columns.ACTION_DIST_INPUTS: self.lm.get_output_embeddings()(hidden)}
+        return {Columns.ACTION_DIST_INPUTS: self._next_token_logits(batch[Columns.OBS])}
+
+    def _forward_exploration(self, batch, **kwargs):
+        """Samples here and returns only the action and its log-prob.
+
+        RLlib would otherwise store every step's full logits in the episode
+        (V floats: 200 KB per token at a 50k vocabulary); the loss needs only
+        the log-prob of the action taken.
+        """
+        logits = self._next_token_logits(batch[Columns.OBS]).float()
+        logp_all = torch.log_softmax(logits, -1)
+        actions = torch.multinomial(logp_all.exp(), 1)[:, 0]
+        return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: logp_all.gather(-1, actions[:, None])[:, 0]}
 
     def _forward_train(self, batch, **kwargs):
         obs, seq_ids = batch[Columns.OBS], batch.get(SEQ_ID)
@@ -106,6 +122,11 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         hidden = hidden_at_last_token(self.ref_model.base_model, batch[Columns.OBS], batch.get(SEQ_ID))
         logits = self.ref_model.get_output_embeddings()(hidden)
         return torch.log_softmax(logits.float(), -1).gather(-1, batch[Columns.ACTIONS].long()[:, None])[:, 0]
+
+    def set_state(self, state) -> None:
+        super().set_state(state)
+        if self.kv_cache is not None:  # new weights: every cached key/value is stale
+            self.kv_cache.invalidate()
 
     def get_non_inference_attributes(self) -> list[str]:
         return ["value_head", "value_trunk", "ref_model"]
