@@ -7,7 +7,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import subprocess  # noqa: E402
+
 import pytest  # noqa: E402
+
+QUICKSTART = os.path.join(ROOT, "tune_configs", "quickstart.yaml")
+
+
+def run_module(*args, timeout=120):
+    """Runs `python -m <args>` from the repository root, offline, and captures its output."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,8 @@
-import os
-import subprocess
-import sys
-
 import pytest
-import yaml
 
 from agents.config import ConfigError, algorithm_config, load, to_tune, validate
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUICKSTART = os.path.join(ROOT, "tune_configs", "quickstart.yaml")
+from tests.conftest import QUICKSTART
+from tests.conftest import run_module as run_cli
 
 
 def test_quickstart_config_is_valid_and_builds_an_rllib_config():
@@ -57,11 +51,6 @@ def test_overrides_and_search_spaces(tmp_path):
     assert isinstance(space["training"]["entropy_coeff"], tune.search.sample.Float)
     with pytest.raises(ConfigError, match="expected key=value"):
         load(QUICKSTART, ["training.lr"])
-
-
-def run_cli(*args, cwd=ROOT):
-    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize(

@@ -1,15 +1,12 @@
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from agents.config import algorithm_config, load
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUICKSTART = os.path.join(ROOT, "tune_configs", "quickstart.yaml")
+from tests.conftest import QUICKSTART
+from tests.conftest import run_module as run
 
 
 def test_short_ppo_run_raises_reward(ray_local):
@@ -29,12 +26,6 @@ def test_short_ppo_run_raises_reward(ray_local):
     assert last > first + 0.1, returns
     assert kls[0] == pytest.approx(0.0, abs=1e-3)  # first batch is sampled by the reference itself
     assert kls[-1] > 1.0  # the policy has moved away from the reference and the penalty sees it
-
-
-def run(*args, timeout):
-    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def test_train_cli_writes_checkpoint_and_event_files_that_generate_loads(tmp_path):
