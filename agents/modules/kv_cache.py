@@ -53,9 +53,11 @@ class WindowKVCache:
         hidden = None
         new_layers = None
         if len(step_rows):
+            # All rows continuing (the usual step): drop the shifted-out column as a view, no copy.
+            select = slice(None) if len(step_rows) == len(rows) else step_rows
             past = DynamicCache(config=trunk.config)
             for layer, (k, v) in zip(past.layers, self.layers):
-                k, v = k[step_rows, :, 1:], v[step_rows, :, 1:]
+                k, v = k[select, :, 1:], v[select, :, 1:]
                 layer.lazy_initialization(k, v)
                 layer.keys, layer.values = k, v
             m = mask[step_rows]
