@@ -6,7 +6,8 @@ Measures tokens/s of
   (a) `model.generate()` with its KV cache (sampling, exactly --new tokens),
   (b) RLlib's SingleAgentEnvRunner stepping TokenGenerationEnv, KV-cached module,
   (c) the same with the cache off (every step recomputes the whole window),
-and prints b/a, c/a and the bytes RLlib stores per sampled step.
+and prints b/a, c/a and the bytes RLlib stores per sampled step. With
+--profile, it also splits the cached path's time by area (cProfile).
 The vocabulary is --vocab tokens (the synthetic task's number tokens plus pad
 and EOS); weights are random (no download). EOS can end an env episode early,
 which costs the env path an extra prefill and never helps it.
@@ -84,6 +85,41 @@ def bench_env_runner(args, kv_cache: bool, reps: int):
     return sampled / elapsed, stored_bytes_per_step(episodes)
 
 
+PROFILE_PARTS = (  # (label, file suffix, function): inclusive time of these calls
+    ("RLModule forward_exploration", "actor_critic.py", "forward_exploration"),
+    ("  of which cached LM step", "kv_cache.py", "hidden_at_last_token"),
+    ("RLlib connector pipelines", "connector_pipeline_v2.py", "__call__"),
+    ("vector env step (16 envs)", "env_runner.py", "_try_env_step"),
+)
+
+
+def profile_env_runner(args) -> None:
+    """Where the cached path's time goes: inclusive time of its main parts (cProfile)."""
+    import cProfile
+    import pstats
+
+    from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
+
+    runner = SingleAgentEnvRunner(config=algorithm_config(make_cfg(args, True)))
+    steps = args.batch * args.new
+    runner.sample(num_timesteps=steps, random_actions=False)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.reps):
+        runner.sample(num_timesteps=steps, random_actions=False)
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    total = sum(cum for (f, _, fn), (_, _, _, cum, _) in stats.items() if fn == "sample" and f.endswith("single_agent_env_runner.py"))
+    print(f"profile of the cached path: {args.reps * steps} steps, {total:.2f} s under cProfile")
+    accounted = 0.0
+    for label, suffix, func in PROFILE_PARTS:
+        t = sum(cum for (f, _, fn), (_, _, _, cum, _) in stats.items() if fn == func and f.endswith(suffix))
+        if not label.startswith(" "):
+            accounted += t
+        print(f"  {label:32s} {t:6.2f} s  {100 * t / total:5.1f}%")
+    print(f"  {'rest (episodes, metrics, loop)':32s} {total - accounted:6.2f} s  {100 * (total - accounted) / total:5.1f}%")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-gpt2")
@@ -93,6 +129,7 @@ def main():
     p.add_argument("--new", type=int, default=48)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--uncached-reps", type=int, default=1)
+    p.add_argument("--profile", action="store_true", help="also profile the cached path, by area")
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"model={args.model} vocab={args.vocab} batch={args.batch} prompt={args.prompt} new={args.new} "
@@ -104,6 +141,8 @@ def main():
           f"stored {b_bytes:,.0f} B/step", flush=True)
     c, _ = bench_env_runner(args, False, args.uncached_reps)
     print(f"(c) RLlib + env, no cache        {c:10.1f} tokens/s   c/a = {c / a:.2f}", flush=True)
+    if args.profile:
+        profile_env_runner(args)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         # Rollouts (forward_inference / forward_exploration) step the LM incrementally.
         self.kv_cache = WindowKVCache() if cfg["model"].get("kv_cache", True) else None
         if self.inference_only:
+            self.eval()  # rollouts only; see forward_exploration
             return
         hidden = self.lm.config.hidden_size
         if cfg["model"].get("value_model", "shared") == "separate":
@@ -89,6 +90,15 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
     def _forward(self, batch, **kwargs):
         return {Columns.ACTION_DIST_INPUTS: self._next_token_logits(batch[Columns.OBS])}
 
+    def forward_exploration(self, batch, **kwargs):
+        # RLlib's wrapper flips the whole module to eval() and back to train()
+        # on every call (thousands of submodule visits per step, ~8% of a tiny
+        # model's rollout time); dropout is off, so an eval-mode module skips it.
+        if self.training:
+            return super().forward_exploration(batch, **kwargs)
+        return self._forward_exploration(batch, **kwargs)
+
+    @torch.no_grad()
     def _forward_exploration(self, batch, **kwargs):
         """Samples here and returns only the action and its log-prob.
 
