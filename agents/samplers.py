@@ -1,0 +1,174 @@
+"""Truncation samplers as keep-masks over the vocabulary.
+
+Each function takes logits of shape (..., V) and returns a boolean mask of
+the same shape: True for tokens the sampler keeps. The policy then samples
+from (and PPO trains on) its own distribution renormalised over the kept
+tokens. All of them are batched and vectorised over the vocabulary.
+
+top-k, top-p, typical, epsilon and eta keep exactly what the `transformers`
+logits warpers of the same names keep, including their `min_tokens_to_keep`
+and tie rules. Mirostat (Basu et al., 2021) is an adaptive top-k whose `mu`
+(the maximum surprise, in bits) is state carried through an episode:
+
+    s  = sum_i t_i b_i / sum_i t_i^2,   t_i = ln((i+1)/i),  b_i = ln(p_i / p_{i+1}),  i = 1..m
+    k  = round(((s-1) 2^mu / (1 - V^-(s-1)))^(1/s)) + 1
+    mu <- mu - learning_rate * (surprise(x) - tau),   surprise(x) = -log2 p(x),  mu_0 = 2 tau
+
+with p sorted in decreasing order and m = 100 (fewer for small vocabularies),
+as in the paper's Algorithm 1 and its reference implementation.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Logit given to masked-out tokens: exp() of it underflows to exactly 0, and
+# unlike -inf it keeps log-softmax, entropy and their gradients finite.
+MASKED = torch.finfo(torch.float32).min
+
+
+def _kth_largest(logits: torch.Tensor, k: torch.Tensor | int) -> torch.Tensor:
+    """The k-th largest logit of each row (k >= 1, per row or shared), shape (..., 1)."""
+    V = logits.shape[-1]
+    if isinstance(k, int):
+        return torch.topk(logits, min(k, V), dim=-1).values[..., -1:]
+    sorted_desc = torch.sort(logits, dim=-1, descending=True).values
+    return sorted_desc.gather(-1, (k.clamp(1, V) - 1).long()[..., None])
+
+
+def _at_least(keep: torch.Tensor, logits: torch.Tensor, min_tokens_to_keep: int) -> torch.Tensor:
+    """Also keeps the `min_tokens_to_keep` highest-logit tokens (ties included)."""
+    return keep | (logits >= _kth_largest(logits, min_tokens_to_keep))
+
+
+def top_k_mask(logits: torch.Tensor, k: int | torch.Tensor, min_tokens_to_keep: int = 1) -> torch.Tensor:
+    """The k most likely tokens (ties with the k-th included). k may be a tensor, one per row."""
+    if isinstance(k, int):
+        k = max(k, min_tokens_to_keep)
+    else:
+        k = k.clamp(min=min_tokens_to_keep)
+    return logits >= _kth_largest(logits, k)
+
+
+def top_p_mask(logits: torch.Tensor, p: float, min_tokens_to_keep: int = 1) -> torch.Tensor:
+    """Nucleus: the most likely tokens whose probability mass first reaches p."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    remove = cumulative <= (1 - p)
+    remove[..., -min_tokens_to_keep:] = False
+    return ~remove.scatter(-1, order, remove)
+
+
+def typical_mask(logits: torch.Tensor, p: float, min_tokens_to_keep: int = 1) -> torch.Tensor:
+    """Locally typical: tokens whose surprise is closest to the entropy, covering mass p."""
+    logp = torch.log_softmax(logits, -1)
+    entropy = -(logp * logp.exp()).nansum(-1, keepdim=True)
+    distance = (-logp - entropy).abs()
+    sorted_distance, order = torch.sort(distance, dim=-1, descending=False)
+    cumulative = logits.gather(-1, order).softmax(-1).cumsum(-1)
+    last = (cumulative < p).sum(-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+    remove = sorted_distance > sorted_distance.gather(-1, last)
+    remove[..., :min_tokens_to_keep] = False
+    return ~remove.scatter(-1, order, remove)
+
+
+def epsilon_mask(logits: torch.Tensor, epsilon: float, min_tokens_to_keep: int = 1) -> torch.Tensor:
+    """Tokens with probability >= epsilon."""
+    return _at_least(logits.softmax(-1) >= epsilon, logits, min_tokens_to_keep)
+
+
+def eta_mask(logits: torch.Tensor, eta: float, min_tokens_to_keep: int = 1) -> torch.Tensor:
+    """Tokens with probability >= min(eta, sqrt(eta) * exp(-entropy))."""
+    entropy = torch.distributions.Categorical(logits=logits).entropy()[..., None]
+    threshold = torch.clamp(math.sqrt(eta) * torch.exp(-entropy), max=eta)
+    return _at_least(logits.softmax(-1) >= threshold, logits, min_tokens_to_keep)
+
+
+def zipf_exponent(logits: torch.Tensor, m: int = 100) -> torch.Tensor:
+    """Mirostat's least-squares estimate of the Zipf exponent s from the top m+1 probabilities."""
+    m = min(m, logits.shape[-1] - 1)
+    top = torch.topk(torch.log_softmax(logits.float(), -1), m + 1, dim=-1).values
+    i = torch.arange(1, m + 1, dtype=top.dtype, device=top.device)
+    t = torch.log((i + 1) / i)
+    b = torch.nan_to_num(top[..., :-1] - top[..., 1:], nan=0.0, posinf=0.0)
+    return (t * b).sum(-1) / (t * t).sum()
+
+
+def mirostat_k(logits: torch.Tensor, mu: torch.Tensor, m: int = 100) -> torch.Tensor:
+    """Mirostat's k for each row, given its current mu (bits), as a long tensor in [1, V]."""
+    V = logits.shape[-1]
+    s = zipf_exponent(logits, m).double()
+    eps = s - 1
+    mu = torch.as_tensor(mu, dtype=torch.float64, device=logits.device)
+    # eps / (1 - V^-eps) -> 1 / ln V as eps -> 0
+    small = eps.abs() < 1e-8
+    ratio = torch.where(small, torch.full_like(eps, 1 / math.log(V)), eps / (1 - V ** (-torch.where(small, 1.0, eps))))
+    k = (ratio * 2.0 ** mu).clamp(min=0) ** (1 / s.clamp(min=1e-8))
+    k = torch.where(s > 1e-8, torch.nan_to_num(k, nan=float(V), posinf=float(V)), torch.full_like(k, float(V)))
+    return (torch.round(k.clamp(max=V)) + 1).clamp(1, V).long()
+
+
+def mirostat_mask(logits: torch.Tensor, mu: torch.Tensor, min_tokens_to_keep: int = 1, m: int = 100) -> torch.Tensor:
+    return top_k_mask(logits, mirostat_k(logits, mu, m), min_tokens_to_keep)
+
+
+def mirostat_update(mu: torch.Tensor, surprise_bits: torch.Tensor, tau: float, learning_rate: float) -> torch.Tensor:
+    return mu - learning_rate * (surprise_bits - tau)
+
+
+# -- configured samplers -------------------------------------------------------------
+
+# name -> (mask function, its parameter names in config order)
+SAMPLERS = {
+    "none": (None, ()),
+    "top_k": (top_k_mask, ("k",)),
+    "top_p": (top_p_mask, ("p",)),
+    "typical": (typical_mask, ("p",)),
+    "epsilon": (epsilon_mask, ("epsilon",)),
+    "eta": (eta_mask, ("eta",)),
+    "mirostat": (mirostat_mask, ("tau", "learning_rate")),
+}
+
+
+class Sampler:
+    """A configured sampler: `keep(logits, state)` and, for mirostat, the per-row state rule.
+
+    `spec` is the validated `sampler` config section, e.g.
+    `{"name": "eta", "eta": 3e-4, "masking": "learned", "sync_every": 100, "min_tokens_to_keep": 1}`.
+    """
+
+    def __init__(self, spec: dict):
+        self.name = spec.get("name", "none")
+        if self.name not in SAMPLERS:
+            raise ValueError(f"sampler.name: unknown sampler {self.name!r} (known: {', '.join(SAMPLERS)})")
+        self.fn, names = SAMPLERS[self.name]
+        self.params = {n: spec[n] for n in names}
+        self.min_tokens_to_keep = int(spec.get("min_tokens_to_keep", 1))
+        self.masking = spec.get("masking", "current")
+        self.sync_every = int(spec.get("sync_every", 100))
+
+    @property
+    def active(self) -> bool:
+        return self.fn is not None
+
+    @property
+    def stateful(self) -> bool:
+        return self.name == "mirostat"
+
+    @property
+    def learned(self) -> bool:
+        return self.active and self.masking == "learned"
+
+    def initial_state(self, rows: int, device=None) -> torch.Tensor:
+        return torch.full((rows,), 2.0 * self.params["tau"], device=device) if self.stateful else None
+
+    def next_state(self, state: torch.Tensor, source_logits: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """Mirostat's mu after the rows emitted `actions`, from the unmasked source distribution."""
+        logp = torch.log_softmax(source_logits.float(), -1).gather(-1, actions.long()[..., None])[..., 0]
+        return mirostat_update(state, -logp / math.log(2), self.params["tau"], self.params["learning_rate"])
+
+    def keep(self, logits: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        if self.name == "mirostat":
+            return mirostat_mask(logits, state, self.min_tokens_to_keep)
+        return self.fn(logits, *self.params.values(), self.min_tokens_to_keep)
