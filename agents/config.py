@@ -86,6 +86,18 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "truncation_side": F(str, "left", choices=["left", "right"]),
         "tokenizer": F(str, None, optional=True),
     },
+    "sampler": {  # truncation sampler masking the policy (agents/samplers.py)
+        "name": F(str, "none", choices=["none", "top_k", "top_p", "typical", "epsilon", "eta", "mirostat"]),
+        "k": F(int, None, **POS_INT, optional=True),
+        "p": F(float, None, lo=0.0, hi=1.0, lo_open=True, optional=True),
+        "epsilon": F(float, None, lo=0.0, hi=1.0, lo_open=True, optional=True),
+        "eta": F(float, None, lo=0.0, hi=1.0, lo_open=True, optional=True),
+        "tau": F(float, None, lo=0.0, lo_open=True, optional=True),
+        "learning_rate": F(float, 0.1, lo=0.0, lo_open=True),
+        "min_tokens_to_keep": F(int, 1, **POS_INT),
+        "masking": F(str, "current", choices=["current", "learned"]),
+        "sync_every": F(int, 100, **POS_INT),
+    },
     "reward": {
         "kl_coef": F(float, 0.0, lo=0.0),
         "kl_adaptive": F(bool, False),
@@ -136,6 +148,11 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "num_cpus_per_trial": F(float, None, lo=0.0, lo_open=True, optional=True),
         "metric": F(str, "env_runners/episode_return_mean"),
         "mode": F(str, "max", choices=["max", "min"]),
+        "scheduler": F(str, "fifo", choices=["fifo", "asha"]),
+        "grace_period": F(int, 10, **POS_INT),
+        "reduction_factor": F(float, 3.0, lo=1.0, lo_open=True),
+        "wandb": F(bool, False),
+        "wandb_project": F(str, "rl-token-lm"),
     },
     "generate": {
         "num_samples": F(int, 3, **NONNEG_INT),
@@ -151,7 +168,15 @@ def _unknown(path: str, key: str, known) -> ConfigError:
     return ConfigError(f"{path + '.' if path else ''}{key}: unknown key{suffix}")
 
 
-SEARCHABLE_SECTIONS = ("training", "reward")  # others feed values that must agree across processes
+SEARCHABLE_SECTIONS = ("training", "reward", "sampler")  # others feed values that must agree across processes
+WHOLE_SECTION_SEARCH = ("sampler",)  # sections that may be one search space over whole mappings
+# The parameters each sampler needs (and the only ones it accepts), with their ranges where they
+# are narrower than the schema's.
+SAMPLER_PARAMS = {
+    "none": (), "top_k": ("k",), "top_p": ("p",), "typical": ("p",), "epsilon": ("epsilon",),
+    "eta": ("eta",), "mirostat": ("tau", "learning_rate"),
+}
+SAMPLER_ONLY = ("k", "p", "epsilon", "eta", "tau")
 
 
 def _is_search_space(value) -> bool:
@@ -187,23 +212,62 @@ def validate(raw: dict) -> dict:
         if isinstance(spec, Field):
             out[key] = spec.default if value is None else _check_value(key, spec, value)
             continue
-        if value is None:
-            value = {}
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        section = {}
-        for sub in value:
-            if sub not in spec and key not in OPEN_SECTIONS:
-                raise _unknown(key, sub, spec)
-        for sub, field in spec.items():
-            v = value.get(sub, copy.deepcopy(field.default))
-            section[sub] = _check_value(f"{key}.{sub}", field, v) if sub in value else v
-        for sub in value:
-            if sub not in spec:
-                section[sub] = value[sub]
-        out[key] = section
+        if key in WHOLE_SECTION_SEARCH and _is_search_space(value):
+            (kind, candidates), = value.items()
+            if kind not in ("grid_search", "choice") or not isinstance(candidates, list) or not candidates:
+                raise ConfigError(f"{key}.{kind}: a whole section can only be searched with grid_search or "
+                                  "choice over a non-empty list of mappings")
+            out[key] = {kind: [_check_section(f"{key}[{i}]", key, spec, c) for i, c in enumerate(candidates)]}
+            continue
+        out[key] = _check_section(key, key, spec, value)
     _check_cross_fields(out)
     return out
+
+
+def _check_section(path: str, key: str, spec: dict, value) -> dict:
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+    section = {}
+    for sub in value:
+        if sub not in spec and key not in OPEN_SECTIONS:
+            raise _unknown(path, sub, spec)
+    for sub, field in spec.items():
+        v = value.get(sub, copy.deepcopy(field.default))
+        section[sub] = _check_value(f"{path}.{sub}", field, v) if sub in value else v
+    for sub in value:
+        if sub not in spec:
+            section[sub] = value[sub]
+    if key == "sampler":
+        _check_sampler(path, section)
+    return section
+
+
+def _candidates(value) -> list:
+    return next(iter(value.values())) if _is_search_space(value) else [value]
+
+
+def _check_sampler(path: str, s: dict) -> None:
+    if _is_search_space(s["name"]):
+        raise ConfigError(f"{path}.name: search over whole sampler mappings instead "
+                          f"(sampler: {{grid_search: [{{name: top_p, p: 0.9}}, ...]}})")
+    name, needs = s["name"], SAMPLER_PARAMS[s["name"]]
+    for param in SAMPLER_ONLY:
+        if s[param] is not None and param not in needs:
+            takes = f"takes {', '.join(needs)}" if needs else "takes no parameters"
+            raise ConfigError(f"{path}.{param}: not a parameter of the {name!r} sampler (it {takes})")
+    for param in needs:
+        if s[param] is None:
+            raise ConfigError(f"{path}.{param}: the {name!r} sampler needs it")
+    if name == "typical":
+        for v in _candidates(s["p"]):
+            if v >= 1.0:
+                raise ConfigError(f"{path}.p: typical sampling needs p < 1, got {v!r}")
+    for param in ("epsilon", "eta"):
+        for v in _candidates(s[param]) if s[param] is not None else []:
+            if v >= 1.0:
+                raise ConfigError(f"{path}.{param}: expected a number in (0, 1), got {v!r}")
 
 
 def _plain(value):
@@ -310,8 +374,11 @@ def algorithm_config(cfg: dict):
     t, er, lr, rw = c["training"], c["env_runners"], c["learners"], c["reward"]
     env_cfg = to_tune(env_config(cfg))
     use_ref = _plain(cfg["reward"]["kl_coef"]) > 0
-    model_config = {"model": c["model"], "env": env_cfg, "seed": c["seed"], "reference_model": use_ref}
-    return (
+    # The module's config goes in the AlgorithmConfig's own model_config (not inside the
+    # RLModuleSpec object), so that Tune resolves search spaces in it (the sampler section).
+    model_config = {"model": c["model"], "env": env_cfg, "seed": c["seed"], "reference_model": use_ref,
+                    "sampler": c["sampler"]}
+    config = (
         LMPPOConfig()
         .environment(TokenGenerationEnv, env_config=env_cfg)
         .env_runners(
@@ -333,7 +400,7 @@ def algorithm_config(cfg: dict):
                 "target": rw["kl_target"], "horizon": rw["kl_horizon"],
             }},
         )
-        .rl_module(rl_module_spec=RLModuleSpec(module_class=CausalLMActorCritic, model_config=model_config))
+        .rl_module(rl_module_spec=RLModuleSpec(module_class=CausalLMActorCritic), model_config=model_config)
         .training(
             lr=t["lr"],
             train_batch_size=t["train_batch_size"],
@@ -350,3 +417,6 @@ def algorithm_config(cfg: dict):
         )
         .debugging(seed=c["seed"])
     )
+    if cfg["tune"]["num_cpus_per_trial"] is not None:  # fractional CPUs let several trials share a core
+        config.resources(num_cpus_for_main_process=cfg["tune"]["num_cpus_per_trial"])
+    return config

@@ -96,17 +96,25 @@ def zipf_exponent(logits: torch.Tensor, m: int = 100) -> torch.Tensor:
 
 
 def mirostat_k(logits: torch.Tensor, mu: torch.Tensor, m: int = 100) -> torch.Tensor:
-    """Mirostat's k for each row, given its current mu (bits), as a long tensor in [1, V]."""
+    """Mirostat's k for each row, given its current mu (bits), as a long tensor in [1, V].
+
+    For a distribution with no Zipf decay (estimated s <= 0, e.g. uniform) k
+    takes its limit as s -> 0+: the whole vocabulary if 2^mu >= V - 1 (the
+    target allows a uniform draw's surprise), else 1.
+    """
     V = logits.shape[-1]
     s = zipf_exponent(logits, m).double()
-    eps = s - 1
     mu = torch.as_tensor(mu, dtype=torch.float64, device=logits.device)
+    zipfian = s > 1e-6
+    s_ = torch.where(zipfian, s, 1.0)
+    eps = s_ - 1
     # eps / (1 - V^-eps) -> 1 / ln V as eps -> 0
-    small = eps.abs() < 1e-8
-    ratio = torch.where(small, torch.full_like(eps, 1 / math.log(V)), eps / (1 - V ** (-torch.where(small, 1.0, eps))))
-    k = (ratio * 2.0 ** mu).clamp(min=0) ** (1 / s.clamp(min=1e-8))
-    k = torch.where(s > 1e-8, torch.nan_to_num(k, nan=float(V), posinf=float(V)), torch.full_like(k, float(V)))
-    return (torch.round(k.clamp(max=V)) + 1).clamp(1, V).long()
+    near_one = eps.abs() < 1e-8
+    ratio = torch.where(near_one, 1 / math.log(V), eps / (1 - V ** (-torch.where(near_one, 1.0, eps))))
+    k = torch.nan_to_num((ratio * 2.0 ** mu) ** (1 / s_), nan=float(V), posinf=float(V)).clamp(max=V)
+    k = torch.round(k) + 1
+    flat = torch.where(2.0 ** mu >= V - 1, float(V), 1.0)
+    return torch.where(zipfian, k, flat).clamp(1, V).long()
 
 
 def mirostat_mask(logits: torch.Tensor, mu: torch.Tensor, min_tokens_to_keep: int = 1, m: int = 100) -> torch.Tensor:

@@ -28,6 +28,20 @@ def test_quickstart_config_is_valid_and_builds_an_rllib_config():
         ({"env": {"max_new_tokens": {"grid_search": [10, 20]}}}, "env.max_new_tokens: search spaces are supported"),
         ({"training": {"lr": {"loguniform": [1e-3, 1e-5]}}}, "training.lr.loguniform: expected [low, high] with low < high"),
         ({"training": {"lr": {"grid_search": [1e-3, -1]}}}, "training.lr: expected a number > 0.0, got -1"),
+        ({"sampler": {"name": "nucleus"}}, "sampler.name: expected one of 'none', 'top_k', 'top_p'"),
+        ({"sampler": {"name": "top_p", "p": 1.5}}, "sampler.p: expected a number in (0.0, 1.0], got 1.5"),
+        ({"sampler": {"name": "top_p", "p": 0}}, "sampler.p: expected a number in (0.0, 1.0], got 0"),
+        ({"sampler": {"name": "top_p"}}, "sampler.p: the 'top_p' sampler needs it"),
+        ({"sampler": {"name": "epsilon", "epsilon": -1e-4}}, "sampler.epsilon: expected a number in (0.0, 1.0], got -0.0001"),
+        ({"sampler": {"name": "epsilon", "epsilon": 1}}, "sampler.epsilon: expected a number in (0, 1), got 1.0"),
+        ({"sampler": {"name": "eta", "p": 0.9}}, "sampler.p: not a parameter of the 'eta' sampler (it takes eta)"),
+        ({"sampler": {"name": "typical", "p": 1.0}}, "sampler.p: typical sampling needs p < 1, got 1.0"),
+        ({"sampler": {"name": "mirostat"}}, "sampler.tau: the 'mirostat' sampler needs it"),
+        ({"sampler": {"name": "top_k", "k": 0}}, "sampler.k: expected an integer >= 1, got 0"),
+        ({"sampler": {"name": "top_p", "p": 0.9, "masking": "delayed"}}, "sampler.masking: expected one of 'current', 'learned'"),
+        ({"sampler": {"grid_search": [{"name": "top_p", "p": 0.9}, {"name": "eta"}]}}, "sampler[1].eta: the 'eta' sampler needs it"),
+        ({"sampler": {"uniform": [0, 1]}}, "sampler.uniform: a whole section can only be searched with grid_search or choice"),
+        ({"sampler": {"name": "top_p", "p": {"grid_search": [0.9, 2]}}}, "sampler.p: expected a number in (0.0, 1.0], got 2"),
     ],
 )
 def test_bad_values_name_the_field(raw, message):
@@ -35,6 +49,17 @@ def test_bad_values_name_the_field(raw, message):
         validate(raw)
     assert str(e.value).startswith(message)
     assert "\n" not in str(e.value)
+
+
+def test_sampler_search_spaces_over_whole_samplers_and_over_parameters():
+    from ray import tune
+
+    cfg = validate({"sampler": {"grid_search": [{"name": "none"}, {"name": "top_p", "p": 0.9, "masking": "learned"}]}})
+    candidates = to_tune(cfg)["sampler"]
+    assert candidates == tune.grid_search([cfg["sampler"]["grid_search"][0], cfg["sampler"]["grid_search"][1]])
+    assert candidates["grid_search"][1]["sync_every"] == 100  # defaults filled in per candidate
+    cfg = validate({"sampler": {"name": "eta", "eta": {"grid_search": [0.004, 0.0003]}}})
+    assert to_tune(cfg)["sampler"]["eta"] == tune.grid_search([0.004, 0.0003])
 
 
 def test_numbers_written_without_a_dot_are_numbers():
@@ -60,6 +85,8 @@ def test_overrides_and_search_spaces(tmp_path):
         ("model:\n  name_or_path: ./no/such/dir\n", "error: model.name_or_path: cannot load './no/such/dir'"),
         ("task:\n  name: imdbb\n", "error: task.name: unknown task 'imdbb'"),
         ("training: [1, 2\n", "not valid YAML"),
+        ("sampler:\n  name: eta\n  eta: -3.0e-4\n", "error: sampler.eta: expected a number in (0.0, 1.0], got -0.0003"),
+        ("sampler:\n  name: nucleus\n", "error: sampler.name: expected one of"),
     ],
 )
 def test_cli_rejects_bad_config_with_one_line_and_no_traceback(tmp_path, yaml_text, expected):

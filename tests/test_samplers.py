@@ -82,8 +82,9 @@ def test_mirostat_hand_computed_case():
     assert samplers.mirostat_k(logits, torch.tensor([-3.0])).item() == 1
     # mu update: surprise 5 bits against a target of 3 with learning rate 0.1 lowers mu by 0.2.
     assert samplers.mirostat_update(torch.tensor(6.0), torch.tensor(5.0), 3.0, 0.1).item() == pytest.approx(5.8)
-    # A flat distribution (s = 0) keeps everything.
-    assert samplers.mirostat_k(torch.zeros(1, 10), torch.tensor([3.0])).item() == 10
+    # A flat distribution (s = 0): everything if 2^mu >= V - 1 allows a uniform draw, else one token.
+    assert samplers.mirostat_k(torch.zeros(1, 10), torch.tensor([4.0])).item() == 10
+    assert samplers.mirostat_k(torch.zeros(1, 10), torch.tensor([3.0])).item() == 1
 
 
 @pytest.mark.parametrize("tau", [2.5, 3.0, 3.5])

@@ -9,7 +9,11 @@ Differences from RLlib's stock PPO learner:
   * only trainable parameters go to the optimizer (the reference is frozen);
   * minibatches hold whole sequences and the module forwards each sequence
     once, reading every step's logits and value from that one pass
-    (`sequence_batching`).
+    (`sequence_batching`);
+  * with a truncation sampler the module's training logits are masked like the
+    rollout's; with `masking: learned` (NLPO) the learner copies the policy
+    into the masking policy after every `sync_every`-th update (one update per
+    training iteration), and the count survives checkpoints.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from ray.rllib.utils.torch_utils import explained_variance
 
 from agents.algorithms.kl_control import AdaptiveKLController, ReferenceKLPenalty
 from agents.algorithms.sequence_batching import AddSequenceIds, sequence_minibatches
+from agents.modules.actor_critic import MASK_SIZE
 
 
 class LMPPOTorchLearner(PPOTorchLearner):
@@ -43,6 +48,7 @@ class LMPPOTorchLearner(PPOTorchLearner):
                 ReferenceKLPenalty if self.kl_penalty is not None else GeneralAdvantageEstimation, AddSequenceIds()
             )
         self._minibatch_rng = np.random.default_rng(self.config.seed)
+        self.num_updates = 0  # gradient-based updates so far (one per training iteration)
 
     def _create_iterator_if_necessary(self, *, training_data, num_epochs=1, minibatch_size=None,
                                       shuffle_batch_per_epoch=False, **kwargs):
@@ -100,6 +106,7 @@ class LMPPOTorchLearner(PPOTorchLearner):
                 "entropy": masked_mean(entropy),
                 "mean_kl_loss": approx_kl,
                 "clip_fraction": masked_mean(((ratio - 1).abs() > config.clip_param).float()),
+                **({"mask_size": masked_mean(fwd_out[MASK_SIZE])} if MASK_SIZE in fwd_out else {}),
             },
             key=module_id,
             window=1,
@@ -108,6 +115,18 @@ class LMPPOTorchLearner(PPOTorchLearner):
 
     def after_gradient_based_update(self, *, timesteps):
         super().after_gradient_based_update(timesteps=timesteps)
+        self.num_updates += 1
+        for module_id in self.module.keys():
+            module = self.module[module_id].unwrapped()
+            sampler = getattr(module, "sampler", None)
+            if sampler is None or not sampler.active:
+                continue
+            metrics = {f"sampler_{k}": float(v) for k, v in sampler.params.items()}
+            if sampler.learned:
+                if self.num_updates % sampler.sync_every == 0:
+                    module.sync_mask_model()
+                metrics["mask_model_syncs"] = self.num_updates // sampler.sync_every
+            self.metrics.log_dict(metrics, key=module_id, window=1)
         if self.kl_penalty is None:
             return
         for module_id, measured in self.kl_penalty.last.items():
@@ -122,12 +141,14 @@ class LMPPOTorchLearner(PPOTorchLearner):
 
     def get_state(self, *args, **kwargs):
         state = super().get_state(*args, **kwargs)
+        state["num_updates"] = self.num_updates
         if self.kl_penalty is not None:
             state["ref_kl_coef"] = self.kl_penalty.controller.coef
         return state
 
     def set_state(self, state):
         super().set_state(state)
+        self.num_updates = int(state.get("num_updates", self.num_updates))
         if self.kl_penalty is not None and "ref_kl_coef" in state:
             self.kl_penalty.controller.coef = float(state["ref_kl_coef"])
 

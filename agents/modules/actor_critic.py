@@ -12,9 +12,19 @@ Learner-only parts (value head, separate value trunk, frozen reference model
 for the KL penalty) are listed in `get_non_inference_attributes`, so
 EnvRunners build and receive only the LM itself.
 
+Truncation samplers (`model_config["sampler"]`, see `agents.samplers`) mask
+the logits when acting and in the loss alike, so PPO's log-probs are those of
+the renormalised masked distribution. The mask comes from the current policy
+(`masking: current`) or from a frozen copy of it (`masking: learned`, NLPO),
+`mask_lm`, which the learner re-syncs every `sync_every` iterations and which
+travels to the EnvRunners with the weights. Mirostat's per-episode `mu` is
+tracked per row across steps (same continuation rule as the KV cache) and
+stored with each step (`sampler_state`), so the learner rebuilds the same mask.
+
 model_config keys: `model` (the YAML model section), `env` (the env config,
 for the tokenizer and lengths), `seed`, `reference_model` (bool: keep a frozen
-copy of the initial policy for the KL penalty).
+copy of the initial policy for the KL penalty), `sampler` (the sampler
+section; absent or `name: none` for no truncation).
 """
 from __future__ import annotations
 
@@ -29,7 +39,28 @@ from ray.rllib.core.rl_module.torch import TorchRLModule
 
 from agents.algorithms.sequence_batching import SEQ_ID
 from agents.models import build_causal_lm, build_tokenizer
-from agents.modules.kv_cache import WindowKVCache, position_ids_for
+from agents.modules.kv_cache import WindowKVCache, continuing_rows, position_ids_for
+from agents.samplers import MASKED, Sampler
+
+SAMPLER_STATE = "sampler_state"  # per-step sampler state (mirostat's mu) used when acting
+MASK_SIZE = "mask_size"  # number of kept tokens per row, from the training forward pass
+
+
+class RowSamplerState:
+    """A stateful sampler's state per vector-env row, carried while the row's episode continues."""
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+        self.ids = self.mask = self.state = self.source = None
+
+    def __call__(self, obs: dict, source_logits: torch.Tensor) -> torch.Tensor:
+        ids, mask = obs["input_ids"], obs["attention_mask"]
+        state = self.sampler.initial_state(ids.shape[0], device=source_logits.device)
+        cont = continuing_rows(self.ids, self.mask, ids, mask)
+        if cont.any():  # the token each continuing row appended is its last column
+            state[cont] = self.sampler.next_state(self.state[cont], self.source[cont], ids[cont, -1])
+        self.ids, self.mask, self.state, self.source = ids.clone(), mask.clone(), state, source_logits
+        return state
 
 
 def hidden_at_last_token(trunk: nn.Module, obs: dict, seq_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,6 +97,11 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         self.lm = build_causal_lm(cfg["model"], self.tokenizer, seed=cfg.get("seed", 0), max_positions=seq_len)
         # Rollouts (forward_inference / forward_exploration) step the LM incrementally.
         self.kv_cache = WindowKVCache() if cfg["model"].get("kv_cache", True) else None
+        self.sampler = Sampler(cfg.get("sampler") or {"name": "none"})
+        self.row_sampler_state = RowSamplerState(self.sampler) if self.sampler.stateful else None
+        if self.sampler.learned:  # the delayed masking policy; needed for acting, never trained
+            self.mask_lm = copy.deepcopy(self.lm).requires_grad_(False)
+            self.mask_kv_cache = WindowKVCache() if self.kv_cache is not None else None
         if self.inference_only:
             self.eval()  # rollouts only; see forward_exploration
             return
@@ -87,8 +123,30 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             hidden = hidden_at_last_token(self.lm.base_model, obs)
         return self.lm.get_output_embeddings()(hidden)
 
+    def _mask_lm_logits(self, obs: dict, seq_ids=None, cached: bool = False) -> torch.Tensor:
+        with torch.no_grad():
+            if cached and self.mask_kv_cache is not None:
+                hidden = self.mask_kv_cache.hidden_at_last_token(self.mask_lm.base_model, obs)
+            else:
+                hidden = hidden_at_last_token(self.mask_lm.base_model, obs, seq_ids)
+            return self.mask_lm.get_output_embeddings()(hidden).float()
+
+    def _acting_logits(self, obs: dict) -> tuple[torch.Tensor, dict]:
+        """Next-token logits with the sampler's mask applied, plus what to store with the step."""
+        logits = self._next_token_logits(obs).float()
+        if not self.sampler.active:
+            return logits, {}
+        source = self._mask_lm_logits(obs, cached=True) if self.sampler.learned else logits
+        extra = {}
+        state = None
+        if self.sampler.stateful:
+            state = self.row_sampler_state(obs, source)
+            extra[SAMPLER_STATE] = state
+        keep = self.sampler.keep(source, state)
+        return logits.masked_fill(~keep, MASKED), extra
+
     def _forward(self, batch, **kwargs):
-        return {Columns.ACTION_DIST_INPUTS: self._next_token_logits(batch[Columns.OBS])}
+        return {Columns.ACTION_DIST_INPUTS: self._acting_logits(batch[Columns.OBS])[0]}
 
     def forward_exploration(self, batch, **kwargs):
         # RLlib's wrapper flips the whole module to eval() and back to train()
@@ -106,19 +164,23 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         (V floats: 200 KB per token at a 50k vocabulary); the loss needs only
         the log-prob of the action taken.
         """
-        logits = self._next_token_logits(batch[Columns.OBS]).float()
+        logits, extra = self._acting_logits(batch[Columns.OBS])
         logp_all = torch.log_softmax(logits, -1)
-        actions = torch.multinomial(logp_all.exp(), 1)[:, 0]
-        return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: logp_all.gather(-1, actions[:, None])[:, 0]}
+        actions = torch.multinomial(logp_all.exp(), 1)[:, 0]  # masked tokens have probability exactly 0
+        return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: logp_all.gather(-1, actions[:, None])[:, 0], **extra}
 
     def _forward_train(self, batch, **kwargs):
         obs, seq_ids = batch[Columns.OBS], batch.get(SEQ_ID)
         hidden = hidden_at_last_token(self.lm.base_model, obs, seq_ids)
         embeddings = hidden_at_last_token(self.value_trunk, obs, seq_ids) if hasattr(self, "value_trunk") else hidden
-        return {
-            Columns.ACTION_DIST_INPUTS: self.lm.get_output_embeddings()(hidden),
-            Columns.EMBEDDINGS: embeddings,
-        }
+        logits = self.lm.get_output_embeddings()(hidden)
+        out = {Columns.ACTION_DIST_INPUTS: logits, Columns.EMBEDDINGS: embeddings}
+        if self.sampler.active:  # the loss sees the same renormalised masked distribution as the rollout
+            source = self._mask_lm_logits(obs, seq_ids) if self.sampler.learned else logits.detach().float()
+            keep = self.sampler.keep(source, batch.get(SAMPLER_STATE))
+            out[Columns.ACTION_DIST_INPUTS] = logits.float().masked_fill(~keep, MASKED)
+            out[MASK_SIZE] = keep.sum(-1).float()
+        return out
 
     def compute_values(self, batch, embeddings=None):
         if embeddings is None:
@@ -135,8 +197,15 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
 
     def set_state(self, state) -> None:
         super().set_state(state)
-        if self.kv_cache is not None:  # new weights: every cached key/value is stale
-            self.kv_cache.invalidate()
+        for cache in (self.kv_cache, getattr(self, "mask_kv_cache", None)):
+            if cache is not None:  # new weights: every cached key/value is stale
+                cache.invalidate()
+
+    def sync_mask_model(self) -> None:
+        """NLPO's delayed sync: the masking policy becomes a copy of the current policy."""
+        self.mask_lm.load_state_dict(self.lm.state_dict())
+        if self.mask_kv_cache is not None:
+            self.mask_kv_cache.invalidate()
 
     def get_non_inference_attributes(self) -> list[str]:
         return ["value_head", "value_trunk", "ref_model"]

@@ -25,6 +25,18 @@ def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
+def continuing_rows(prev_ids, prev_mask, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Which rows of (ids, mask) are row-for-row one appended token after (prev_ids, prev_mask)."""
+    if prev_ids is None or prev_ids.shape != ids.shape:
+        return torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    return (
+        (ids[:, :-1] == prev_ids[:, 1:]).all(-1)
+        & (mask[:, :-1] == prev_mask[:, 1:]).all(-1)
+        & (mask[:, -1] == 1)
+        & (prev_mask[:, 0] == 0)
+    )
+
+
 class WindowKVCache:
     def __init__(self):
         self.invalidate()
@@ -33,21 +45,11 @@ class WindowKVCache:
     def invalidate(self) -> None:
         self.ids = self.mask = self.layers = None
 
-    def continuing_rows(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if self.ids is None or self.ids.shape != ids.shape:
-            return torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-        return (
-            (ids[:, :-1] == self.ids[:, 1:]).all(-1)
-            & (mask[:, :-1] == self.mask[:, 1:]).all(-1)
-            & (mask[:, -1] == 1)
-            & (self.mask[:, 0] == 0)
-        )
-
     @torch.no_grad()
     def hidden_at_last_token(self, trunk, obs: dict) -> torch.Tensor:
         """The trunk's final hidden state at each row's newest token, using and updating the cache."""
         ids, mask = obs["input_ids"], obs["attention_mask"]
-        cont = self.continuing_rows(ids, mask)
+        cont = continuing_rows(self.ids, self.mask, ids, mask)
         rows = torch.arange(ids.shape[0], device=ids.device)
         step_rows, fill_rows = rows[cont], rows[~cont]
         hidden = None
