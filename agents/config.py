@@ -152,6 +152,7 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "grace_period": F(int, 10, **POS_INT),
         "reduction_factor": F(float, 3.0, lo=1.0, lo_open=True),
         "wandb": F(bool, False),
+        "dashboard": F(bool, True),
         "wandb_project": F(str, "rl-token-lm"),
     },
     "generate": {
@@ -168,7 +169,7 @@ def _unknown(path: str, key: str, known) -> ConfigError:
     return ConfigError(f"{path + '.' if path else ''}{key}: unknown key{suffix}")
 
 
-SEARCHABLE_SECTIONS = ("training", "reward", "sampler")  # others feed values that must agree across processes
+SEARCHABLE_SECTIONS = ("training", "reward", "sampler", "seed")  # others feed values that must agree across processes
 WHOLE_SECTION_SEARCH = ("sampler",)  # sections that may be one search space over whole mappings
 # The parameters each sampler needs (and the only ones it accepts), with their ranges where they
 # are narrower than the schema's.
@@ -362,8 +363,13 @@ def _builtin_names():
     return BUILTIN_CONFIGS
 
 
+def _same_seed(spec) -> int:
+    return spec.config["seed"]
+
+
 def algorithm_config(cfg: dict):
     """The RLlib AlgorithmConfig for a validated config (search spaces as Tune objects)."""
+    from ray import tune
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
     from agents.algorithms.ppo import LMPPOConfig
@@ -376,7 +382,9 @@ def algorithm_config(cfg: dict):
     use_ref = _plain(cfg["reward"]["kl_coef"]) > 0
     # The module's config goes in the AlgorithmConfig's own model_config (not inside the
     # RLModuleSpec object), so that Tune resolves search spaces in it (the sampler section).
-    model_config = {"model": c["model"], "env": env_cfg, "seed": c["seed"], "reference_model": use_ref,
+    # A searched seed is drawn once (the algorithm's) and the module's init seed follows it.
+    module_seed = tune.sample_from(_same_seed) if _is_search_space(cfg["seed"]) else c["seed"]
+    model_config = {"model": c["model"], "env": env_cfg, "seed": module_seed, "reference_model": use_ref,
                     "sampler": c["sampler"]}
     config = (
         LMPPOConfig()

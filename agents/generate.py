@@ -53,22 +53,23 @@ def generate(module, env_config: dict, prompts: list[str | None], *, greedy: boo
         o, _ = env.reset(seed=seed + i, options=None if prompt is None else {"prompt": prompt})
         obs.append(o)
     gen = torch.Generator().manual_seed(seed)
-    active = list(range(len(envs)))
-    while active:
-        batch = {Columns.OBS: {k: torch.as_tensor(np.stack([obs[i][k] for i in active])) for k in obs[0]}}
+    done = [False] * len(envs)
+    # Every row stays in the batch until all are done, so row i is always env i: the module's
+    # per-row KV cache and sampler state (mirostat) follow each episode. Finished rows repeat
+    # their last observation and their actions are ignored.
+    while not all(done):
+        batch = {Columns.OBS: {k: torch.as_tensor(np.stack([o[k] for o in obs])) for k in obs[0]}}
         logits = module.forward_inference(batch)[Columns.ACTION_DIST_INPUTS].float()
         if greedy:
             actions = logits.argmax(-1)
         else:
             actions = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]
-        still = []
-        for i, a in zip(active, actions.tolist()):
-            obs[i], reward, done, _, info = envs[i].step(a)
-            if done:
+        for i, a in enumerate(actions.tolist()):
+            if done[i]:
+                continue
+            obs[i], reward, done[i], _, info = envs[i].step(a)
+            if done[i]:
                 results[i] = {"prompt": info["prompt"], "generation": info["generation"], "reward": reward}
-            else:
-                still.append(i)
-        active = still
     return results
 
 

@@ -5,11 +5,16 @@
 The config is validated before Ray starts; the run goes through Ray Tune, so
 TensorBoard event files, result files and checkpoints land in
 `<tune.storage_path>/<tune.name>/`. One progress line is printed per training
-iteration, and a summary at the end.
+iteration, and a summary at the end; with several trials (a sweep) also a
+table of the best trial per sampler, written to `summary.csv` there.
+W&B logging is on with `tune.wandb: true` or when WANDB_PROJECT is set; with
+no WANDB_API_KEY it runs offline (run folders under each trial's directory,
+upload later with `wandb sync`).
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import os
 import sys
@@ -63,7 +68,7 @@ def make_progress_callback():
         """One line per training iteration; remembers each trial's first and last reward."""
 
         def __init__(self):
-            self.first, self.last, self.best = {}, {}, {}
+            self.first, self.last, self.best, self.mask = {}, {}, {}, {}
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             reward = _metric(result, "env_runners/episode_return_mean")
@@ -76,15 +81,45 @@ def make_progress_callback():
                 f"steps {int(_metric(result, 'env_runners/num_env_steps_sampled_lifetime') or 0):>9,}",
                 f"reward {reward:.3f}" if reward is not None else "reward   n/a",
             ]
-            for key, label in (("ref_kl", "kl"), ("entropy", "entropy")):
+            for key, label in (("ref_kl", "kl"), ("entropy", "entropy"), ("mask_size", "mask")):
                 value = _metric(result, f"learners/default_policy/{key}")
                 if value is not None:
                     fields.append(f"{label} {value:.3f}")
+            mask = _metric(result, "learners/default_policy/mask_size")
+            if mask is not None:
+                self.mask.setdefault(trial.trial_id, []).append(mask)
             fields.append(f"{result.get('time_total_s', 0):.0f}s")
             prefix = f"[{trial.trial_id}] " if len(trials) > 1 else ""
             print(prefix + "  ".join(fields), flush=True)
 
     return ProgressPrinter()
+
+
+def make_scheduler(cfg: dict):
+    """ASHA early stopping on the run's metric, or None (FIFO: every trial runs to its stop criteria)."""
+    t = cfg["tune"]
+    if t["scheduler"] != "asha":
+        return None
+    from ray.tune.schedulers import ASHAScheduler
+
+    return ASHAScheduler(
+        time_attr="training_iteration", metric=t["metric"], mode=t["mode"],
+        max_t=cfg["stop"]["training_iteration"] or 10**6, grace_period=t["grace_period"],
+        reduction_factor=t["reduction_factor"],
+    )
+
+
+def make_wandb_callback(cfg: dict, name: str):
+    from ray.air.integrations.wandb import WandbLoggerCallback
+
+    online = os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") == "online"
+    mode = os.environ.get("WANDB_MODE") or ("online" if online else "offline")
+    os.environ["WANDB_MODE"] = mode  # Ray's callback reads it to skip the API-key check offline
+    print(f"W&B: logging every trial to project {os.environ.get('WANDB_PROJECT', cfg['tune']['wandb_project'])!r} "
+          f"({mode}{'; upload later with `wandb sync <trial dir>/wandb/offline-run-*`' if mode == 'offline' else ''})",
+          flush=True)
+    return WandbLoggerCallback(project=os.environ.get("WANDB_PROJECT", cfg["tune"]["wandb_project"]), group=name,
+                               mode=mode, excludes=["_model_config", "env_config", "learner_config_dict"])
 
 
 def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
@@ -98,13 +133,15 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
     storage = os.path.abspath(tune_cfg["storage_path"])
     name = tune_cfg["name"] or "run-" + time.strftime("%Y%m%d-%H%M%S")
     if not ray.is_initialized():
-        runtime_env = None
+        runtime_env, local = None, {}
         if not os.environ.get("RAY_ADDRESS"):
+            local = {"include_dashboard": tune_cfg["dashboard"]}
             # Local cluster: workers import `env` and `agents` from this checkout.
             path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
             runtime_env = {"env_vars": {"PYTHONPATH": path, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}}
-        ray.init(runtime_env=runtime_env, include_dashboard=False, logging_level="ERROR",
-                 log_to_driver=verbose)
+        context = ray.init(runtime_env=runtime_env, logging_level="ERROR", log_to_driver=verbose, **local)
+        if context.dashboard_url:
+            print(f"Ray dashboard: http://{context.dashboard_url}", flush=True)
 
     stop = {}
     stop_keys = {
@@ -118,13 +155,16 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
             stop[result_key] = cfg["stop"][key]
 
     progress = make_progress_callback()
+    callbacks = [progress]
+    if tune_cfg["wandb"] or os.environ.get("WANDB_PROJECT"):
+        callbacks.append(make_wandb_callback(cfg, name))
     ck = cfg["checkpoint"]
     run_config = tune.RunConfig(
         name=name,
         storage_path=storage,
         stop=stop,
         verbose=0,
-        callbacks=[progress],
+        callbacks=callbacks,
         checkpoint_config=tune.CheckpointConfig(
             checkpoint_frequency=ck["frequency"], checkpoint_at_end=ck["at_end"], num_to_keep=ck["num_to_keep"]
         ),
@@ -139,7 +179,8 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
             LMPPO,
             param_space=algorithm_config(cfg),
             tune_config=tune.TuneConfig(
-                num_samples=tune_cfg["num_samples"], max_concurrent_trials=tune_cfg["max_concurrent_trials"]
+                num_samples=tune_cfg["num_samples"], max_concurrent_trials=tune_cfg["max_concurrent_trials"],
+                scheduler=make_scheduler(cfg),
             ),
             run_config=run_config,
         )
@@ -167,8 +208,10 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float) -> int:
         if first and last:
             print(f"  trial {trial_id}: mean episode reward {first[1]:.3f} (iteration {first[0]}) -> "
                   f"{last[1]:.3f} (iteration {last[0]}), best {progress.best[trial_id]:.3f}")
-        if result.checkpoint:
+        if result.checkpoint and len(grid) == 1:
             print(f"  checkpoint: {result.checkpoint.path}")
+    if len(grid) > 1:
+        sweep_table(cfg, grid, progress, experiment)
     try:
         best = grid.get_best_result(metric=metric, mode=mode, filter_nan_and_inf=True)
     except RuntimeError:
@@ -182,6 +225,93 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float) -> int:
             print(f"    [reward {s['reward']:.3f}] {s['generation']}")
         print(f"  more: python -m agents.generate --checkpoint {best.checkpoint.path}")
     return 1 if failed == len(grid) else 0
+
+
+def _searched_training_keys(cfg: dict) -> list[tuple[str, str]]:
+    """(section, key) of the training/reward values the config searches over."""
+    from agents.config import _is_search_space
+
+    return [(sec, k) for sec in ("training", "reward") for k, v in cfg[sec].items() if _is_search_space(v)]
+
+
+def _trial_row(cfg: dict, result, progress) -> dict:
+    config = result.config or {}
+    sampler = (config.get("_model_config") or {}).get("sampler") or {"name": "none"}
+    from agents.config import SAMPLER_PARAMS
+
+    params = {k: sampler.get(k) for k in SAMPLER_PARAMS.get(sampler.get("name"), ())}
+    row = {
+        "trial": (result.metrics or {}).get("trial_id", "?"),
+        "seed": config.get("seed"),
+        "sampler": sampler.get("name", "none"),
+        "params": " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()),
+        "masking": sampler.get("masking", "-") if sampler.get("name", "none") != "none" else "-",
+    }
+    kl_keys = {"kl_coef": "coef", "kl_adaptive": "adaptive", "kl_target": "target", "kl_horizon": "horizon"}
+    for sec, key in _searched_training_keys(cfg):
+        value = config.get(key) if sec == "training" else (config.get("learner_config_dict") or {}).get("kl", {}).get(kl_keys[key])
+        row[key] = value
+    trial_id = row["trial"]
+    last = progress.last.get(trial_id)
+    masks = progress.mask.get(trial_id)
+    row.update({
+        "iterations": last[0] if last else None,
+        "final_reward": round(last[1], 4) if last else None,
+        "best_reward": round(progress.best[trial_id], 4) if trial_id in progress.best else None,
+        "mean_mask_size": round(sum(masks) / len(masks), 2) if masks else None,
+        "status": "error" if result.error else "ok",
+        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+    })
+    return row
+
+
+def sweep_table(cfg: dict, grid, progress, experiment: str) -> str:
+    """Writes every trial to summary.csv and prints the best setting per (sampler, masking).
+
+    Trials that differ only in their seed form one setting: its rewards are
+    averaged over seeds, and the spread of the final reward across seeds is shown.
+    """
+    rows = [_trial_row(cfg, r, progress) for r in grid]
+    path = os.path.join(experiment, "summary.csv")
+    os.makedirs(experiment, exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    searched = [k for _, k in _searched_training_keys(cfg)]
+    settings: dict[tuple, list] = {}
+    for row in rows:
+        if row["best_reward"] is not None:
+            key = (row["sampler"], row["masking"], row["params"], *(row.get(k) for k in searched))
+            settings.setdefault(key, []).append(row)
+    best: dict[tuple, tuple] = {}
+    for key, group in settings.items():
+        score = sum(r["best_reward"] for r in group) / len(group)
+        if key[:2] not in best or score > best[key[:2]][0]:
+            best[key[:2]] = (score, key, group)
+    header = ["sampler", "masking", "params", *searched, "seeds", "best_reward", "final_reward", "final_std",
+              "mean_mask_size"]
+    table = [header]
+    for score, key, group in sorted(best.values(), key=lambda b: -b[0]):
+        finals = [r["final_reward"] for r in group]
+        masks = [r["mean_mask_size"] for r in group if r["mean_mask_size"] is not None]
+        mean = sum(finals) / len(finals)
+        std = math.sqrt(sum((x - mean) ** 2 for x in finals) / (len(finals) - 1)) if len(finals) > 1 else None
+        table.append([_fmt(v) for v in (*key, len(group), score, mean, std, sum(masks) / len(masks) if masks else None)])
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    print("\n  best setting per sampler (rewards averaged over seeds):")
+    for r in table:
+        print("    " + "  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print(f"  all trials: {path}")
+    return path
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
 
 
 def main(argv=None) -> int:

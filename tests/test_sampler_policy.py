@@ -151,3 +151,14 @@ def test_learned_masking_syncs_exactly_every_sync_every_iterations(ray_local):
         assert state["num_updates"] == 5
     finally:
         algo.stop()
+
+
+def test_generation_from_a_masked_policy_respects_the_mask():
+    from agents.generate import generate
+
+    prompts = [None] * 4
+    sampled_top1 = generate(make_module({"name": "top_k", "k": 1}), ENV_CFG, prompts, seed=3)
+    greedy = generate(make_module(None), ENV_CFG, prompts, greedy=True, seed=3)
+    assert [r["generation"] for r in sampled_top1] == [r["generation"] for r in greedy]
+    unmasked = generate(make_module(None), ENV_CFG, prompts, seed=3)
+    assert [r["generation"] for r in unmasked] != [r["generation"] for r in greedy]

@@ -96,8 +96,12 @@ class LMPPOTorchLearner(PPOTorchLearner):
         entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
 
         total = masked_mean(-surrogate + config.vf_loss_coeff * vf_loss_clipped - entropy_coeff * entropy)
-        # Sampled-action estimate of KL(old || new): how far this update moved the policy.
-        approx_kl = masked_mean(batch[Columns.ACTION_LOGP] - logp).detach()
+        # Sampled-action estimate of KL(old || new): how far this update moved the policy. With
+        # `current` masking an action can fall outside the updated policy's mask (log-prob ~ -3e38,
+        # ratio 0): such steps are counted apart instead of making the estimate infinite.
+        log_gap = (batch[Columns.ACTION_LOGP] - logp).detach()
+        outside = (log_gap > 1e30).float()
+        approx_kl = masked_mean(torch.where(outside.bool(), 0.0, log_gap))
         self.metrics.log_dict(
             {
                 "policy_loss": -masked_mean(surrogate),
@@ -106,7 +110,8 @@ class LMPPOTorchLearner(PPOTorchLearner):
                 "entropy": masked_mean(entropy),
                 "mean_kl_loss": approx_kl,
                 "clip_fraction": masked_mean(((ratio - 1).abs() > config.clip_param).float()),
-                **({"mask_size": masked_mean(fwd_out[MASK_SIZE])} if MASK_SIZE in fwd_out else {}),
+                **({"mask_size": masked_mean(fwd_out[MASK_SIZE]), "actions_outside_mask": masked_mean(outside)}
+                   if MASK_SIZE in fwd_out else {}),
             },
             key=module_id,
             window=1,

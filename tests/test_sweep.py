@@ -1,0 +1,46 @@
+"""The sampler sweep, as the README runs it with a small budget: concurrent trials, dashboards, table."""
+import csv
+import glob
+import json
+import os
+import re
+
+from tests.conftest import run_module as run
+
+SMALL_BUDGET = ["--set", "stop.training_iteration=3", "--set", "tune.grace_period=1",
+                "--set", "training.train_batch_size=256", "--set", "training.minibatch_size=128"]
+
+
+def test_sampler_sweep_runs_trials_concurrently_with_event_files_wandb_and_summary(tmp_path):
+    samplers = "{grid_search: [{name: none}, {name: top_p, p: 0.9, masking: learned, sync_every: 2}, {name: mirostat, tau: 4.0}]}"
+    out = run("agents.train", "tune_configs/sampler_sweep.yaml", *SMALL_BUDGET,
+              "--set", f"sampler={samplers}", "--set", f"tune.storage_path={tmp_path}",
+              "--set", "tune.wandb=true", "--set", "generate.num_samples=0", timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"^Ray dashboard: http://\S+:\d+$", out.stdout, re.M)
+    assert "W&B: logging every trial" in out.stdout and "(offline" in out.stdout
+
+    trial_dirs = sorted(d for d in glob.glob(str(tmp_path / "sampler_sweep" / "LMPPO_*")) if os.path.isdir(d))
+    assert len(trial_dirs) == 6  # 3 samplers x 2 learning rates
+    spans = []
+    for d in trial_dirs:
+        assert glob.glob(os.path.join(d, "events.out.tfevents.*")), d  # TensorBoard
+        assert glob.glob(os.path.join(d, "wandb", "offline-run-*")), d  # W&B, offline, no API key
+        results = [json.loads(line) for line in open(os.path.join(d, "result.json"))]
+        spans.append((results[0]["timestamp"] - results[0]["time_this_iter_s"], results[-1]["timestamp"]))
+        learner = results[-1]["learners"]["default_policy"]
+        if "top_p" in d or "mirostat" in d:
+            assert 1 <= learner["mask_size"] <= 52  # mask size reaches the dashboards
+    # Several trials ran at the same time on the 2 cores.
+    spans.sort()
+    assert any(spans[i + 1][0] < spans[i][1] for i in range(len(spans) - 1)), spans
+
+    with open(tmp_path / "sampler_sweep" / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6
+    assert {r["sampler"] for r in rows} == {"none", "top_p", "mirostat"}
+    assert {float(r["lr"]) for r in rows} == {1e-3, 3e-4}
+    assert all(r["status"] == "ok" and r["best_reward"] for r in rows)
+    table = out.stdout.split("best setting per sampler")[1]
+    for name in ("none", "top_p", "mirostat"):
+        assert re.search(rf"^\s+{name}\s", table, re.M), table
