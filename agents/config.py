@@ -126,7 +126,9 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
     },
     "learners": {
         "num_learners": F(int, 0, **NONNEG_INT),
-        "num_cpus_per_learner": F(float, 1.0, lo=0.0),
+        # None: 1 without a GPU, 0 with one; with num_learners 0 the learner shares the
+        # trial's process and tune.num_cpus_per_trial (when set) is its share.
+        "num_cpus_per_learner": F(float, None, lo=0.0, optional=True),
         "num_gpus_per_learner": F(float, 0.0, lo=0.0),
     },
     "stop": {
@@ -139,6 +141,9 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "frequency": F(int, 10, **NONNEG_INT),
         "at_end": F(bool, True),
         "num_to_keep": F(int, 3, **POS_INT, optional=True),
+        # How often (seconds) the experiment's state, the record --resume starts from, is saved.
+        # A kill within this long of a checkpoint resumes from the checkpoint before it.
+        "state_every_s": F(float, 2.0, lo=0.0, lo_open=True),
     },
     "tune": {
         "name": F(str, None, optional=True),
@@ -146,6 +151,8 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "num_samples": F(int, 1, **POS_INT),
         "max_concurrent_trials": F(int, 1, **POS_INT),
         "num_cpus_per_trial": F(float, None, lo=0.0, lo_open=True, optional=True),
+        # Times a failed trial is restarted from its last checkpoint (lost node, killed process).
+        "max_failures": F(int, 0, **NONNEG_INT),
         "metric": F(str, "env_runners/episode_return_mean"),
         "mode": F(str, "max", choices=["max", "min"]),
         "scheduler": F(str, "fifo", choices=["fifo", "asha"]),
@@ -367,6 +374,18 @@ def _same_seed(spec) -> int:
     return spec.config["seed"]
 
 
+def learner_cpus(cfg: dict):
+    """RLlib's num_cpus_per_learner. RLlib reserves max(this, the main process's CPUs) for a
+    trial whose learner runs in its own process (num_learners 0), so there the trial's share
+    (tune.num_cpus_per_trial) must be this too, or fractional trials would take a whole CPU."""
+    lr = cfg["learners"]
+    if lr["num_cpus_per_learner"] is not None:
+        return lr["num_cpus_per_learner"]
+    if lr["num_learners"] == 0 and cfg["tune"]["num_cpus_per_trial"] is not None:
+        return cfg["tune"]["num_cpus_per_trial"]
+    return "auto"
+
+
 def algorithm_config(cfg: dict):
     """The RLlib AlgorithmConfig for a validated config (search spaces as Tune objects)."""
     from ray import tune
@@ -401,7 +420,7 @@ def algorithm_config(cfg: dict):
         )
         .learners(
             num_learners=lr["num_learners"],
-            num_cpus_per_learner=lr["num_cpus_per_learner"],
+            num_cpus_per_learner=learner_cpus(cfg),
             num_gpus_per_learner=lr["num_gpus_per_learner"],
             learner_config_dict={"kl": {
                 "coef": rw["kl_coef"], "adaptive": rw["kl_adaptive"],

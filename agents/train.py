@@ -118,8 +118,60 @@ def make_wandb_callback(cfg: dict, name: str):
     print(f"W&B: logging every trial to project {os.environ.get('WANDB_PROJECT', cfg['tune']['wandb_project'])!r} "
           f"({mode}{'; upload later with `wandb sync <trial dir>/wandb/offline-run-*`' if mode == 'offline' else ''})",
           flush=True)
-    return WandbLoggerCallback(project=os.environ.get("WANDB_PROJECT", cfg["tune"]["wandb_project"]), group=name,
-                               mode=mode, excludes=["_model_config", "env_config", "learner_config_dict"])
+    class TrialDirWandb(WandbLoggerCallback):
+        """W&B runs go straight into each trial's own folder when storage is local.
+
+        Ray starts the logging process in the trial's driver staging folder, which is copied
+        to storage when the trial ends; the last trials to end finish their W&B run after
+        that copy, so their offline runs would stay behind in Ray's session folder.
+        """
+
+        def log_trial_start(self, trial):
+            import pyarrow.fs
+
+            if isinstance(trial.storage.storage_filesystem, pyarrow.fs.LocalFileSystem):
+                os.makedirs(trial.path, exist_ok=True)
+                self.kwargs["dir"] = trial.path
+            else:
+                self.kwargs.pop("dir", None)
+            super().log_trial_start(trial)
+
+    return TrialDirWandb(project=os.environ.get("WANDB_PROJECT", cfg["tune"]["wandb_project"]), group=name,
+                         mode=mode, excludes=["_model_config", "env_config", "learner_config_dict"])
+
+
+def trial_resources(cfg: dict) -> dict:
+    """CPUs and GPUs one trial reserves (its process, EnvRunners, learners), as RLlib counts them."""
+    from agents.config import learner_cpus
+
+    er, lr = cfg["env_runners"], cfg["learners"]
+    per_learner = learner_cpus(cfg)
+    if per_learner == "auto":
+        per_learner = 0.0 if lr["num_gpus_per_learner"] else 1.0
+    main = cfg["tune"]["num_cpus_per_trial"] or 1.0
+    if lr["num_learners"] == 0:  # the learner lives in the trial's own process
+        cpus, gpus = max(main, per_learner), lr["num_gpus_per_learner"]
+    else:
+        cpus = main + lr["num_learners"] * per_learner
+        gpus = lr["num_learners"] * lr["num_gpus_per_learner"]
+    cpus += er["num_env_runners"] * er["num_cpus_per_env_runner"]
+    gpus += er["num_env_runners"] * er["num_gpus_per_env_runner"]
+    return {"CPU": cpus, "GPU": gpus}
+
+
+def check_trial_fits(cfg: dict, available: dict) -> None:
+    """Raises ValueError, naming the fields to change, when one trial needs more than `available`."""
+    need = trial_resources(cfg)
+    if need["CPU"] > available.get("CPU", 0) + 1e-9:
+        raise ValueError(
+            f"one trial needs {need['CPU']:g} CPUs (the trial's process, env_runners.num_env_runners x "
+            f"num_cpus_per_env_runner, learners.num_learners x num_cpus_per_learner) but this Ray instance has "
+            f"{available.get('CPU', 0):g}: lower env_runners.num_cpus_per_env_runner, learners.num_cpus_per_learner "
+            f"or tune.num_cpus_per_trial (fractions such as 0.25 are fine), or run on a cluster (RAY_ADDRESS)")
+    if need["GPU"] > available.get("GPU", 0) + 1e-9:
+        raise ValueError(
+            f"one trial needs {need['GPU']:g} GPUs (env_runners.num_gpus_per_env_runner, learners.num_gpus_per_learner)"
+            f" but this Ray instance has {available.get('GPU', 0):g}")
 
 
 def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
@@ -142,6 +194,8 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
         context = ray.init(runtime_env=runtime_env, logging_level="ERROR", log_to_driver=verbose, **local)
         if context.dashboard_url:
             print(f"Ray dashboard: http://{context.dashboard_url}", flush=True)
+        if local:  # a cluster this process started cannot grow: a trial that does not fit would wait forever
+            check_trial_fits(cfg, ray.cluster_resources())
 
     stop = {}
     stop_keys = {
@@ -159,12 +213,16 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
     if tune_cfg["wandb"] or os.environ.get("WANDB_PROJECT"):
         callbacks.append(make_wandb_callback(cfg, name))
     ck = cfg["checkpoint"]
+    # Tune saves its experiment state (which checkpoint each trial has) every 10 s or more by
+    # default; a driver killed inside that window would resume from stale state.
+    os.environ["TUNE_GLOBAL_CHECKPOINT_S"] = str(ck["state_every_s"])
     run_config = tune.RunConfig(
         name=name,
         storage_path=storage,
         stop=stop,
         verbose=0,
         callbacks=callbacks,
+        failure_config=tune.FailureConfig(max_failures=tune_cfg["max_failures"]),
         checkpoint_config=tune.CheckpointConfig(
             checkpoint_frequency=ck["frequency"], checkpoint_at_end=ck["at_end"], num_to_keep=ck["num_to_keep"]
         ),
@@ -174,6 +232,9 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
         if not tune.Tuner.can_restore(experiment):
             raise ValueError(f"--resume: no experiment to resume at {experiment}")
         tuner = tune.Tuner.restore(experiment, trainable=LMPPO, resume_errored=True)
+        # The restored run config carries the callbacks pickled at the start; print through this
+        # process's instead, so progress lines and the summary cover the resumed iterations.
+        tuner._local_tuner.get_run_config().callbacks = callbacks
     else:
         tuner = tune.Tuner(
             LMPPO,

@@ -44,7 +44,7 @@ class ReferenceKLPenalty(ConnectorV2):
     def __call__(self, *, rl_module, batch, episodes, **kwargs):
         self.last = {}
         for module_id, module_batch in batch.items():
-            module = rl_module[module_id]
+            module = rl_module[module_id].unwrapped()  # under DDP (several learners) the wrapper hides it
             if not hasattr(module, "reference_logp"):
                 continue
             kl = module_batch[Columns.ACTION_LOGP] - module.reference_logp(module_batch)

@@ -32,6 +32,21 @@ from agents.algorithms.sequence_batching import AddSequenceIds, sequence_minibat
 from agents.modules.actor_critic import MASK_SIZE
 
 
+def all_learners_kl(measured: dict) -> dict:
+    """The KL measurement over every learner's shard of the batch, not just this one's.
+
+    With several learners each sees part of the batch; the adaptive KL coefficient must
+    follow the whole batch's KL on all of them, or their coefficients (and losses) drift
+    apart. Without torch.distributed (one learner) the local measurement is the whole one.
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return measured
+    n = measured["n_sequences"]
+    totals = torch.tensor([measured["ref_kl"] * n, float(n)], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return {**measured, "ref_kl": float(totals[0] / totals[1]), "n_sequences": int(totals[1])}
+
 class LMPPOTorchLearner(PPOTorchLearner):
     def build(self) -> None:
         super().build()
@@ -51,12 +66,13 @@ class LMPPOTorchLearner(PPOTorchLearner):
         self.num_updates = 0  # gradient-based updates so far (one per training iteration)
 
     def _create_iterator_if_necessary(self, *, training_data, num_epochs=1, minibatch_size=None,
-                                      shuffle_batch_per_epoch=False, **kwargs):
+                                      shuffle_batch_per_epoch=False, num_total_minibatches=0, **kwargs):
         """Minibatches of whole sequences, so each sequence is forwarded once per minibatch."""
         if training_data.data_iterators:
             return super()._create_iterator_if_necessary(
                 training_data=training_data, num_epochs=num_epochs, minibatch_size=minibatch_size,
-                shuffle_batch_per_epoch=shuffle_batch_per_epoch, **kwargs)
+                shuffle_batch_per_epoch=shuffle_batch_per_epoch, num_total_minibatches=num_total_minibatches,
+                **kwargs)
         batch = self._make_batch_if_necessary(training_data=training_data)
         for module_id in list(batch.policy_batches):
             if not self.should_module_be_updated(module_id, batch):
@@ -64,7 +80,8 @@ class LMPPOTorchLearner(PPOTorchLearner):
         if not batch.policy_batches:
             return {}
         return sequence_minibatches(batch, num_epochs=num_epochs, minibatch_size=minibatch_size,
-                                    shuffle=shuffle_batch_per_epoch, rng=self._minibatch_rng)
+                                    shuffle=shuffle_batch_per_epoch, rng=self._minibatch_rng,
+                                    num_total_minibatches=num_total_minibatches)
 
     def configure_optimizers_for_module(self, module_id, config=None):
         params = [p for p in self.get_parameters(self._module[module_id]) if p.requires_grad]
@@ -135,6 +152,7 @@ class LMPPOTorchLearner(PPOTorchLearner):
         if self.kl_penalty is None:
             return
         for module_id, measured in self.kl_penalty.last.items():
+            measured = all_learners_kl(measured)
             coef_used = self.kl_penalty.controller.coef
             self.kl_penalty.controller.update(measured["ref_kl"], measured["n_sequences"])
             self.metrics.log_dict(

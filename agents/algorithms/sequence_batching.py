@@ -11,6 +11,8 @@ the module (`CausalLMActorCritic`) runs each sequence once per minibatch.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 import tree
@@ -37,41 +39,58 @@ class AddSequenceIds(ConnectorV2):
 
 
 def sequence_minibatches(batch: MultiAgentBatch, *, num_epochs: int, minibatch_size: int | None,
-                         shuffle: bool, rng: np.random.Generator):
+                         shuffle: bool, rng: np.random.Generator, num_total_minibatches: int = 0):
     """Yields `num_epochs` passes over `batch` in minibatches of whole sequences.
 
     A minibatch takes sequences until it holds at least `minibatch_size` steps
     (the last one of an epoch may be smaller). Without `seq_id` it falls back to
     contiguous row slices.
+
+    With several learners RLlib passes `num_total_minibatches`: every learner must
+    run exactly that many gradient steps (each one all-reduces gradients), whatever
+    its shard's size. Then the passes continue, reshuffled, until that many
+    minibatches were yielded, and stop there.
     """
-    for _ in range(num_epochs):
-        per_module = {}
-        for module_id, module_batch in batch.policy_batches.items():
-            rows = len(module_batch)
-            if SEQ_ID in module_batch:
-                seq_ids = module_batch[SEQ_ID].cpu().numpy()
-                starts = np.flatnonzero(np.r_[True, seq_ids[1:] != seq_ids[:-1]])
-                groups = np.split(np.arange(rows), starts[1:])
-            else:
-                groups = [np.arange(rows)[i:i + 1] for i in range(rows)]
-            order = rng.permutation(len(groups)) if shuffle else np.arange(len(groups))
-            chunks, current, size = [], [], 0
-            for g in order:
-                current.append(groups[g])
-                size += len(groups[g])
-                if minibatch_size and size >= minibatch_size:
-                    chunks.append(np.concatenate(current))
-                    current, size = [], 0
-            if current:
+    if num_total_minibatches > 0:
+        def passes():
+            while True:
+                yield from _one_pass(batch, minibatch_size=minibatch_size, shuffle=shuffle, rng=rng)
+
+        yield from itertools.islice(passes(), num_total_minibatches)
+    else:
+        for _ in range(num_epochs):
+            yield from _one_pass(batch, minibatch_size=minibatch_size, shuffle=shuffle, rng=rng)
+
+
+def _one_pass(batch: MultiAgentBatch, *, minibatch_size, shuffle, rng):
+    """One epoch: every sequence of every module once, in minibatches of whole sequences."""
+    per_module = {}
+    for module_id, module_batch in batch.policy_batches.items():
+        rows = len(module_batch)
+        if SEQ_ID in module_batch:
+            seq_ids = module_batch[SEQ_ID].cpu().numpy()
+            starts = np.flatnonzero(np.r_[True, seq_ids[1:] != seq_ids[:-1]])
+            groups = np.split(np.arange(rows), starts[1:])
+        else:
+            groups = [np.arange(rows)[i:i + 1] for i in range(rows)]
+        order = rng.permutation(len(groups)) if shuffle else np.arange(len(groups))
+        chunks, current, size = [], [], 0
+        for g in order:
+            current.append(groups[g])
+            size += len(groups[g])
+            if minibatch_size and size >= minibatch_size:
                 chunks.append(np.concatenate(current))
-            per_module[module_id] = (module_batch, chunks)
-        n = max(len(chunks) for _, chunks in per_module.values())
-        for i in range(n):
-            mini = {}
-            for module_id, (module_batch, chunks) in per_module.items():
-                idx = torch.as_tensor(chunks[i % len(chunks)])
-                mini[module_id] = SampleBatch(
-                    tree.map_structure(lambda v: v[idx.to(v.device)] if torch.is_tensor(v) else v[idx.numpy()],
-                                       dict(module_batch))
-                )
-            yield MultiAgentBatch(mini, env_steps=max(len(b) for b in mini.values()))
+                current, size = [], 0
+        if current:
+            chunks.append(np.concatenate(current))
+        per_module[module_id] = (module_batch, chunks)
+    n = max(len(chunks) for _, chunks in per_module.values())
+    for i in range(n):
+        mini = {}
+        for module_id, (module_batch, chunks) in per_module.items():
+            idx = torch.as_tensor(chunks[i % len(chunks)])
+            mini[module_id] = SampleBatch(
+                tree.map_structure(lambda v: v[idx.to(v.device)] if torch.is_tensor(v) else v[idx.numpy()],
+                                   dict(module_batch))
+            )
+        yield MultiAgentBatch(mini, env_steps=max(len(b) for b in mini.values()))
