@@ -95,6 +95,72 @@ def make_progress_callback():
     return ProgressPrinter()
 
 
+def drop_iterations_from(trial_dir: str, first: int) -> bool:
+    """Removes the rows of iteration `first` and later from a trial's result.json and
+    progress.csv; True if there were any. A trial restored from a checkpoint repeats the
+    iterations after it, and its curve must not show them twice."""
+    import csv
+    import json
+
+    dropped = False
+    path = os.path.join(trial_dir, "result.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            lines = [line for line in f if line.strip()]
+        keep = [line for line in lines if json.loads(line).get("training_iteration", 0) < first]
+        if len(keep) < len(lines):
+            dropped = True
+            with open(path, "w") as f:  # Tune's logger appends (O_APPEND): it goes on after these
+                f.writelines(keep)
+    path = os.path.join(trial_dir, "progress.csv")
+    if os.path.isfile(path):
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))
+        if rows and "training_iteration" in rows[0]:
+            col = rows[0].index("training_iteration")
+            keep = [rows[0]] + [r for r in rows[1:] if r and int(float(r[col])) < first]
+            if len(keep) < len(rows):
+                dropped = True
+                with open(path, "w", newline="") as f:
+                    csv.writer(f).writerows(keep)
+    return dropped
+
+
+def make_curve_logger():
+    from ray.tune.logger import TBXLoggerCallback
+
+    class ContinuousCurves(TBXLoggerCallback):
+        """Tune's TensorBoard logger, and a restored trial's curves without repeated iterations.
+
+        When a trial comes back from a checkpoint (a retry, or `--resume` in a new driver)
+        its first result repeats an iteration already logged: the rows from there on are
+        dropped from result.json and progress.csv before Tune's loggers append, and the
+        TensorBoard writer is reopened with `purge_step`, which hides the old events from
+        that step on.
+        """
+
+        def __init__(self):
+            super().__init__()
+            self._last_iteration = {}
+
+        def log_trial_result(self, iteration, trial, result):
+            n = result.get("training_iteration")
+            last = self._last_iteration.get(trial)
+            if n is not None and (last is None or n <= last):
+                if drop_iterations_from(trial.local_path, n) or (last is not None and n <= last):
+                    if trial in self._trial_writer:
+                        self._trial_writer[trial].close()
+                    trial.init_local_path()
+                    self._trial_writer[trial] = self._summary_writer_cls(
+                        trial.local_path, flush_secs=30, purge_step=n)
+                    self._trial_result[trial] = {}
+            if n is not None:
+                self._last_iteration[trial] = n
+            super().log_trial_result(iteration, trial, result)
+
+    return ContinuousCurves()
+
+
 def make_scheduler(cfg: dict):
     """ASHA early stopping on the run's metric, or None (FIFO: every trial runs to its stop criteria)."""
     t = cfg["tune"]
@@ -209,7 +275,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
             stop[result_key] = cfg["stop"][key]
 
     progress = make_progress_callback()
-    callbacks = [progress]
+    callbacks = [progress, make_curve_logger()]
     if tune_cfg["wandb"] or os.environ.get("WANDB_PROJECT"):
         callbacks.append(make_wandb_callback(cfg, name))
     ck = cfg["checkpoint"]

@@ -31,3 +31,20 @@ def ray_local():
                  runtime_env={"env_vars": {"PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}})
     yield ray
     ray.shutdown()
+
+
+def logged_iterations(trial_dir: str) -> dict[str, list[int]]:
+    """The training iterations a trial's result.json, progress.csv and TensorBoard show, in order."""
+    import csv
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with open(os.path.join(trial_dir, "result.json")) as f:
+        from_json = [json.loads(line)["training_iteration"] for line in f if line.strip()]
+    with open(os.path.join(trial_dir, "progress.csv"), newline="") as f:
+        from_csv = [int(row["training_iteration"]) for row in csv.DictReader(f)]
+    events = EventAccumulator(trial_dir, size_guidance={"scalars": 0}).Reload()
+    tag = "ray/tune/env_runners/episode_return_mean"
+    return {"result.json": from_json, "progress.csv": from_csv,
+            "tensorboard": [e.step for e in events.Scalars(tag)]}

@@ -1,4 +1,5 @@
 """Scale-out and fault tolerance: several EnvRunners and learners, a killed EnvRunner, a killed trial."""
+import glob
 import os
 import re
 import signal
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from agents.config import algorithm_config, load
-from tests.conftest import QUICKSTART, ROOT, run_module as run
+from tests.conftest import QUICKSTART, ROOT, logged_iterations, run_module as run
 
 SMALL = ["training.train_batch_size=512", "training.minibatch_size=128", "env_runners.num_envs_per_env_runner=8"]
 
@@ -172,6 +173,9 @@ def test_a_failed_trial_is_retried_from_its_last_checkpoint(tmp_path):
     assert iterations[:restart] == list(range(1, restart + 1)), iterations
     assert iterations[restart] in (3, 5) and iterations[restart:] == list(range(iterations[restart], 8)), iterations
     assert "FAILED" not in out
+    (trial_dir,) = [d for d in glob.glob(str(tmp_path / "retry" / "LMPPO_*")) if os.path.isdir(d)]
+    for where, its in logged_iterations(trial_dir).items():
+        assert its == list(range(1, 8)), (where, its)
 
 
 def test_sequence_minibatches_give_every_learner_the_step_count_rllib_asks_for():

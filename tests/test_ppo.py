@@ -74,7 +74,7 @@ def test_killed_driver_resumes_from_its_last_checkpoint_without_resetting_the_po
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.conftest import ROOT, logged_iterations
 
     args = [QUICKSTART, "--set", "stop.training_iteration=8", "--set", "checkpoint.frequency=2",
             "--set", f"tune.storage_path={tmp_path}", "--set", "tune.name=resume", "--set", "generate.num_samples=0",
@@ -106,3 +106,7 @@ def test_killed_driver_resumes_from_its_last_checkpoint_without_resetting_the_po
     # The restored policy is the trained one: a policy reset to the reference would start near KL 0.
     assert after[0][1] > 0.5 * before[iterations[0] - 2][1] > 0, (before, after)
     assert "mean episode reward" in out.stdout
+    # The curve users look at has each iteration once: the repeated ones replaced the lost ones.
+    (trial_dir,) = [d for d in glob.glob(str(tmp_path / "resume" / "LMPPO_*")) if os.path.isdir(d)]
+    for where, its in logged_iterations(trial_dir).items():
+        assert its == list(range(1, 9)), (where, its)
