@@ -1,0 +1,312 @@
+"""The reward registry, its config checks and the guard every built reward runs behind.
+
+A reward is `reward(prompts, generations, metas) -> list[float]` (batched, pure).
+Rewards that compare with references read them from each example's meta:
+`meta["references"]` (a list of strings) or `meta["reference"]` (one string).
+Rewards that need a source other than the prompt (MMI) read `meta["source"]`.
+
+`make_reward(spec)` builds one from a config mapping:
+
+    {name: bleu, tokenize: intl}                       one reward and its fields
+    {sum: [{name: bleu, weight: 0.5},
+           {name: vader, weight: 0.5}]}                a weighted sum (terms may be sums)
+
+Building checks the spec (names, fields, field types and values) and loads no
+model: models load on the first call (or on `.load()`), once per process.
+Config mistakes raise `RewardConfigError`, one line naming the field
+(`reward.sum[1].weight: missing ...`). A reward that raises, returns the wrong
+number of values or a NaN/inf raises `RewardError` naming the reward and the
+generation (and prompt) that caused it.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import math
+
+
+class RewardConfigError(ValueError):
+    """A reward config problem, one line naming the field (agents.config re-raises it as ConfigError)."""
+
+
+class FieldError(ValueError):
+    """Raised by a reward's constructor for a bad value of one of its fields."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+class RewardError(ValueError):
+    """A reward failed or returned a non-finite value; the message names the reward and the text."""
+
+
+REWARDS: dict[str, object] = {}  # name -> factory (a class, or a function returning a reward)
+
+
+def register(name: str, factory=None):
+    """Registers `factory(**fields) -> reward` under `name` (usable as a class decorator)."""
+    def add(f):
+        old = REWARDS.get(name)
+        same = old is not None and (getattr(old, "__module__", None), getattr(old, "__qualname__", None)) == (
+            getattr(f, "__module__", None), getattr(f, "__qualname__", None))
+        if old is not None and not same:  # the same definition again is a module reload
+            raise ValueError(f"reward {name!r} is already registered")
+        REWARDS[name] = f
+        return f
+    return add(factory) if factory is not None else add
+
+
+def register_function(name: str, fn):
+    """Registers a plain reward function; its keyword-only parameters become its config fields."""
+    params = [p for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+
+    def factory(**fields):
+        return _BoundFunction(fn, name, fields)
+
+    factory.__signature__ = inspect.Signature(params)
+    factory.__doc__ = fn.__doc__
+    return register(name, factory)
+
+
+class _BoundFunction:
+    def __init__(self, fn, name, fields):
+        self.fn, self.name, self.fields = fn, name, fields
+
+    def __call__(self, prompts, generations, metas):
+        return self.fn(prompts, generations, metas, **self.fields)
+
+
+# -- helpers for reward implementations ------------------------------------------------
+
+def references_of(meta: dict) -> list[str]:
+    """The reference texts of one example: `meta["references"]` (list) or `meta["reference"]` (str)."""
+    refs = (meta or {}).get("references", (meta or {}).get("reference"))
+    if refs is None:
+        raise ValueError("needs references: the example's meta has no 'references' (a list of strings) "
+                         "or 'reference' (a string)")
+    if isinstance(refs, str):
+        refs = [refs]
+    refs = list(refs)
+    if not refs or not all(isinstance(r, str) for r in refs):
+        raise ValueError(f"meta['references'] must be a non-empty list of strings, got {refs!r}")
+    return refs
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def check_choice(field: str, value, choices) -> None:
+    if value not in choices:
+        raise FieldError(field, f"expected one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+
+
+def check_positive(field: str, value) -> None:
+    if value <= 0:
+        raise FieldError(field, f"expected a number > 0, got {value!r}")
+
+
+# -- the guard ---------------------------------------------------------------------------
+
+class CheckedReward:
+    """Runs a reward and refuses what must not reach training: exceptions, wrong counts, NaN/inf.
+
+    Errors name the reward (`label`) and the generation that caused them. When a batch
+    raises, each example is scored alone to find the one that fails.
+    """
+
+    def __init__(self, reward, label: str):
+        self.reward, self.label = reward, label
+        self.name = getattr(reward, "name", label)
+        self.higher_is_better = getattr(reward, "higher_is_better", True)
+        self._loaded = False
+
+    def load(self):
+        """Loads the reward's models now (else the first call does)."""
+        if not self._loaded:
+            loader = getattr(self.reward, "load", None)
+            if loader is not None:
+                try:
+                    loader()
+                except RewardError:
+                    raise
+                except Exception as e:
+                    raise RewardError(f"reward {self.label}: could not load its model: "
+                                      f"{type(e).__name__}: {e}") from e
+            self._loaded = True
+        return self
+
+    def __call__(self, prompts, generations, metas=None) -> list[float]:
+        prompts, generations = list(prompts), list(generations)
+        metas = [{} for _ in generations] if metas is None else [m if m is not None else {} for m in metas]
+        if not len(prompts) == len(generations) == len(metas):
+            raise RewardError(f"reward {self.label}: got {len(prompts)} prompts, {len(generations)} generations "
+                              f"and {len(metas)} metas; they must be equally many")
+        if not generations:
+            return []
+        self.load()
+        try:
+            values = list(self.reward(prompts, generations, metas))
+        except RewardError:
+            raise  # a term of a sum, already named
+        except Exception as e:
+            raise self._blame(e, prompts, generations, metas) from e
+        if len(values) != len(generations):
+            raise RewardError(f"reward {self.label}: returned {len(values)} values for {len(generations)} "
+                              f"generations (first: {generations[0]!r})")
+        out = []
+        for value, prompt, text in zip(values, prompts, generations):
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise RewardError(f"reward {self.label}: returned {value!r}, not a number, for generation "
+                                  f"{text!r} (prompt {prompt!r})") from None
+            if not math.isfinite(value):
+                raise RewardError(f"reward {self.label}: returned {value} for generation {text!r} "
+                                  f"(prompt {prompt!r})")
+            out.append(value)
+        return out
+
+    def _blame(self, error, prompts, generations, metas) -> RewardError:
+        for prompt, text, meta in zip(prompts, generations, metas):
+            try:
+                self.reward([prompt], [text], [meta])
+            except Exception as e:
+                return RewardError(f"reward {self.label}: failed on generation {text!r} (prompt {prompt!r}): "
+                                   f"{type(e).__name__}: {e}")
+        return RewardError(f"reward {self.label}: failed on a batch of {len(generations)} generations, though "
+                           f"each scores alone (first: {generations[0]!r}): {type(error).__name__}: {error}")
+
+    def __repr__(self):
+        return f"CheckedReward({self.label})"
+
+
+class WeightedSum:
+    """sum_i weight_i * reward_i, each term a `CheckedReward` (so a failing term is named)."""
+
+    name = "sum"
+
+    def __init__(self, terms: list[tuple[float, CheckedReward]]):
+        self.terms = terms
+
+    def load(self):
+        for _, reward in self.terms:
+            reward.load()
+
+    def __call__(self, prompts, generations, metas):
+        total = [0.0] * len(generations)
+        for weight, reward in self.terms:
+            for i, value in enumerate(reward(prompts, generations, metas)):
+                total[i] += weight * value
+        return total
+
+
+# -- building from a config -----------------------------------------------------------
+
+_SIMPLE_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def _fields(factory) -> dict[str, inspect.Parameter]:
+    sig = inspect.signature(factory)
+    return {p.name: p for p in sig.parameters.values()
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"}
+
+
+def _check_type(path: str, annotation, value):
+    """Checks values against simple annotations ('float', 'str | None', ...); others pass through."""
+    if not isinstance(annotation, str):
+        annotation = getattr(annotation, "__name__", str(annotation))
+    parts = [p.strip() for p in annotation.split("|")]
+    optional = "None" in parts
+    kinds = [p for p in parts if p != "None"]
+    if value is None:
+        if optional:
+            return None
+        if all(k in _SIMPLE_TYPES for k in kinds):
+            raise RewardConfigError(f"{path}: expected {' or '.join(kinds)}, got null")
+        return None
+    if not kinds or not all(k in _SIMPLE_TYPES for k in kinds):
+        return value
+    for kind in kinds:
+        t = _SIMPLE_TYPES[kind]
+        if t is float and isinstance(value, str):
+            try:  # YAML 1.1 reads "1e-3" as a string
+                value = float(value)
+            except ValueError:
+                continue
+        if t is bool and isinstance(value, bool):
+            return value
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if math.isfinite(value):
+                return float(value)
+        if t is str and isinstance(value, str):
+            return value
+    names = {"bool": "true or false", "int": "an integer", "float": "a finite number", "str": "a string"}
+    raise RewardConfigError(f"{path}: expected {' or '.join(names[k] for k in kinds)}, got {value!r}")
+
+
+def _unknown(path: str, key: str, known, what: str) -> RewardConfigError:
+    hint = difflib.get_close_matches(key, list(known), n=1)
+    suffix = f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(sorted(known)) or 'none'})"
+    return RewardConfigError(f"{path}.{key}: unknown {what}{suffix}")
+
+
+def make_reward(spec, path: str = "reward") -> CheckedReward:
+    """Builds a reward from its config mapping (see the module docstring). Loads no model."""
+    if isinstance(spec, str):
+        spec = {"name": spec}
+    if not isinstance(spec, dict):
+        raise RewardConfigError(f"{path}: expected a mapping like {{name: bleu}} or {{sum: [...]}}, got {spec!r}")
+    if "sum" in spec:
+        extra = [k for k in spec if k != "sum"]
+        if extra:
+            raise RewardConfigError(f"{path}.{extra[0]}: a sum takes only 'sum' (put fields on its terms)")
+        terms = spec["sum"]
+        if not isinstance(terms, list) or not terms:
+            raise RewardConfigError(f"{path}.sum: expected a non-empty list of {{name: ..., weight: ...}}, "
+                                    f"got {terms!r}")
+        built = []
+        for i, term in enumerate(terms):
+            where = f"{path}.sum[{i}]"
+            if not isinstance(term, dict):
+                raise RewardConfigError(f"{where}: expected a mapping {{name: ..., weight: ...}}, got {term!r}")
+            if "weight" not in term:
+                raise RewardConfigError(f"{where}.weight: missing (every term of a sum needs a weight)")
+            weight = _check_type(f"{where}.weight", "float", term["weight"])
+            rest = {k: v for k, v in term.items() if k != "weight"}
+            built.append((weight, make_reward(rest, where)))
+        return CheckedReward(WeightedSum(built), f"'sum' ({path})")
+    if "name" not in spec:
+        raise RewardConfigError(f"{path}.name: missing (one of {', '.join(sorted(REWARDS))}, or give 'sum')")
+    name = spec["name"]
+    if name not in REWARDS:
+        hint = difflib.get_close_matches(str(name), list(REWARDS), n=1)
+        suffix = f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(sorted(REWARDS))})"
+        raise RewardConfigError(f"{path}.name: unknown reward {name!r}{suffix}")
+    factory = REWARDS[name]
+    aliases = getattr(factory, "FIELD_ALIASES", {})  # YAML key -> parameter (e.g. lambda -> lambda_)
+    params = _fields(factory)
+    back = {v: k for k, v in aliases.items()}
+    known = {back.get(p, p) for p in params}
+    kwargs = {}
+    for key, value in spec.items():
+        if key == "name":
+            continue
+        if key not in known:
+            raise _unknown(path, key, known, f"field of reward {name!r}")
+        param = aliases.get(key, key)
+        kwargs[param] = _check_type(f"{path}.{key}", params[param].annotation, value)
+    for param, p in params.items():
+        if p.default is inspect.Parameter.empty and param not in kwargs:
+            raise RewardConfigError(f"{path}.{back.get(param, param)}: missing (the {name!r} reward needs it)")
+    try:
+        reward = factory(**kwargs)
+    except FieldError as e:
+        raise RewardConfigError(f"{path}.{back.get(e.field, e.field)}: {e.message}") from None
+    return CheckedReward(reward, f"{name!r} ({path})")
