@@ -69,7 +69,7 @@ F = Field
 POS_INT, NONNEG_INT = dict(lo=1), dict(lo=0)
 
 SCHEMA: dict[str, dict[str, Field] | Field] = {
-    "algorithm": F(str, "ppo", choices=["ppo"]),
+    "algorithm": F(str, "ppo", choices=["ppo", "a3c"]),
     "seed": F(int, 0, **NONNEG_INT),
     "task": {  # extra keys are passed to the task; its constructor checks them
         "name": F(str, "increasing_numbers"),
@@ -391,6 +391,7 @@ def algorithm_config(cfg: dict):
     from ray import tune
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
+    from agents.algorithms.a3c import A3CConfig
     from agents.algorithms.ppo import LMPPOConfig
     from agents.modules import CausalLMActorCritic
     from env.text_env import TokenGenerationEnv
@@ -406,7 +407,7 @@ def algorithm_config(cfg: dict):
     model_config = {"model": c["model"], "env": env_cfg, "seed": module_seed, "reference_model": use_ref,
                     "sampler": c["sampler"]}
     config = (
-        LMPPOConfig()
+        {"ppo": LMPPOConfig, "a3c": A3CConfig}[cfg["algorithm"]]()
         .environment(TokenGenerationEnv, env_config=env_cfg)
         .env_runners(
             num_env_runners=er["num_env_runners"],

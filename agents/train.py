@@ -244,7 +244,6 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
     import ray
     from ray import tune
 
-    from agents.algorithms.ppo import LMPPO
     from agents.config import algorithm_config
 
     tune_cfg = cfg["tune"]
@@ -294,17 +293,19 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
         ),
     )
     experiment = os.path.join(storage, name)
+    param_space = algorithm_config(cfg)
+    trainable = param_space.algo_class  # LMPPO or A3C: Tune gets the class, not a registered name
     if resume:
         if not tune.Tuner.can_restore(experiment):
             raise ValueError(f"--resume: no experiment to resume at {experiment}")
-        tuner = tune.Tuner.restore(experiment, trainable=LMPPO, resume_errored=True)
+        tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_errored=True)
         # The restored run config carries the callbacks pickled at the start; print through this
         # process's instead, so progress lines and the summary cover the resumed iterations.
         tuner._local_tuner.get_run_config().callbacks = callbacks
     else:
         tuner = tune.Tuner(
-            LMPPO,
-            param_space=algorithm_config(cfg),
+            trainable,
+            param_space=param_space,
             tune_config=tune.TuneConfig(
                 num_samples=tune_cfg["num_samples"], max_concurrent_trials=tune_cfg["max_concurrent_trials"],
                 scheduler=make_scheduler(cfg),

@@ -1,0 +1,152 @@
+"""A3C: asynchronous advantage actor-critic on RLlib's new API stack.
+
+RLlib 2.60 ships no A3C (A2C/A3C were removed; IMPALA and APPO refuse
+`vtrace=False`), so this is one, built from the same pieces as PPO here: the
+`CausalLMActorCritic` module, the learner connector that adds the KL penalty
+and GAE advantages, and whole-sequence batching.
+
+How it runs. Every EnvRunner always has one `sample()` request in flight and
+samples with whatever weights it last received. Each time one returns, the
+learner takes one gradient step on that batch alone (no epochs, no
+minibatches, no importance ratio, no clipping) and sends the new weights back
+to that EnvRunner only, without waiting; the others keep sampling. No
+iteration waits for all EnvRunners: a slow one delays only its own next batch.
+A training iteration ends once `training.train_batch_size` env steps were
+sampled in it (`min_sample_timesteps_per_iteration`). With no remote
+EnvRunners (`num_env_runners: 0`) the trial's own process samples and learns
+in turn, which is synchronous advantage actor-critic (A2C).
+
+How it differs from the 2016 A3C (Mnih et al.). There, Hogwild! workers each
+compute gradients on their own copy and apply them lock-free to shared
+parameters in one machine's memory. Here the EnvRunners only act; gradients
+are computed on the learner(s). Ray processes share no memory, so shipping
+gradients from workers would cost as much as shipping the samples while a
+transformer's backward pass belongs on the learner's GPU, not on the
+inference-only EnvRunners (which keep no value head or reference model).
+Staleness is the same in kind: a batch may come from weights a few updates
+old, and A3C's loss ignores it, as the original does.
+
+The loss, per token, masked to real steps and averaged:
+    -log pi(a|s) * A  +  vf_loss_coeff * (V(s) - R)^2  -  entropy_coeff * H(pi(.|s))
+with A and R from GAE over the KL-penalised rewards (lambda = 1 gives the
+Monte-Carlo return R_t = sum of rewards to the episode's end, the A3C n-step
+return with n covering the whole generation); RLlib's GAE connector
+standardises A over the batch.
+"""
+from __future__ import annotations
+
+from ray.rllib.core.columns import Columns
+from ray.rllib.evaluation.postprocessing import Postprocessing
+from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, LEARNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME
+from ray.rllib.utils.torch_utils import explained_variance
+
+from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner
+from agents.modules.actor_critic import MASK_SIZE
+
+SAMPLE_TAG = "a3c_sample"
+POLL_S = 0.05  # how long one training_step waits for some EnvRunner to return
+
+
+def _sample(env_runner):
+    """One batch from an EnvRunner, with its metrics (runs on the EnvRunner)."""
+    return env_runner.sample(), env_runner.get_metrics()
+
+
+class A3CTorchLearner(LMPPOTorchLearner):
+    def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
+        module = self.module[module_id].unwrapped()
+        mask = batch.get(Columns.LOSS_MASK)
+
+        def masked_mean(x):
+            return x[mask].sum() / mask.sum() if mask is not None else x.mean()
+
+        dist = module.get_train_action_dist_cls().from_logits(fwd_out[Columns.ACTION_DIST_INPUTS])
+        logp = dist.logp(batch[Columns.ACTIONS])
+        adv = batch[Postprocessing.ADVANTAGES]
+        entropy = dist.entropy()
+        values = module.compute_values(batch, embeddings=fwd_out.get(Columns.EMBEDDINGS))
+        targets = batch[Postprocessing.VALUE_TARGETS]
+        vf_loss = (values - targets).pow(2)
+        entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
+        policy_loss = -logp * adv
+        total = masked_mean(policy_loss + config.vf_loss_coeff * vf_loss - entropy_coeff * entropy)
+        # How stale the batch was: log-prob gap between the acting weights and these ones.
+        log_gap = (batch[Columns.ACTION_LOGP] - logp).detach()
+        outside = log_gap > 1e30  # an action outside the current mask (current masking)
+        self.metrics.log_dict(
+            {
+                "policy_loss": masked_mean(policy_loss),
+                "vf_loss": masked_mean(vf_loss),
+                "vf_explained_var": explained_variance(targets, values),
+                "entropy": masked_mean(entropy),
+                "mean_kl_loss": masked_mean(log_gap.masked_fill(outside, 0.0)),
+                **({"mask_size": masked_mean(fwd_out[MASK_SIZE]), "actions_outside_mask": masked_mean(outside.float())}
+                   if MASK_SIZE in fwd_out else {}),
+            },
+            key=module_id,
+            window=1,
+        )
+        return total
+
+
+class A3CConfig(LMPPOConfig):
+    """LMPPOConfig with A3C's algorithm and learner; one gradient step per arriving batch."""
+
+    def __init__(self, algo_class=None):
+        super().__init__(algo_class=algo_class or A3C)
+        self._learner_class = A3CTorchLearner
+        self.num_epochs = 1
+        self.minibatch_size = None
+        self.max_requests_in_flight_per_env_runner = 1
+
+    def get_default_learner_class(self):
+        return A3CTorchLearner
+
+    def validate(self):
+        # Each arriving batch is one gradient step; an iteration is train_batch_size env steps.
+        self.min_sample_timesteps_per_iteration = self.train_batch_size
+        self.num_epochs, self.minibatch_size = 1, None
+        super().validate()
+
+
+class A3C(LMPPO):
+    @classmethod
+    def get_default_config(cls):
+        return A3CConfig()
+
+    def setup(self, config):
+        super().setup(config)
+        self.updates_by_env_runner = {}  # EnvRunner id (None: local) -> gradient steps on its batches
+
+    def training_step(self) -> None:
+        group = self.env_runner_group
+        if group.num_remote_workers() == 0:  # A2C: sample here, then learn
+            self._learn([(None, (self.env_runner.sample(), self.env_runner.get_metrics()))])
+            self.env_runner_group.sync_weights(from_worker_or_learner_group=self.learner_group, inference_only=True)
+            return
+        # Re-arm every EnvRunner that has no request in flight; collect those that finished.
+        # A short wait, not "until all are back": that would be a barrier.
+        ready = group.foreach_env_runner_async_fetch_ready(
+            func=_sample, tag=SAMPLE_TAG, timeout_seconds=POLL_S, return_actor_ids=True)
+        self._learn(ready)
+
+    def _learn(self, ready) -> None:
+        for runner_id, (episodes, runner_metrics) in ready:
+            self.metrics.aggregate([runner_metrics], key=ENV_RUNNER_RESULTS)
+            if not episodes:
+                continue
+            results = self.learner_group.update(
+                episodes=episodes,
+                timesteps={NUM_ENV_STEPS_SAMPLED_LIFETIME: self.metrics.peek(
+                    (ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0)},
+                num_epochs=1,
+                minibatch_size=None,
+            )
+            self.metrics.aggregate(results, key=LEARNER_RESULTS)
+            self.metrics.log_value("num_async_updates", 1, reduce="sum", clear_on_reduce=True)
+            self.updates_by_env_runner[runner_id] = self.updates_by_env_runner.get(runner_id, 0) + 1
+            if runner_id is not None:  # new weights to the EnvRunner that sent this batch, no waiting
+                self.env_runner_group.sync_weights(
+                    from_worker_or_learner_group=self.learner_group, to_worker_indices=[runner_id],
+                    inference_only=True, timeout_seconds=0)
+
