@@ -123,9 +123,6 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "num_cpus_per_env_runner": F(float, 1.0, lo=0.0),
         "num_gpus_per_env_runner": F(float, 0.0, lo=0.0),
         "max_restarts": F(int, 3, **NONNEG_INT),
-        # Env steps per env in one sample() call (None: RLlib's "auto", train_batch_size split
-        # over EnvRunners and envs). A3C takes one gradient step per sample() that returns.
-        "rollout_fragment_length": F(int, None, **POS_INT, optional=True),
     },
     "learners": {
         "num_learners": F(int, 0, **NONNEG_INT),
@@ -297,9 +294,6 @@ def _check_cross_fields(cfg: dict):
         )
     if cfg["reward"]["kl_adaptive"] and _plain(cfg["reward"]["kl_coef"]) == 0.0:
         raise ConfigError("reward.kl_adaptive: needs reward.kl_coef > 0 to adapt from")
-    if cfg["env_runners"]["rollout_fragment_length"] is not None and cfg["algorithm"] != "a3c":
-        raise ConfigError("env_runners.rollout_fragment_length: only algorithm a3c uses it "
-                          f"({cfg['algorithm']} splits training.train_batch_size over the EnvRunners itself)")
     stop = cfg["stop"]
     if all(v is None for v in stop.values()):
         raise ConfigError("stop: give at least one of " + ", ".join(stop))
@@ -421,7 +415,6 @@ def algorithm_config(cfg: dict):
             num_cpus_per_env_runner=er["num_cpus_per_env_runner"],
             num_gpus_per_env_runner=er["num_gpus_per_env_runner"],
             batch_mode="complete_episodes",
-            rollout_fragment_length=er["rollout_fragment_length"] or "auto",
         )
         .fault_tolerance(
             restart_failed_env_runners=True, max_num_env_runner_restarts=er["max_restarts"]

@@ -102,9 +102,6 @@ class A3CConfig(LMPPOConfig):
     def get_default_learner_class(self):
         return A3CTorchLearner
 
-    def validate_train_batch_size_vs_rollout_fragment_length(self):
-        """No check: an A3C batch is whatever one sample() returns, not a share of train_batch_size."""
-
     def validate(self):
         # Each arriving batch is one gradient step; an iteration is train_batch_size env steps.
         self.min_sample_timesteps_per_iteration = self.train_batch_size
