@@ -69,7 +69,7 @@ F = Field
 POS_INT, NONNEG_INT = dict(lo=1), dict(lo=0)
 
 SCHEMA: dict[str, dict[str, Field] | Field] = {
-    "algorithm": F(str, "ppo", choices=["ppo", "a3c"]),
+    "algorithm": F(str, "ppo", choices=["ppo", "a3c", "dqn"]),
     "seed": F(int, 0, **NONNEG_INT),
     "task": {  # extra keys are passed to the task; its constructor checks them
         "name": F(str, "increasing_numbers"),
@@ -116,6 +116,39 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "vf_clip_param": F(float, 10.0, lo=0.0, lo_open=True),
         "entropy_coeff": F(float, 0.0, lo=0.0),
         "grad_clip": F(float, 1.0, lo=0.0, lo_open=True, optional=True),
+    },
+    "dqn": {  # algorithm: dqn only (agents/algorithms/dqn.py, agents/modules/q_network.py)
+        "head": F(str, "logits", choices=["logits", "mlp"]),
+        "mlp_hidden": F(int, 64, **POS_INT),
+        "dueling": F(bool, False),
+        "double_q": F(bool, True),
+        "n_step": F(int, 1, **POS_INT),
+        # With n_step_max, each replayed step draws n uniformly from n_step..n_step_max; steps closer
+        # to the episode's end than n are redrawn (RLlib), so the last steps get short returns.
+        "n_step_max": F(int, None, **POS_INT, optional=True),
+        # Target network sync period in sampled env steps, and the Polyak factor (1.0: hard copy).
+        "target_update_every": F(int, 500, **POS_INT),
+        "tau": F(float, 1.0, lo=0.0, hi=1.0, lo_open=True),
+        # Epsilon-greedy: linear from epsilon_start to epsilon_end over epsilon_steps env steps.
+        "epsilon_start": F(float, 1.0, lo=0.0, hi=1.0),
+        "epsilon_end": F(float, 0.05, lo=0.0, hi=1.0),
+        "epsilon_steps": F(int, 10000, **POS_INT),
+        "replay_capacity": F(int, 50000, **POS_INT),
+        "prioritized": F(bool, True),
+        "alpha": F(float, 0.6, lo=0.0),
+        "beta": F(float, 0.4, lo=0.0),
+        "learning_starts": F(int, 1000, **NONNEG_INT),
+        # Replayed / sampled steps; null: one update of train_batch_size per sample() call.
+        "training_intensity": F(float, None, lo=0.0, lo_open=True, optional=True),
+        "td_loss": F(str, "huber", choices=["huber", "mse"]),
+        # A training iteration (one progress line, one result row) samples at least this many env steps.
+        "steps_per_iteration": F(int, 1000, **POS_INT),
+        # agents.generate without --greedy samples softmax(Q / sample_temperature).
+        "sample_temperature": F(float, 1.0, lo=0.0, lo_open=True),
+    },
+    "evaluation": {  # greedy (explore off) evaluation episodes every `interval` iterations; 0: none
+        "interval": F(int, 0, **NONNEG_INT),
+        "episodes": F(int, 32, **POS_INT),
     },
     "env_runners": {
         "num_env_runners": F(int, 0, **NONNEG_INT),
@@ -176,7 +209,7 @@ def _unknown(path: str, key: str, known) -> ConfigError:
     return ConfigError(f"{path + '.' if path else ''}{key}: unknown key{suffix}")
 
 
-SEARCHABLE_SECTIONS = ("training", "reward", "sampler", "seed")  # others feed values that must agree across processes
+SEARCHABLE_SECTIONS = ("training", "reward", "sampler", "seed", "dqn")  # others feed values that must agree across processes
 WHOLE_SECTION_SEARCH = ("sampler",)  # sections that may be one search space over whole mappings
 # The parameters each sampler needs (and the only ones it accepts), with their ranges where they
 # are narrower than the schema's.
@@ -228,6 +261,7 @@ def validate(raw: dict) -> dict:
             out[key] = {kind: [_check_section(f"{key}[{i}]", key, spec, c) for i, c in enumerate(candidates)]}
             continue
         out[key] = _check_section(key, key, spec, value)
+    _check_algorithm_fields(raw, out)
     _check_cross_fields(out)
     return out
 
@@ -285,9 +319,39 @@ def _plain(value):
     return value
 
 
+# Training keys only the actor-critic algorithms read (DQN takes lr, train_batch_size, gamma, grad_clip).
+ACTOR_CRITIC_ONLY = ("minibatch_size", "num_epochs", "lambda", "clip_param", "vf_loss_coeff", "vf_clip_param",
+                     "entropy_coeff")
+
+
+def _check_algorithm_fields(raw: dict, cfg: dict) -> None:
+    """Refuses options the chosen algorithm cannot use, naming the option."""
+    algo = cfg["algorithm"]
+    if algo != "dqn":
+        if raw.get("dqn") is not None:
+            raise ConfigError(f"dqn: only used with algorithm: dqn (this config's algorithm is {algo!r})")
+        return
+    for key in ACTOR_CRITIC_ONLY:
+        if key in (raw.get("training") or {}):
+            raise ConfigError(f"training.{key}: not used by DQN (a PPO/A3C option); remove it")
+    sampler = cfg["sampler"]
+    names = [c["name"] for c in _candidates(sampler)] if _is_search_space(sampler) else [sampler["name"]]
+    if any(n != "none" for n in names):
+        raise ConfigError("sampler.name: DQN acts epsilon-greedy on its Q-values; truncation samplers and their "
+                          "masking (current or learned) apply to ppo and a3c only")
+    rw, dqn = cfg["reward"], cfg["dqn"]
+    if rw["kl_adaptive"]:
+        raise ConfigError("reward.kl_adaptive: DQN's per-token reference term has a fixed coefficient")
+    if dqn["n_step_max"] is not None and _plain(dqn["n_step_max"]) < _plain(dqn["n_step"]):
+        raise ConfigError(f"dqn.n_step_max: {_plain(dqn['n_step_max'])} is smaller than dqn.n_step={_plain(dqn['n_step'])}")
+    if _plain(rw["kl_coef"]) > 0 and (max(_candidates(dqn["n_step"])) > 1 or dqn["n_step_max"] not in (None, 1)):
+        raise ConfigError("reward.kl_coef: DQN's per-token reference term needs dqn.n_step: 1 (n-step returns "
+                          "are summed in the replay buffer, before the learner adds the term)")
+
+
 def _check_cross_fields(cfg: dict):
     t = cfg["training"]
-    if _plain(t["minibatch_size"]) > _plain(t["train_batch_size"]):
+    if cfg["algorithm"] != "dqn" and _plain(t["minibatch_size"]) > _plain(t["train_batch_size"]):
         raise ConfigError(
             f"training.minibatch_size: {_plain(t['minibatch_size'])} is larger than "
             f"training.train_batch_size={_plain(t['train_batch_size'])}"
@@ -392,8 +456,10 @@ def algorithm_config(cfg: dict):
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
     from agents.algorithms.a3c import A3CConfig
+    from agents.algorithms.dqn import LMDQNConfig
     from agents.algorithms.ppo import LMPPOConfig
     from agents.modules import CausalLMActorCritic
+    from agents.modules.q_network import CausalLMQNetwork as QNetwork
     from env.text_env import TokenGenerationEnv
 
     c = to_tune(cfg)
@@ -406,15 +472,21 @@ def algorithm_config(cfg: dict):
     module_seed = tune.sample_from(_same_seed) if _is_search_space(cfg["seed"]) else c["seed"]
     model_config = {"model": c["model"], "env": env_cfg, "seed": module_seed, "reference_model": use_ref,
                     "sampler": c["sampler"]}
+    algo = cfg["algorithm"]
+    dqn = c["dqn"]
+    if algo == "dqn":
+        model_config["dqn"] = {k: dqn[k] for k in ("head", "mlp_hidden", "sample_temperature")}
     config = (
-        {"ppo": LMPPOConfig, "a3c": A3CConfig}[cfg["algorithm"]]()
+        {"ppo": LMPPOConfig, "a3c": A3CConfig, "dqn": LMDQNConfig}[algo]()
         .environment(TokenGenerationEnv, env_config=env_cfg)
         .env_runners(
             num_env_runners=er["num_env_runners"],
             num_envs_per_env_runner=er["num_envs_per_env_runner"],
             num_cpus_per_env_runner=er["num_cpus_per_env_runner"],
             num_gpus_per_env_runner=er["num_gpus_per_env_runner"],
-            batch_mode="complete_episodes",
+            # Actor-critic losses take whole generations (exact per-sequence KL, one forward per
+            # sequence); DQN stores steps in its replay buffer and samples n_step steps per env per call.
+            batch_mode="truncate_episodes" if algo == "dqn" else "complete_episodes",
         )
         .fault_tolerance(
             restart_failed_env_runners=True, max_num_env_runner_restarts=er["max_restarts"]
@@ -428,23 +500,52 @@ def algorithm_config(cfg: dict):
                 "target": rw["kl_target"], "horizon": rw["kl_horizon"],
             }},
         )
-        .rl_module(rl_module_spec=RLModuleSpec(module_class=CausalLMActorCritic), model_config=model_config)
-        .training(
-            lr=t["lr"],
-            train_batch_size=t["train_batch_size"],
+        .rl_module(rl_module_spec=RLModuleSpec(module_class=QNetwork if algo == "dqn" else CausalLMActorCritic),
+                   model_config=model_config)
+        .debugging(seed=c["seed"])
+    )
+    common = dict(lr=t["lr"], train_batch_size=t["train_batch_size"], gamma=t["gamma"], grad_clip=t["grad_clip"])
+    if algo == "dqn":
+        eps = [[0, dqn["epsilon_start"]], [dqn["epsilon_steps"], dqn["epsilon_end"]]]
+        config.training(
+            **common,
+            double_q=dqn["double_q"],
+            dueling=dqn["dueling"],
+            n_step=dqn["n_step"] if dqn["n_step_max"] is None else (dqn["n_step"], dqn["n_step_max"] + 1),
+            target_network_update_freq=dqn["target_update_every"],
+            tau=dqn["tau"],
+            epsilon=eps,
+            num_steps_sampled_before_learning_starts=dqn["learning_starts"],
+            training_intensity=dqn["training_intensity"],
+            td_error_loss_fn=dqn["td_loss"],
+            replay_buffer_config={
+                "type": "PrioritizedEpisodeReplayBuffer" if cfg["dqn"]["prioritized"] else "EpisodeReplayBuffer",
+                "capacity": dqn["replay_capacity"],
+                **({"alpha": dqn["alpha"], "beta": dqn["beta"]} if cfg["dqn"]["prioritized"] else {}),
+            },
+        )
+        config.reporting(min_sample_timesteps_per_iteration=dqn["steps_per_iteration"])
+    else:
+        config.training(
+            **common,
             minibatch_size=t["minibatch_size"],
             num_epochs=t["num_epochs"],
-            gamma=t["gamma"],
             lambda_=t["lambda"],
             clip_param=t["clip_param"],
             vf_loss_coeff=t["vf_loss_coeff"],
             vf_clip_param=t["vf_clip_param"],
             entropy_coeff=t["entropy_coeff"],
-            grad_clip=t["grad_clip"],
             use_kl_loss=False,
         )
-        .debugging(seed=c["seed"])
-    )
+    ev = cfg["evaluation"]
+    if ev["interval"]:
+        config.evaluation(
+            evaluation_interval=ev["interval"],
+            evaluation_duration=ev["episodes"],
+            evaluation_duration_unit="episodes",
+            evaluation_num_env_runners=0,
+            evaluation_config={"explore": False},
+        )
     if cfg["tune"]["num_cpus_per_trial"] is not None:  # fractional CPUs let several trials share a core
         config.resources(num_cpus_for_main_process=cfg["tune"]["num_cpus_per_trial"])
     return config

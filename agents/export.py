@@ -84,6 +84,9 @@ def export_policy(checkpoint: str, out_dir: str, *, force: bool = False) -> dict
     find_module_dir(checkpoint)  # fail on a wrong path before anything else
     out_dir = _check_out_dir(out_dir, force)
     module = load_policy(checkpoint)
+    if hasattr(module, "q_head"):
+        raise ValueError(f"--checkpoint: {checkpoint} holds a DQN policy; it acts by argmax of its Q-head, "
+                         "which a plain causal LM cannot carry (serve it with agents.serve instead)")
     lm, tokenizer = module.lm, module.tokenizer
     fields, notes = generation_settings(module.model_config.get("sampler"))
     lm.config.use_cache = True  # training turned it off; generate() wants it

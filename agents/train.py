@@ -61,14 +61,14 @@ def _metric(result: dict, path: str):
     return None if math.isnan(value) else value
 
 
-def make_progress_callback():
+def make_progress_callback(eval_interval: int = 0):
     from ray.tune import Callback
 
     class ProgressPrinter(Callback):
         """One line per training iteration; remembers each trial's first and last reward."""
 
         def __init__(self):
-            self.first, self.last, self.best, self.mask = {}, {}, {}, {}
+            self.first, self.last, self.best, self.mask, self.evals = {}, {}, {}, {}, {}
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             reward = _metric(result, "env_runners/episode_return_mean")
@@ -81,7 +81,14 @@ def make_progress_callback():
                 f"steps {int(_metric(result, 'env_runners/num_env_steps_sampled_lifetime') or 0):>9,}",
                 f"reward {reward:.3f}" if reward is not None else "reward   n/a",
             ]
-            for key, label in (("ref_kl", "kl"), ("entropy", "entropy"), ("mask_size", "mask")):
+            # RLlib repeats the last evaluation's results in the iterations after it; print fresh ones.
+            fresh = eval_interval and result["training_iteration"] % eval_interval == 0
+            greedy = _metric(result, "evaluation/env_runners/episode_return_mean") if fresh else None
+            if greedy is not None:
+                self.evals.setdefault(trial.trial_id, []).append((result["training_iteration"], greedy))
+                fields.append(f"greedy {greedy:.3f}")
+            for key, label in (("ref_kl", "kl"), ("entropy", "entropy"), ("mask_size", "mask"),
+                               ("qf_mean", "q"), ("td_error_mean", "td")):
                 value = _metric(result, f"learners/default_policy/{key}")
                 if value is not None:
                     fields.append(f"{label} {value:.3f}")
@@ -273,7 +280,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
         if cfg["stop"][key] is not None:
             stop[result_key] = cfg["stop"][key]
 
-    progress = make_progress_callback()
+    progress = make_progress_callback(cfg["evaluation"]["interval"])
     callbacks = [progress, make_curve_logger()]
     if tune_cfg["wandb"] or os.environ.get("WANDB_PROJECT"):
         callbacks.append(make_wandb_callback(cfg, name))
@@ -294,7 +301,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
     )
     experiment = os.path.join(storage, name)
     param_space = algorithm_config(cfg)
-    trainable = param_space.algo_class  # LMPPO or A3C: Tune gets the class, not a registered name
+    trainable = param_space.algo_class  # LMPPO, A3C or LMDQN: Tune gets the class, not a registered name
     if resume:
         if not tune.Tuner.can_restore(experiment):
             raise ValueError(f"--resume: no experiment to resume at {experiment}")
@@ -336,6 +343,11 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float) -> int:
         if first and last:
             print(f"  trial {trial_id}: mean episode reward {first[1]:.3f} (iteration {first[0]}) -> "
                   f"{last[1]:.3f} (iteration {last[0]}), best {progress.best[trial_id]:.3f}")
+        evals = progress.evals.get(trial_id)
+        if evals:
+            it, best_eval = max(evals, key=lambda e: e[1])
+            print(f"  trial {trial_id}: greedy evaluation reward {evals[-1][1]:.3f} (iteration {evals[-1][0]}), "
+                  f"best {best_eval:.3f} (iteration {it})")
         if result.checkpoint and len(grid) == 1:
             print(f"  checkpoint: {result.checkpoint.path}")
     if len(grid) > 1:
