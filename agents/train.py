@@ -102,7 +102,7 @@ def make_progress_callback(eval_interval: int = 0):
     return ProgressPrinter()
 
 
-def drop_iterations_from(trial_dir: str, first: int) -> bool:
+def drop_iterations_from(trial_dir: str, first: int, files=("result.json", "progress.csv")) -> bool:
     """Removes the rows of iteration `first` and later from a trial's result.json and
     progress.csv; True if there were any. A trial restored from a checkpoint repeats the
     iterations after it, and its curve must not show them twice."""
@@ -111,7 +111,7 @@ def drop_iterations_from(trial_dir: str, first: int) -> bool:
 
     dropped = False
     path = os.path.join(trial_dir, "result.json")
-    if os.path.isfile(path):
+    if "result.json" in files and os.path.isfile(path):
         with open(path) as f:
             lines = [line for line in f if line.strip()]
         keep = [line for line in lines if json.loads(line).get("training_iteration", 0) < first]
@@ -120,7 +120,7 @@ def drop_iterations_from(trial_dir: str, first: int) -> bool:
             with open(path, "w") as f:  # Tune's logger appends (O_APPEND): it goes on after these
                 f.writelines(keep)
     path = os.path.join(trial_dir, "progress.csv")
-    if os.path.isfile(path):
+    if "progress.csv" in files and os.path.isfile(path):
         with open(path, newline="") as f:
             rows = list(csv.reader(f))
         if rows and "training_iteration" in rows[0]:
@@ -166,6 +166,30 @@ def make_curve_logger():
             super().log_trial_result(iteration, trial, result)
 
     return ContinuousCurves()
+
+
+def make_progress_csv_logger():
+    from ray.tune.logger import CSVLoggerCallback
+
+    class ContinuousProgressCsv(CSVLoggerCallback):
+        """Tune's progress.csv logger, without a restored trial's repeated iterations.
+
+        Tune opens progress.csv at a trial's first result in this driver and, for a trial
+        with a checkpoint, first copies it back from storage, where it may hold rows past
+        that checkpoint (the storage copy is synced on its own schedule). The rows from
+        the repeated iteration on are dropped after that copy, before the first append.
+        """
+
+        def log_trial_result(self, iteration, trial, result):
+            if trial not in self._trial_files:
+                self._setup_trial(trial)
+                n = result.get("training_iteration")
+                if n is not None:
+                    # Tune's handle appends (O_APPEND): it writes after the rows kept here.
+                    drop_iterations_from(trial.local_path, n, files=("progress.csv",))
+            super().log_trial_result(iteration, trial, result)
+
+    return ContinuousProgressCsv()
 
 
 def make_scheduler(cfg: dict):
@@ -281,7 +305,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
             stop[result_key] = cfg["stop"][key]
 
     progress = make_progress_callback(cfg["evaluation"]["interval"])
-    callbacks = [progress, make_curve_logger()]
+    callbacks = [progress, make_curve_logger(), make_progress_csv_logger()]
     if tune_cfg["wandb"] or os.environ.get("WANDB_PROJECT"):
         callbacks.append(make_wandb_callback(cfg, name))
     ck = cfg["checkpoint"]

@@ -110,3 +110,42 @@ def test_killed_driver_resumes_from_its_last_checkpoint_without_resetting_the_po
     (trial_dir,) = [d for d in glob.glob(str(tmp_path / "resume" / "LMPPO_*")) if os.path.isdir(d)]
     for where, its in logged_iterations(trial_dir).items():
         assert its == list(range(1, 9)), (where, its)
+
+
+def test_resumed_trial_progress_csv_keeps_each_iteration_once_when_storage_copy_is_stale(tmp_path):
+    """A driver killed after iteration 5, restored from its iteration-2 checkpoint: Tune's
+    CSV logger copies progress.csv back from storage (synced at iteration 3) before its first
+    append; the rows from the repeated iteration on must not come back with it."""
+    import csv
+    import types
+
+    import pyarrow.fs
+
+    from agents.train import make_progress_csv_logger
+
+    def write(path, iterations):
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "progress.csv"), "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["episode_reward", "training_iteration"])
+            w.writerows([[0.1 * i, i] for i in iterations])
+
+    local, stored = str(tmp_path / "local"), str(tmp_path / "storage")
+    write(local, [1, 2, 3, 4, 5])
+    write(stored, [1, 2, 3])
+    class Trial:  # what Tune's CSV logger reads from a trial
+        local_path, checkpoint = local, object()
+        storage = types.SimpleNamespace(trial_fs_path=stored, storage_filesystem=pyarrow.fs.LocalFileSystem())
+
+        def init_local_path(self):
+            pass
+
+    trial = Trial()
+    logger = make_progress_csv_logger()
+    for i in range(3, 9):
+        logger.log_trial_result(i, trial, {"episode_reward": 0.5 + i, "training_iteration": i})
+    logger.log_trial_end(trial)
+    with open(os.path.join(local, "progress.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["training_iteration"]) for r in rows] == list(range(1, 9))
+    assert [float(r["episode_reward"]) for r in rows[2:]] == [0.5 + i for i in range(3, 9)]  # the new rows
