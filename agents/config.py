@@ -133,8 +133,11 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "epsilon_start": F(float, 1.0, lo=0.0, hi=1.0),
         "epsilon_end": F(float, 0.05, lo=0.0, hi=1.0),
         "epsilon_steps": F(int, 10000, **POS_INT),
-        "replay_capacity": F(int, 50000, **POS_INT),
-        "prioritized": F(bool, True),
+        # sequences: every step of whole stored episodes per update, one forward pass per sequence
+        # (uniform over episodes); steps: RLlib's step buffers, one pass per step (prioritized or not).
+        "replay": F(str, "sequences", choices=["sequences", "steps"]),
+        "replay_capacity": F(int, 50000, **POS_INT),  # stored env steps
+        "prioritized": F(bool, False),
         "alpha": F(float, 0.6, lo=0.0),
         "beta": F(float, 0.4, lo=0.0),
         "learning_starts": F(int, 1000, **NONNEG_INT),
@@ -342,6 +345,8 @@ def _check_algorithm_fields(raw: dict, cfg: dict) -> None:
     rw, dqn = cfg["reward"], cfg["dqn"]
     if rw["kl_adaptive"]:
         raise ConfigError("reward.kl_adaptive: DQN's per-token reference term has a fixed coefficient")
+    if dqn["replay"] == "sequences" and dqn["prioritized"]:
+        raise ConfigError("dqn.prioritized: prioritized replay draws single steps; set dqn.replay: steps with it")
     if dqn["n_step_max"] is not None and _plain(dqn["n_step_max"]) < _plain(dqn["n_step"]):
         raise ConfigError(f"dqn.n_step_max: {_plain(dqn['n_step_max'])} is smaller than dqn.n_step={_plain(dqn['n_step'])}")
     if _plain(rw["kl_coef"]) > 0 and (max(_candidates(dqn["n_step"])) > 1 or dqn["n_step_max"] not in (None, 1)):
@@ -519,7 +524,8 @@ def algorithm_config(cfg: dict):
             training_intensity=dqn["training_intensity"],
             td_error_loss_fn=dqn["td_loss"],
             replay_buffer_config={
-                "type": "PrioritizedEpisodeReplayBuffer" if cfg["dqn"]["prioritized"] else "EpisodeReplayBuffer",
+                "type": "WholeEpisodeReplayBuffer" if cfg["dqn"]["replay"] == "sequences" else
+                "PrioritizedEpisodeReplayBuffer" if cfg["dqn"]["prioritized"] else "EpisodeReplayBuffer",
                 "capacity": dqn["replay_capacity"],
                 **({"alpha": dqn["alpha"], "beta": dqn["beta"]} if cfg["dqn"]["prioritized"] else {}),
             },

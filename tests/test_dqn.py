@@ -44,10 +44,14 @@ def _key(input_ids, action) -> tuple:
     return tuple(np.asarray(input_ids).tolist()), int(action)
 
 
-def test_q_targets_match_a_hand_computation_with_double_q_n_step_and_terminal_masking():
+@pytest.mark.parametrize("replay", ["steps", "sequences"])
+def test_q_targets_match_a_hand_computation_with_double_q_n_step_and_terminal_masking(replay):
     from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
 
-    cfg, learner, module = _learner(["dqn.n_step=3", "training.gamma=0.9", "dqn.td_loss=mse"])
+    from agents.algorithms.dqn import WholeEpisodeReplayBuffer
+
+    extra = ["dqn.replay=steps", "dqn.prioritized=true"] if replay == "steps" else []
+    cfg, learner, module = _learner(["dqn.n_step=3", "training.gamma=0.9", "dqn.td_loss=mse"] + extra)
     with torch.no_grad():  # the online net drifts from the target net, so double Q picks differ from max Q
         for p in module.q_head.parameters():
             p.add_(torch.randn_like(p) * 0.5)
@@ -62,7 +66,10 @@ def test_q_targets_match_a_hand_computation_with_double_q_n_step_and_terminal_ma
             where[_key(ep.get_observations(t)["input_ids"], ep.get_actions(t))] = (e, t)
     assert len(where) == sum(len(ep) for ep in episodes)
 
-    buffer = PrioritizedEpisodeReplayBuffer(capacity=1000, alpha=0.6)
+    if replay == "steps":  # RLlib's prioritized step buffer
+        buffer = PrioritizedEpisodeReplayBuffer(capacity=1000, alpha=0.6)
+    else:  # every step of whole episodes; the module runs once per sequence
+        buffer = WholeEpisodeReplayBuffer(capacity=1000)
     buffer.add(episodes)
     sampled = buffer.sample(num_items=24, n_step=3, gamma=0.9, beta=0.4, sample_episodes=True)
     batch = learner._learner_connector(rl_module=learner.module, batch={}, episodes=sampled, shared_data={},
@@ -88,8 +95,9 @@ def test_q_targets_match_a_hand_computation_with_double_q_n_step_and_terminal_ma
             obs = {k: v[i:i + 1] for k, v in batch[Columns.OBS].items()}
             e, t = where[_key(obs["input_ids"][0], batch[Columns.ACTIONS][i])]
             ep = episodes[e]
-            n = min(3, len(ep) - t)  # RLlib skips steps whose n-step window runs past the end
-            assert n == 3, (e, t)
+            n = min(3, len(ep) - t)  # cut at the end (RLlib's step buffer skips those steps instead)
+            assert n == 3 or replay == "sequences", (e, t)
+            assert int(batch["n_step"][i]) == n
             ret = sum(0.9 ** k * rewards[e][t + k] for k in range(n))
             nxt = {k: torch.as_tensor(np.asarray(v))[None] for k, v in ep.get_observations(t + n).items()}
             terminal = t + n == len(ep)
@@ -102,6 +110,8 @@ def test_q_targets_match_a_hand_computation_with_double_q_n_step_and_terminal_ma
             assert float(batch[Columns.REWARDS][i]) == pytest.approx(ret, abs=1e-6)
             per_row.append(float(batch["weights"][i]) * (float(q_sa) - target) ** 2)
     assert seen_terminal and seen_short
+    if replay == "sequences":
+        assert "seq_id" in batch and len(set(batch["seq_id"].tolist())) < len(batch["seq_id"])
     assert float(loss.detach()) == pytest.approx(np.mean(per_row), rel=1e-4, abs=1e-6)
 
 

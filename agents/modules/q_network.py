@@ -37,6 +37,7 @@ from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, QNetAPI, TargetNetwo
 from ray.rllib.core.rl_module.torch import TorchRLModule
 from ray.rllib.utils.schedules.scheduler import Scheduler
 
+from agents.algorithms.sequence_batching import SEQ_ID
 from agents.models import build_causal_lm, build_tokenizer
 from agents.modules.actor_critic import hidden_at_last_token
 from agents.modules.kv_cache import WindowKVCache
@@ -130,14 +131,21 @@ class CausalLMQNetwork(TorchRLModule, QNetAPI, TargetNetworkAPI, InferenceOnlyAP
         return {Columns.ACTIONS: torch.where(explore, random, greedy)}
 
     def _forward_train(self, batch, **kwargs):
-        obs, next_obs = batch[Columns.OBS], batch[Columns.NEXT_OBS]
+        """Q(s), Q(s') for double Q's pick, and the target's Q(s').
+
+        With `seq_id` (whole-sequence replay) the rows of one stored episode, s and s'
+        alike, are prefixes of one sequence: each network runs once per sequence.
+        """
+        obs, next_obs, seq = batch[Columns.OBS], batch[Columns.NEXT_OBS], batch.get(SEQ_ID)
         out = {}
         if self.double_q:  # online Q of s and s' in one pass; s' picks the bootstrap action
             both = {k: torch.cat([obs[k], next_obs[k]]) for k in obs}
-            out[QF_PREDS], out[QF_NEXT_PREDS] = self.compute_q_values({Columns.OBS: both})[QF_PREDS].chunk(2)
+            hidden = hidden_at_last_token(self.lm.base_model, both, None if seq is None else torch.cat([seq, seq]))
+            out[QF_PREDS], out[QF_NEXT_PREDS] = self._q_from_hidden(hidden, *self._heads()).chunk(2)
         else:
-            out[QF_PREDS] = self.compute_q_values(batch)[QF_PREDS]
-        out[QF_TARGET_NEXT_PREDS] = self.forward_target({Columns.OBS: next_obs})[QF_PREDS]
+            hidden = hidden_at_last_token(self.lm.base_model, obs, seq)
+            out[QF_PREDS] = self._q_from_hidden(hidden, *self._heads())
+        out[QF_TARGET_NEXT_PREDS] = self.forward_target({Columns.OBS: next_obs, SEQ_ID: seq})[QF_PREDS]
         return out
 
     # -- target network --------------------------------------------------------------
@@ -156,7 +164,7 @@ class CausalLMQNetwork(TorchRLModule, QNetAPI, TargetNetworkAPI, InferenceOnlyAP
 
     @torch.no_grad()
     def forward_target(self, batch) -> dict:
-        hidden = hidden_at_last_token(self._target_trunk, batch[Columns.OBS])
+        hidden = hidden_at_last_token(self._target_trunk, batch[Columns.OBS], batch.get(SEQ_ID))
         return {QF_PREDS: self._q_from_hidden(hidden, self._target_q_head, getattr(self, "_target_v_head", None))}
 
     def get_non_inference_attributes(self) -> list[str]:
