@@ -139,7 +139,8 @@ def load_pairs(cfg: dict, split: str) -> list[tuple[str, str]]:
     try:
         rows = load_rows(spec, split, fields=fields, text_fields=tuple(fields))
     except DataError as e:  # the data module names task.* keys; here they live under data.*
-        raise DataError(str(e).replace("set task.", "set data.")) from None
+        hint = " (data.eval_split: null skips the held-out loss)" if split == d["eval_split"] else ""
+        raise DataError(str(e).replace("task.", "data.") + hint) from None
     if d["source_field"] is None:
         return [("", row[d["text_field"]]) for row in rows]
     pairs = [(row[d["source_field"]], row[d["target_field"]]) for row in rows]
@@ -151,14 +152,21 @@ def build_tokenizer(cfg: dict, texts: list[str]):
     from env.tokenization import load_tokenizer, word_level_tokenizer
 
     m = cfg["model"]
-    if m["tokenizer"]:
-        return load_tokenizer(m["tokenizer"])
-    if is_builtin(m["name_or_path"]):
+    if not m["tokenizer"] and is_builtin(m["name_or_path"]):
         from env.tokenization import EOS_TOKEN, PAD_TOKEN
 
         words = sorted({w for t in texts for w in t.split()} - {EOS_TOKEN, PAD_TOKEN})
         return word_level_tokenizer(words)
-    return load_tokenizer(m["name_or_path"])
+    field, name = ("model.tokenizer", m["tokenizer"]) if m["tokenizer"] else ("model.name_or_path", m["name_or_path"])
+    try:
+        return load_tokenizer(name)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{field}: cannot load a tokenizer from {name!r}: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def encode_example(tok, context: str, text: str, separator: str | None, max_len: int):
@@ -253,10 +261,10 @@ def pretrain(cfg: dict, log=print) -> dict:
     held = load_pairs(cfg, cfg["data"]["eval_split"]) if cfg["data"]["eval_split"] else []
     tok = build_tokenizer(cfg, [x for pair in train for x in pair])
     try:
-        model = build_causal_lm(cfg["model"], tok, seed=cfg["seed"], max_positions=t["max_len"])
+        # Room for RL prompts + generations longer than the training texts (a built-in model only).
+        model = build_causal_lm(cfg["model"], tok, seed=cfg["seed"], max_positions=max(t["max_len"], 1024))
     except OSError as e:
-        raise ValueError(f"model.name_or_path: cannot load {cfg['model']['name_or_path']!r}: "
-                         f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+        raise ValueError(f"model.name_or_path: cannot load {cfg['model']['name_or_path']!r}: {_first_line(e)}") from None
     model.to(device)
     sep = cfg["data"]["separator"]
     train_ex = [encode_example(tok, c, x, sep, t["max_len"]) for c, x in train]
@@ -328,7 +336,7 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.overrides)
         result = pretrain(cfg, log=lambda line: print(line, flush=True))
     except (ConfigError, DataError, ValueError, OSError) as e:
-        print(f"error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", file=sys.stderr)
+        print(f"error: {_first_line(e)}", file=sys.stderr)
         return 2
     print(f"saved model and tokenizer to {result['output_dir']}")
     return 0

@@ -181,6 +181,10 @@ def test_cli_bad_input_is_one_line(tmp_path, corpus, capsys):
                    f"  text_field: review\n  eval_split: null\n")
     err = _cli_error(capsys, str(cfg))
     assert "missing field 'review'" in err and "set data.text_field" in err and corpus["train"] in err
+    err = _cli_error(capsys, str(cfg), "--set", "data.text_field=text", "--set", "model.name_or_path=no-such/model-4711")
+    assert err.startswith("error: model.name_or_path: cannot load a tokenizer from 'no-such/model-4711'")
+    err = _cli_error(capsys, str(cfg), "--set", "data.text_field=text", "--set", "data.eval_split=validation")
+    assert err.startswith("error: data.dataset: no file for split 'validation'") and "data.eval_split: null" in err
     err = _cli_error(capsys, str(cfg), "--set", "training.lr=-1")
     assert err.startswith("error: training.lr: expected a number > 0.0, got -1")
 
