@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install quickstart test test-fast clean
+.PHONY: install quickstart sentiment-demo test test-fast clean
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ install: $(VENV)/.installed
 
 quickstart: install
 	$(PY) -m agents.train tune_configs/quickstart.yaml
+
+# Offline: review corpus -> warm start -> PPO with VADER reward -> evaluation (CPU, about 2 minutes)
+sentiment-demo: install
+	$(PY) -m agents.demo
 
 test: install
 	$(PY) -m pytest -q tests

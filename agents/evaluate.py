@@ -1,0 +1,464 @@
+"""Evaluate policies side by side on a task's test split, and plot training curves.
+
+    python -m agents.evaluate MODEL [MODEL ...] [--config RL.yaml] [--split test] [--greedy]
+                              [--num-samples N] [--max-examples N] [--reference PATH] [--out DIR]
+    python -m agents.evaluate --curves RUN [RUN ...] [--metric NAME ...] [--out DIR]
+
+A MODEL is a checkpoint written by `agents.train` (or the RLModule directory in it) or
+a Hugging Face model directory (`agents.pretrain`, `agents.export`). Every model writes
+continuations for the same prompts, through the same token env, decoded greedily or
+sampled (a checkpoint samples with its own truncation sampler). The task, the prompt
+and generation lengths come from `--config` (an RL YAML), else from the first
+checkpoint. The table has one row per model: every metric of the task (its reward,
+and each term of a summed reward), the perplexity of the generations (after their
+prompts) under a reference LM (`--reference`, default the first model), distinct-1
+and distinct-2 (unique n-grams / all n-grams of the model's generations, words
+split on whitespace), and the mean length in words. A second table breaks the task
+metrics down by prompt difficulty: for sentiment tasks the prompt's own VADER
+compound score in terciles (as in RLGF), for other tasks the prompt's length in words.
+Both tables are printed and written to DIR as `evaluation.csv` and `evaluation.md`;
+the generations go to `generations.jsonl`.
+
+`--curves` plots, for each `--metric` (default `episode_return_mean`), one PNG of the
+metric against the training iteration with one line per trial found under the RUN
+directories (a trial directory, or an experiment directory holding several), read
+from each trial's `result.json` (else `progress.csv`).
+
+Bad input (a missing model or run, an unknown metric, a config error) stops with one
+line naming it, exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+
+SENTIMENT_REWARDS = ("sentiment", "vader")
+
+
+class EvalError(ValueError):
+    """Bad input to the evaluation, one line naming what is wrong."""
+
+
+# -- models -------------------------------------------------------------------------------
+
+class HFPolicy:
+    """A plain causal LM behind the RLModule call `generate` uses: next-token logits per observation."""
+
+    def __init__(self, lm):
+        self.lm = lm.eval()
+
+    def forward_inference(self, batch):
+        from ray.rllib.core.columns import Columns
+
+        from agents.modules.actor_critic import hidden_at_last_token
+
+        hidden = hidden_at_last_token(self.lm.base_model, batch[Columns.OBS])
+        return {Columns.ACTION_DIST_INPUTS: self.lm.get_output_embeddings()(hidden)}
+
+
+class Model:
+    """One model to evaluate: its policy, LM, tokenizer and (for checkpoints) its env config."""
+
+    def __init__(self, path: str, name: str | None = None):
+        from agents.generate import find_module_dir
+
+        self.path = os.path.abspath(os.path.expanduser(path))
+        if not os.path.exists(self.path):
+            raise EvalError(f"{path}: no such checkpoint or model directory")
+        self.name = name or _short_name(self.path)
+        try:
+            find_module_dir(self.path)
+            self.kind = "checkpoint"
+        except FileNotFoundError:
+            self.kind = "hf"
+        if self.kind == "checkpoint":
+            from agents.generate import load_policy
+
+            self.policy = load_policy(self.path)
+            self.lm, self.tokenizer = self.policy.lm, self.policy.tokenizer
+            self.env_config = dict(self.policy.model_config["env"])
+            self.tokenizer_spec = self.env_config.get("tokenizer")
+        else:
+            from transformers import AutoModelForCausalLM
+
+            from agents.models import disable_dropout
+            from env.tokenization import load_tokenizer
+
+            if not os.path.isfile(os.path.join(self.path, "config.json")):
+                raise EvalError(f"{path}: neither a checkpoint from agents.train nor a model directory "
+                                "(no config.json)")
+            try:
+                self.lm = AutoModelForCausalLM.from_pretrained(self.path)
+                self.tokenizer = load_tokenizer(self.path)
+            except (OSError, ValueError) as e:
+                raise EvalError(f"{path}: cannot load the model or its tokenizer: {_first_line(e)}") from None
+            disable_dropout(self.lm)
+            self.policy = HFPolicy(self.lm)
+            self.env_config = None
+            self.tokenizer_spec = self.path
+
+
+def _short_name(path: str) -> str:
+    parts = path.rstrip(os.sep).split(os.sep)
+    if parts[-1].startswith("checkpoint_") and len(parts) > 1:
+        return f"{parts[-2].split('_')[0]}/{parts[-1]}"  # e.g. LMPPO/checkpoint_000002
+    return parts[-1]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+# -- generation -----------------------------------------------------------------------------
+
+@torch.no_grad()
+def rollout(policy, env_config: dict, examples: list[dict], *, greedy: bool, seed: int = 0,
+            batch_size: int = 64) -> list[str]:
+    """One generation per example, through `TokenGenerationEnv` (the same prompt cut, EOS and
+    decoding as in training). Row i samples from a generator seeded with seed + i."""
+    from ray.rllib.core.columns import Columns
+
+    from env.text_env import TokenGenerationEnv
+
+    out = []
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start:start + batch_size]
+        envs = [TokenGenerationEnv(env_config) for _ in chunk]
+        obs = [env.reset(seed=seed + start + i, options={"prompt": ex["prompt"], "meta": ex["meta"]})[0]
+               for i, (env, ex) in enumerate(zip(envs, chunk))]
+        gens = [torch.Generator().manual_seed(seed + start + i) for i in range(len(chunk))]
+        done, texts = [False] * len(chunk), [None] * len(chunk)
+        while not all(done):  # finished rows repeat their last observation (see agents.generate)
+            batch = {Columns.OBS: {k: torch.as_tensor(np.stack([o[k] for o in obs])) for k in obs[0]}}
+            logits = policy.forward_inference(batch)[Columns.ACTION_DIST_INPUTS].float()
+            for i in range(len(chunk)):
+                if done[i]:
+                    continue
+                if greedy:
+                    action = int(logits[i].argmax())
+                else:
+                    action = int(torch.multinomial(torch.softmax(logits[i], -1), 1, generator=gens[i]))
+                obs[i], _, done[i], _, info = envs[i].step(action)
+                if done[i]:
+                    texts[i] = info["generation"]
+        out.extend(texts)
+    return out
+
+
+# -- metrics --------------------------------------------------------------------------------
+
+def distinct_n(generations: list[str], n: int) -> float:
+    """Unique n-grams over all n-grams of the generations (words split on whitespace); 0 if none."""
+    grams = [tuple(words[i:i + n]) for g in generations for words in [g.split()] for i in range(len(words) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def perplexity(lm, tokenizer, prompts: list[str], generations: list[str], batch_size: int = 32) -> float:
+    """exp(mean negative log-likelihood per token) of the generations after their prompts under `lm`,
+    over all generated tokens together; empty generations add no tokens (nan if all are empty)."""
+    from env.rewards.hf import encode, target_logprobs
+
+    lm.eval()
+    targets = [encode(tokenizer, g) for g in generations]
+    contexts = [encode(tokenizer, p) for p in prompts]
+    scored = target_logprobs(lm, tokenizer, contexts, targets, batch_size)
+    n = sum(len(lp) for lp in scored)
+    return math.exp(-sum(sum(lp) for lp in scored) / n) if n else float("nan")
+
+
+def task_metrics(task, split: str) -> list[tuple[str, object]]:
+    """(name, reward) for every metric of the task: its reward, and each term of a summed one."""
+    from env.rewards import make_reward
+    from env.tasks.text_tasks import _needs_corpus, _with_corpus
+
+    spec = getattr(task, "reward_spec", None)
+    if not isinstance(spec, dict) or "sum" not in spec:
+        name = spec["name"] if isinstance(spec, dict) else getattr(task, "metrics", ("reward",))[0]
+        return [(name, lambda p, g, m: task.reward(p, g, m))]
+    metrics = [("reward", lambda p, g, m: task.reward(p, g, m))]
+    corpus = None
+    for i, term in enumerate(spec["sum"]):
+        term = {k: v for k, v in term.items() if k != "weight"}
+        if _needs_corpus(term):
+            from env.rewards import references_of
+
+            corpus = corpus or [references_of(ex["meta"]) for ex in task.examples(split)]
+            term = _with_corpus(term, corpus)
+        name = term["name"]
+        if any(n == name for n, _ in metrics):
+            name = f"{name}_{i}"
+        metrics.append((name, make_reward(term, path=f"task.reward.sum[{i}]")))
+    return metrics
+
+
+def is_sentiment_task(task) -> bool:
+    spec = getattr(task, "reward_spec", None)
+    names = [t.get("name") for t in spec["sum"]] if isinstance(spec, dict) and "sum" in spec else \
+        [spec.get("name") if isinstance(spec, dict) else spec]
+    return task.name == "imdb" or any(n in SENTIMENT_REWARDS for n in names)
+
+
+def difficulty(task, prompts: list[str]) -> tuple[str, list[float]]:
+    """(what, score per prompt): the prompt's VADER compound for sentiment tasks, else its length."""
+    if is_sentiment_task(task):
+        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+        analyzer = SentimentIntensityAnalyzer()
+        return "prompt VADER compound", [analyzer.polarity_scores(p)["compound"] for p in prompts]
+    return "prompt length (words)", [float(len(p.split())) for p in prompts]
+
+
+def terciles(scores: list[float]) -> tuple[list[int], list[str]]:
+    """Bucket 0/1/2 per score, cut at the 1/3 and 2/3 quantiles (ties stay together), and labels."""
+    lo, hi = np.quantile(scores, [1 / 3, 2 / 3]) if scores else (0.0, 0.0)
+    buckets = [0 if s <= lo else 1 if s <= hi else 2 for s in scores]
+    labels = [f"low (<= {lo:.3g})", f"mid ({lo:.3g}, {hi:.3g}]", f"high (> {hi:.3g})"]
+    return buckets, labels
+
+
+# -- the evaluation -----------------------------------------------------------------------------
+
+def evaluate(models: list[Model], env_config: dict, *, split: str = "test", greedy: bool = False,
+             num_samples: int = 1, max_examples: int | None = None, reference: Model | None = None,
+             seed: int = 0, log=print) -> dict:
+    """Runs every model over the split; returns {"columns", "rows", "breakdown_columns",
+    "breakdown", "generations", "difficulty"}."""
+    from env.tasks import make_task
+
+    task = make_task(env_config["task"], max_new_tokens=env_config["max_new_tokens"])
+    examples = task.examples(split)[:max_examples]
+    if not examples:
+        raise EvalError(f"task {task.name!r}: split {split!r} has no examples")
+    examples = [ex for ex in examples for _ in range(num_samples)]
+    metrics = task_metrics(task, split)
+    reference = reference or models[0]
+    rows, breakdown, all_gens = [], [], []
+    prompts = buckets = labels = what = None
+    for model in models:
+        cfg = {**env_config, "split": split, "tokenizer": model.tokenizer_spec}
+        gens = rollout(model.policy, cfg, examples, greedy=greedy, seed=seed)
+        if prompts is None:  # the prompts as the env cut them (identical for every model)
+            from env.text_env import TokenGenerationEnv
+
+            env = TokenGenerationEnv(cfg)
+            prompts = [env.reset(options={"prompt": ex["prompt"]})[1]["prompt"] for ex in examples]
+            what, scores = difficulty(task, prompts)
+            buckets, labels = terciles(scores)
+        metas = [ex["meta"] for ex in examples]
+        values = {name: [float(v) for v in fn(prompts, gens, metas)] for name, fn in metrics}
+        row = {"model": model.name, "n": len(gens)}
+        row.update({name: float(np.mean(v)) for name, v in values.items()})
+        row["perplexity"] = perplexity(reference.lm, reference.tokenizer, prompts, gens)
+        row["distinct_1"], row["distinct_2"] = distinct_n(gens, 1), distinct_n(gens, 2)
+        row["mean_words"] = float(np.mean([len(g.split()) for g in gens]))
+        rows.append(row)
+        for b, label in enumerate(labels):
+            idx = [i for i, x in enumerate(buckets) if x == b]
+            entry = {"model": model.name, "bucket": label, "n": len(idx)}
+            entry.update({name: float(np.mean([v[i] for i in idx])) if idx else float("nan")
+                          for name, v in values.items()})
+            breakdown.append(entry)
+        all_gens.extend({"model": model.name, "prompt": p, "generation": g,
+                         **{name: v[i] for name, v in values.items()}}
+                        for i, (p, g) in enumerate(zip(prompts, gens)))
+        log(f"evaluated {model.name}: {len(gens)} generations")
+    names = [name for name, _ in metrics]
+    return {"columns": ["model", "n", *names, "perplexity", "distinct_1", "distinct_2", "mean_words"],
+            "rows": rows, "breakdown_columns": ["model", "bucket", "n", *names], "breakdown": breakdown,
+            "generations": all_gens, "difficulty": what, "reference": reference.name,
+            "decoding": "greedy" if greedy else "sampled", "split": split}
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4f}"
+    return str(value)
+
+
+def markdown_table(columns: list[str], rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
+    lines += ["| " + " | ".join(_fmt(r[c]) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_results(result: dict, out_dir: str) -> dict:
+    """Writes evaluation.csv (both tables, a `table` column telling them apart), evaluation.md and
+    generations.jsonl; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {k: os.path.join(out_dir, f) for k, f in
+             (("csv", "evaluation.csv"), ("md", "evaluation.md"), ("generations", "generations.jsonl"))}
+    columns = ["table", *dict.fromkeys(result["columns"] + result["breakdown_columns"])]
+    with open(paths["csv"], "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows({"table": "overall", **r} for r in result["rows"])
+        writer.writerows({"table": "by_difficulty", **r} for r in result["breakdown"])
+    with open(paths["md"], "w", encoding="utf-8") as f:
+        f.write(markdown_summary(result) + "\n")
+    with open(paths["generations"], "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(g) + "\n" for g in result["generations"])
+    return paths
+
+
+def markdown_summary(result: dict) -> str:
+    return (f"Split {result['split']!r}, {result['decoding']} decoding; perplexity under "
+            f"{result['reference']}.\n\n" + markdown_table(result["columns"], result["rows"]) +
+            f"\n\nBy {result['difficulty']} (terciles):\n\n" +
+            markdown_table(result["breakdown_columns"], result["breakdown"]))
+
+
+# -- training curves ------------------------------------------------------------------------------
+
+def find_trials(run: str) -> list[str]:
+    """Trial directories (holding result.json or progress.csv) at or under `run`."""
+    if not os.path.isdir(run):
+        raise EvalError(f"--curves: {run}: no such run directory")
+    found = sorted(root for root, _, files in os.walk(run) if "result.json" in files or "progress.csv" in files)
+    if not found:
+        raise EvalError(f"--curves: {run}: no result.json or progress.csv under it")
+    return found
+
+
+def read_curves(trial: str) -> list[dict]:
+    """The trial's results, one flat dict per iteration (nested keys joined with '/')."""
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}/"))
+            else:
+                out[prefix + k] = v
+        return out
+
+    path = os.path.join(trial, "result.json")
+    if os.path.isfile(path) and os.path.getsize(path) > 0:
+        with open(path, encoding="utf-8") as f:
+            return [flat(json.loads(line)) for line in f if line.strip()]
+    with open(os.path.join(trial, "progress.csv"), newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def _metric_key(rows: list[dict], metric: str, trial: str) -> str:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    if metric in keys:
+        return metric
+    matches = [k for k in keys if k.split("/")[-1] == metric or k.endswith("/" + metric)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:  # prefer the shortest (env_runners/x over env_runners/module/x)
+        return min(matches, key=len)
+    import difflib
+
+    hint = difflib.get_close_matches(metric, [k.split("/")[-1] for k in keys], n=1)
+    raise EvalError(f"--metric: {metric!r} is not logged in {trial}" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+
+
+def plot_curves(runs: list[str], metrics: list[str], out_dir: str) -> list[str]:
+    """One PNG per metric, the metric against training_iteration, one line per trial."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trials = [(run, t) for run in runs for t in find_trials(run)]
+    data = [(run, t, read_curves(t)) for run, t in trials]
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for metric in metrics:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for run, trial, rows in data:
+            key = _metric_key(rows, metric, trial)
+            points = [(float(r["training_iteration"]), float(r[key])) for r in rows
+                      if r.get(key) not in (None, "") and r.get("training_iteration") not in (None, "")]
+            label = os.path.relpath(trial, os.path.dirname(os.path.abspath(run).rstrip(os.sep)))
+            ax.plot([p[0] for p in points], [p[1] for p in points], label=label[:60])
+        ax.set_xlabel("training iteration")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"curve_{metric.replace('/', '_')}.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+
+def resolve_env_config(config_path: str | None, overrides: list[str], models: list[Model]) -> dict:
+    if config_path:
+        from agents.config import ConfigError, env_config, load
+
+        try:
+            return env_config(load(config_path, overrides))
+        except ConfigError as e:
+            raise EvalError(str(e)) from None
+    for model in models:
+        if model.env_config is not None:
+            return model.env_config
+    raise EvalError("--config: needed to know the task (no checkpoint among the models)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m agents.evaluate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("models", nargs="*", metavar="MODEL", help="checkpoints or Hugging Face model directories")
+    parser.add_argument("--config", help="RL YAML giving the task and lengths (default: the first checkpoint's)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a value of --config (repeatable)")
+    parser.add_argument("--names", nargs="+", help="a row name per model (default: from the paths)")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--greedy", action="store_true", help="argmax decoding (default: sampling)")
+    parser.add_argument("--num-samples", type=int, default=1, help="generations per prompt (default 1)")
+    parser.add_argument("--max-examples", type=int, help="use the split's first N prompts")
+    parser.add_argument("--reference", help="LM for perplexity: a model directory or checkpoint (default: the first model)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (tiny models on a busy machine: 1 is fastest)")
+    parser.add_argument("--curves", nargs="+", metavar="RUN", help="trial or experiment directories to plot")
+    parser.add_argument("--metric", action="append", help="metric to plot (repeatable; default episode_return_mean)")
+    parser.add_argument("--out", default="results/evaluation", help="output directory (default results/evaluation)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not args.models and not args.curves:
+        parser.error("give models to evaluate, --curves RUN, or both")
+    if args.threads:
+        torch.set_num_threads(max(1, args.threads))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" bars between the output lines
+    try:
+        if args.num_samples < 1:
+            raise EvalError(f"--num-samples: expected an integer >= 1, got {args.num_samples}")
+        if args.max_examples is not None and args.max_examples < 1:
+            raise EvalError(f"--max-examples: expected an integer >= 1, got {args.max_examples}")
+        if args.names and len(args.names) != len(args.models):
+            raise EvalError(f"--names: {len(args.names)} names for {len(args.models)} models")
+        if args.models:
+            names = args.names or [None] * len(args.models)
+            models = [Model(p, n) for p, n in zip(args.models, names)]
+            env_cfg = resolve_env_config(args.config, args.overrides, models)
+            reference = Model(args.reference) if args.reference else None
+            result = evaluate(models, env_cfg, split=args.split, greedy=args.greedy, num_samples=args.num_samples,
+                              max_examples=args.max_examples, reference=reference, seed=args.seed)
+            paths = write_results(result, args.out)
+            print(markdown_summary(result))
+            print(f"wrote {paths['csv']}, {paths['md']} and {paths['generations']}")
+        if args.curves:
+            for path in plot_curves(args.curves, args.metric or ["episode_return_mean"], args.out):
+                print(f"wrote {path}")
+    except (EvalError, ValueError, OSError) as e:
+        print(f"error: {_first_line(e)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

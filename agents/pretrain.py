@@ -1,0 +1,346 @@
+"""Supervised warm start: maximum likelihood with teacher forcing and scheduled sampling.
+
+    python -m agents.pretrain CONFIG.yaml [--set key=value ...]
+
+Trains a causal LM on text (`data.text_field`) or on source -> target pairs
+(`data.source_field` + `data.target_field`, loss on the target only), and writes
+a `save_pretrained` directory (model + tokenizer) to `output_dir`. An RL config
+then starts from it and keeps it as the frozen KL reference:
+`model.name_or_path: <output_dir>` (the env takes the tokenizer from there too).
+
+`backward: true` trains the backward model of MMI, p(source | target): the pairs
+are reversed before anything else. Scheduled sampling (Bengio et al., 2015):
+at step i each target input token is replaced, with probability
+p_i = ss_max * i / (steps - 1), by a token sampled from the model's own
+prediction at that position. For a transformer that prediction comes from a
+teacher-forced pass without gradient (the two-pass form of Mihaylova and
+Martins, 2019); the loss is then taken on the mixed inputs against the true
+targets. ss_max 0 (the default) is plain teacher forcing.
+
+With a built-in model (`tiny-gpt2`) and no `model.tokenizer`, the tokenizer is
+a word-level one over the training text's words. Errors in the config or the
+data stop with one line naming the field or file, exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from agents.config import ConfigError, Field as F, parse_override, _unknown
+from env.tasks.data import DATA_OPTIONS, DataError, DataSpec, load_rows
+
+SCHEMA = {
+    "seed": F(int, 0, lo=0),
+    "output_dir": F(str, None, optional=True),  # required; checked below
+    "backward": F(bool, False),
+    "data": {  # plus the data keys of env/tasks/data.py (dataset, splits, split_fractions, ...)
+        "text_field": F(str, "text"),
+        "source_field": F(str, None, optional=True),
+        "target_field": F(str, None, optional=True),
+        "separator": F(str, None, optional=True),  # text between source and target (MMI's `separator`)
+        "eval_split": F(str, "validation", optional=True),  # held-out cross-entropy; null: none
+    },
+    "model": {
+        "name_or_path": F(str, "tiny-gpt2"),
+        "tokenizer": F(str, None, optional=True),
+        "overrides": F(dict, {}),
+    },
+    "training": {
+        "steps": F(int, 500, lo=1),
+        "batch_size": F(int, 32, lo=1),
+        "lr": F(float, 1e-3, lo=0.0, lo_open=True),
+        "weight_decay": F(float, 0.0, lo=0.0),
+        "grad_clip": F(float, 1.0, lo=0.0, lo_open=True, optional=True),
+        "max_len": F(int, 128, lo=2),
+        "ss_max": F(float, 0.0, lo=0.0, hi=1.0),
+        "log_every": F(int, 50, lo=1),
+        "eval_batches": F(int, 8, lo=1),
+        "device": F(str, "auto", choices=["auto", "cpu", "cuda"]),  # auto: CUDA when present
+        # CPU threads for torch (null: torch's default). A tiny model on a busy machine runs far
+        # faster on one thread than fighting for several.
+        "num_threads": F(int, None, lo=1, optional=True),
+    },
+}
+
+
+# -- config ---------------------------------------------------------------------------
+
+def validate(raw) -> dict:
+    if not isinstance(raw, dict):
+        raise ConfigError("config: the YAML file must hold a mapping at the top level")
+    for key in raw:
+        if key not in SCHEMA:
+            raise _unknown("", key, SCHEMA)
+    cfg = {}
+    for key, spec in SCHEMA.items():
+        value = raw.get(key)
+        if isinstance(spec, F):
+            cfg[key] = spec.default if value is None else spec.check(key, value)
+            continue
+        value = {} if value is None else value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        extra = DATA_OPTIONS if key == "data" else {}
+        for sub in value:
+            if sub not in spec and sub not in extra:
+                raise _unknown(key, sub, {**spec, **extra})
+        cfg[key] = {sub: f.check(f"{key}.{sub}", value[sub]) if sub in value else f.default
+                    for sub, f in spec.items()}
+        cfg[key].update({sub: value.get(sub, default) for sub, default in extra.items()})
+    if not cfg["output_dir"]:
+        raise ConfigError("output_dir: missing (the directory to write the model and tokenizer to)")
+    d = cfg["data"]
+    if (d["source_field"] is None) != (d["target_field"] is None):
+        raise ConfigError("data.target_field: give both data.source_field and data.target_field, or neither")
+    if cfg["backward"] and d["source_field"] is None:
+        raise ConfigError("backward: needs pairs (data.source_field and data.target_field)")
+    try:
+        DataSpec.parse(d, path="data")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return cfg
+
+
+def load_config(path: str, overrides=()) -> dict:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = raw
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {text!r}: {k} is not a section")
+        node[keys[-1]] = value
+    return validate(raw)
+
+
+# -- data -----------------------------------------------------------------------------
+
+def load_pairs(cfg: dict, split: str) -> list[tuple[str, str]]:
+    """(context, text) per example: context '' for plain text; (target, source) when backward."""
+    d = cfg["data"]
+    spec = DataSpec.parse(d, path="data")
+    if d["source_field"] is None:
+        fields = {d["text_field"]: "text_field"}
+    else:
+        fields = {d["source_field"]: "source_field", d["target_field"]: "target_field"}
+    try:
+        rows = load_rows(spec, split, fields=fields, text_fields=tuple(fields))
+    except DataError as e:  # the data module names task.* keys; here they live under data.*
+        hint = " (data.eval_split: null skips the held-out loss)" if split == d["eval_split"] else ""
+        raise DataError(str(e).replace("task.", "data.") + hint) from None
+    if d["source_field"] is None:
+        return [("", row[d["text_field"]]) for row in rows]
+    pairs = [(row[d["source_field"]], row[d["target_field"]]) for row in rows]
+    return [(t, s) for s, t in pairs] if cfg["backward"] else pairs
+
+
+def build_tokenizer(cfg: dict, texts: list[str]):
+    from agents.models import is_builtin
+    from env.tokenization import load_tokenizer, word_level_tokenizer
+
+    m = cfg["model"]
+    if not m["tokenizer"] and is_builtin(m["name_or_path"]):
+        from env.tokenization import EOS_TOKEN, PAD_TOKEN
+
+        words = sorted({w for t in texts for w in t.split()} - {EOS_TOKEN, PAD_TOKEN})
+        return word_level_tokenizer(words)
+    field, name = ("model.tokenizer", m["tokenizer"]) if m["tokenizer"] else ("model.name_or_path", m["name_or_path"])
+    try:
+        return load_tokenizer(name)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{field}: cannot load a tokenizer from {name!r}: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def encode_example(tok, context: str, text: str, separator: str | None, max_len: int):
+    """(ids, loss_mask): context + separator + text + EOS, the loss on text and EOS only.
+
+    Plain text has no start token: in the token env a prompt starts at position 0 too.
+    Too long: the context loses its start, then the text its end.
+    """
+    ctx = tok(context, add_special_tokens=False)["input_ids"] if context else []
+    if separator:
+        ctx = ctx + tok(separator, add_special_tokens=False)["input_ids"]
+    tgt = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    tgt = tgt[:max_len - (1 if ctx else 0)]
+    ctx = ctx[max(0, len(ctx) + len(tgt) - max_len):]
+    return ctx + tgt, [0] * len(ctx) + [1] * len(tgt)
+
+
+def collate(examples, pad_id: int):
+    """Right-padded (input_ids, attention_mask, loss_mask) tensors."""
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(examples), width), dtype=torch.long)
+    loss = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, (seq, mask) in enumerate(examples):
+        ids[i, :len(seq)] = torch.tensor(seq)
+        attn[i, :len(seq)] = 1
+        loss[i, :len(seq)] = torch.tensor(mask)
+    return ids, attn, loss
+
+
+# -- the loss ---------------------------------------------------------------------------
+
+def scheduled_sampling_inputs(model, ids, attn, loss_mask, p: float, generator: torch.Generator):
+    """The inputs with each target token (but the first) replaced, with probability p, by a token
+    sampled from the model's teacher-forced prediction for that position."""
+    if p <= 0.0:
+        return ids
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        probs = torch.softmax(logits, -1).reshape(-1, logits.shape[-1])
+        # Drawn on the CPU so that a seed gives the same tokens on any device.
+        sampled = torch.multinomial(probs.cpu(), 1, generator=generator).view(ids.shape[0], -1).to(ids.device)
+    # Position t's input is the token at t; the model's guess for it comes from position t-1.
+    # A target's first token follows the context (or nothing) and is never fed back in.
+    feedable = (loss_mask[:, 1:] == 1) & (loss_mask[:, :-1] == 1)
+    coin = (torch.rand(feedable.shape, generator=generator) < p).to(ids.device)
+    mixed = ids.clone()
+    mixed[:, 1:] = torch.where(feedable & coin, sampled, ids[:, 1:])
+    return mixed
+
+
+def lm_loss(model, inputs, attn, targets, loss_mask, reduction: str = "mean"):
+    """Cross-entropy of predicting `targets[t+1]` from `inputs[..t]`, over the loss mask."""
+    logits = model(input_ids=inputs, attention_mask=attn).logits[:, :-1].float()
+    mask = loss_mask[:, 1:].bool()
+    nll = torch.nn.functional.cross_entropy(logits[mask], targets[:, 1:][mask], reduction="sum")
+    return nll / mask.sum() if reduction == "mean" else nll
+
+
+@torch.no_grad()
+def heldout_loss(model, batches) -> float:
+    """Mean per-token cross-entropy (nats) over `batches` of (ids, attn, loss_mask)."""
+    model.eval()
+    total, count = 0.0, 0
+    device = next(model.parameters()).device
+    for ids, attn, mask in batches:
+        ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
+        total += lm_loss(model, ids, attn, ids, mask, reduction="sum").item()
+        count += int(mask[:, 1:].sum())
+    return total / max(count, 1)
+
+
+def ss_probability(step: int, steps: int, ss_max: float) -> float:
+    """Linear from 0 at the first step to ss_max at the last."""
+    return ss_max * step / max(steps - 1, 1)
+
+
+# -- training ---------------------------------------------------------------------------
+
+def pretrain(cfg: dict, log=print) -> dict:
+    """Trains and saves; returns {"output_dir", "eval_before", "eval_after", "train_loss"}."""
+    from agents.models import build_causal_lm
+
+    from env.rewards.base import resolve_device
+
+    t = cfg["training"]
+    if t["num_threads"]:
+        torch.set_num_threads(t["num_threads"])
+    device = resolve_device(t["device"])
+    torch.manual_seed(cfg["seed"])
+    train = load_pairs(cfg, "train")
+    held = load_pairs(cfg, cfg["data"]["eval_split"]) if cfg["data"]["eval_split"] else []
+    tok = build_tokenizer(cfg, [x for pair in train for x in pair])
+    try:
+        # Room for RL prompts + generations longer than the training texts (a built-in model only).
+        model = build_causal_lm(cfg["model"], tok, seed=cfg["seed"], max_positions=max(t["max_len"], 1024))
+    except OSError as e:
+        raise ValueError(f"model.name_or_path: cannot load {cfg['model']['name_or_path']!r}: {_first_line(e)}") from None
+    model.to(device)
+    sep = cfg["data"]["separator"]
+    train_ex = [encode_example(tok, c, x, sep, t["max_len"]) for c, x in train]
+    held_ex = [encode_example(tok, c, x, sep, t["max_len"]) for c, x in held]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    bs = t["batch_size"]
+    held_batches = [collate(held_ex[i:i + bs], pad) for i in range(0, len(held_ex), bs)][:t["eval_batches"]]
+    eval_before = heldout_loss(model, held_batches) if held_batches else None
+    if eval_before is not None:
+        log(f"held-out cross-entropy before: {eval_before:.4f} nats/token ({len(held_ex)} examples)")
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    order, cursor = torch.randperm(len(train_ex), generator=gen).tolist(), 0
+    tokens, seen, start, losses = 0, 0, time.perf_counter(), []
+    for step in range(t["steps"]):
+        if cursor + bs > len(order):  # a new epoch: reshuffle
+            order, cursor = torch.randperm(len(train_ex), generator=gen).tolist(), 0
+        batch = [train_ex[i] for i in order[cursor:cursor + bs]]
+        cursor += bs
+        ids, attn, mask = (x.to(device) for x in collate(batch, pad))
+        p = ss_probability(step, t["steps"], t["ss_max"])
+        model.train()
+        inputs = scheduled_sampling_inputs(model, ids, attn, mask, p, gen)
+        loss = lm_loss(model, inputs, attn, ids, mask)
+        optimizer.zero_grad()
+        loss.backward()
+        if t["grad_clip"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
+        optimizer.step()
+        losses.append(loss.item())
+        tokens += int(attn.sum())
+        seen += 1
+        if (step + 1) % t["log_every"] == 0 or step + 1 == t["steps"]:
+            elapsed = time.perf_counter() - start
+            line = (f"step {step + 1:5d}/{t['steps']}  loss {sum(losses[-seen:]) / seen:.4f}  ss_p {p:.3f}  "
+                    f"{tokens / max(elapsed, 1e-9):,.0f} tokens/s")  # since the last line
+            if held_batches and step + 1 == t["steps"]:
+                line += f"  held-out {heldout_loss(model, held_batches):.4f}"
+            log(line)
+            seen, tokens, start = 0, 0, time.perf_counter()
+    eval_after = heldout_loss(model, held_batches) if held_batches else None
+    if eval_after is not None:
+        log(f"held-out cross-entropy after: {eval_after:.4f} nats/token (before: {eval_before:.4f})")
+
+    out = os.path.abspath(os.path.expanduser(cfg["output_dir"]))
+    os.makedirs(out, exist_ok=True)
+    model.to("cpu")
+    model.config.use_cache = True  # off for training in agents.models; generate() wants it
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = pad
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar between the progress lines
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return {"output_dir": out, "eval_before": eval_before, "eval_after": eval_after,
+            "train_loss": sum(losses[-t["log_every"]:]) / len(losses[-t["log_every"]:])}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m agents.pretrain", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="YAML file, e.g. tune_configs/pretrain_reviews.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set training.steps=100 (repeatable)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        result = pretrain(cfg, log=lambda line: print(line, flush=True))
+    except (ConfigError, DataError, ValueError, OSError) as e:
+        print(f"error: {_first_line(e)}", file=sys.stderr)
+        return 2
+    print(f"saved model and tokenizer to {result['output_dir']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Evaluation tables and training curves (agents/evaluate.py) on tiny models written here."""
+import csv
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from agents.evaluate import (EvalError, Model, distinct_n, evaluate, main, plot_curves, terciles,
+                             write_results)
+from env.tasks.review_corpus import review_corpus, vocabulary
+from tests.conftest import ROOT, run_module
+
+
+def write_jsonl(path, rows):
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Two randomly initialised tiny GPT-2 directories sharing a word-level tokenizer, and review data."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from env.tokenization import word_level_tokenizer
+
+    root = tmp_path_factory.mktemp("evaluate")
+    tok = word_level_tokenizer(vocabulary())
+    dirs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        lm = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=32, n_layer=1, n_head=2, n_embd=16,
+                                        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+                                        pad_token_id=tok.pad_token_id))
+        path = str(root / f"model{seed}")
+        lm.save_pretrained(path)
+        tok.save_pretrained(path)
+        dirs.append(path)
+    data = {"train": write_jsonl(root / "train.jsonl", review_corpus(20, seed=0)),
+            "test": write_jsonl(root / "test.jsonl", review_corpus(12, seed=2))}
+    env_config = {"task": {"name": "imdb", "dataset": data, "prompt_words": 6}, "tokenizer": dirs[0],
+                  "max_prompt_len": 8, "max_new_tokens": 6, "truncation_side": "right"}
+    return {"dirs": dirs, "env_config": env_config, "root": root, "data": data}
+
+
+def test_distinct_n_is_the_hand_count():
+    gens = ["the cat sat", "the cat ran", ""]
+    # unigrams: the cat sat the cat ran -> 4 unique of 6; bigrams: the-cat sat... -> 3 unique of 4
+    assert distinct_n(gens, 1) == pytest.approx(4 / 6)
+    assert distinct_n(gens, 2) == pytest.approx(3 / 4)
+    assert distinct_n(["a"], 2) == 0.0
+
+
+def test_terciles_cut_at_the_thirds_and_keep_ties_together():
+    buckets, labels = terciles([-0.5, -0.5, 0.0, 0.0, 0.0, 0.7])
+    assert buckets == [0, 0, 1, 1, 1, 2] and len(labels) == 3  # cuts at -0.167 and 0.0
+    assert terciles([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])[0] == [0, 0, 1, 1, 2, 2]
+
+
+def _logprob(model_dir, context, target):
+    """Sum of log p(target | context) one unpadded sequence at a time (as tests/test_rewards.py does)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    lm = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ctx = tok(context, add_special_tokens=False)["input_ids"]
+    tgt = tok(target, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logp = lm(torch.tensor([ctx + tgt])).logits[0].log_softmax(-1)
+    return sum(logp[len(ctx) - 1 + t, i].item() for t, i in enumerate(tgt)), len(tgt)
+
+
+def test_table_matches_direct_reward_calls_and_files_are_written(setup, tmp_path):
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    models = [Model(setup["dirs"][0], "first"), Model(setup["dirs"][1], "second")]
+    result = evaluate(models, setup["env_config"], num_samples=2, log=lambda line: None)
+    assert [r["model"] for r in result["rows"]] == ["first", "second"]
+    assert result["columns"] == ["model", "n", "sentiment", "perplexity", "distinct_1", "distinct_2", "mean_words"]
+    vader = SentimentIntensityAnalyzer()
+    for row in result["rows"]:
+        gens = [g for g in result["generations"] if g["model"] == row["model"]]
+        texts = [g["generation"] for g in gens]
+        assert row["n"] == len(gens) == 24  # 12 test prompts x 2 samples
+        direct = [(vader.polarity_scores(t)["compound"] + 1) / 2 for t in texts]  # sentiment without a model
+        assert row["sentiment"] == pytest.approx(sum(direct) / len(direct))
+        assert row["distinct_1"] == pytest.approx(distinct_n(texts, 1))
+        assert row["distinct_2"] == pytest.approx(distinct_n(texts, 2))
+        # Perplexity under the first model, over all generated tokens after their prompts.
+        total = count = 0
+        for g in gens:
+            if g["generation"]:
+                lp, n = _logprob(setup["dirs"][0], g["prompt"], g["generation"])
+                total, count = total + lp, count + n
+        assert row["perplexity"] == pytest.approx(math.exp(-total / count), rel=1e-4)
+    # The same prompts for both models, each sampled twice.
+    prompts = [g["prompt"] for g in result["generations"]]
+    assert prompts[:24] == prompts[24:] and prompts[0] == prompts[1]
+    # The breakdown covers every generation once per model, by the prompt's own VADER score.
+    for name in ("first", "second"):
+        parts = [b for b in result["breakdown"] if b["model"] == name]
+        assert sum(b["n"] for b in parts) == 24
+        overall = next(r for r in result["rows"] if r["model"] == name)["sentiment"]
+        assert sum(b["n"] * b["sentiment"] for b in parts if b["n"]) / 24 == pytest.approx(overall)
+    assert result["difficulty"] == "prompt VADER compound"
+
+    paths = write_results(result, str(tmp_path / "out"))
+    with open(paths["csv"], newline="") as f:
+        rows = list(csv.DictReader(f))
+    overall = [r for r in rows if r["table"] == "overall"]
+    assert [r["model"] for r in overall] == ["first", "second"]
+    assert float(overall[0]["sentiment"]) == pytest.approx(result["rows"][0]["sentiment"])
+    assert len([r for r in rows if r["table"] == "by_difficulty"]) == 6
+    md = open(paths["md"]).read()
+    assert "| model | n | sentiment | perplexity | distinct_1 | distinct_2 | mean_words |" in md
+    assert "| first | 24 |" in md and "By prompt VADER compound (terciles)" in md
+    assert sum(1 for _ in open(paths["generations"])) == 48
+
+
+def test_greedy_decoding_repeats_itself(setup):
+    model = Model(setup["dirs"][0])
+    a = evaluate([model], setup["env_config"], greedy=True, num_samples=2, log=lambda line: None)
+    gens = [g["generation"] for g in a["generations"]]
+    assert gens[0::2] == gens[1::2]  # two greedy samples of one prompt are the same text
+
+
+def write_trial(path, returns, kl):
+    os.makedirs(path)
+    with open(os.path.join(path, "result.json"), "w") as f:
+        for i, (r, k) in enumerate(zip(returns, kl), start=1):
+            f.write(json.dumps({"training_iteration": i, "env_runners": {"episode_return_mean": r},
+                                "learners": {"default_policy": {"ref_kl": k}}}) + "\n")
+
+
+def test_curves_png_per_metric(tmp_path):
+    write_trial(tmp_path / "run" / "trial_a", [0.5, 0.6, 0.8], [0.0, 1.0, 2.0])
+    write_trial(tmp_path / "run" / "trial_b", [0.4, 0.7], [0.0, 0.5])
+    other = tmp_path / "other"
+    os.makedirs(other)
+    with open(other / "progress.csv", "w") as f:  # a trial with only progress.csv
+        f.write("training_iteration,env_runners/episode_return_mean\n1,0.3\n2,0.9\n")
+    paths = plot_curves([str(tmp_path / "run"), str(other)], ["episode_return_mean", "ref_kl"][:1],
+                        str(tmp_path / "plots"))
+    assert [os.path.basename(p) for p in paths] == ["curve_episode_return_mean.png"]
+    data = open(paths[0], "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    paths = plot_curves([str(tmp_path / "run")], ["ref_kl"], str(tmp_path / "plots"))
+    assert os.path.getsize(paths[0]) > 5000
+    with pytest.raises(EvalError, match=r"^--metric: 'episode_reward' is not logged in .*trial_a"):
+        plot_curves([str(tmp_path / "run")], ["episode_reward"], str(tmp_path / "plots"))
+
+
+def _cli_error(capsys, *argv):
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    return err.strip()
+
+
+def test_cli_bad_input_is_one_line(setup, tmp_path, capsys):
+    missing = str(tmp_path / "nothing")
+    assert _cli_error(capsys, missing) == f"error: {missing}: no such checkpoint or model directory"
+    assert "neither a checkpoint" in _cli_error(capsys, str(tmp_path))
+    assert _cli_error(capsys, setup["dirs"][0]).startswith("error: --config: needed to know the task")
+    assert _cli_error(capsys, "--curves", missing) == f"error: --curves: {missing}: no such run directory"
+    assert _cli_error(capsys, setup["dirs"][0], "--config", str(tmp_path / "x.yaml")).endswith(
+        "x.yaml: no such config file")
+    assert _cli_error(capsys, setup["dirs"][0], "--num-samples", "0").startswith("error: --num-samples")
+
+
+def test_cli_writes_table_and_plot(setup, tmp_path):
+    cfg = tmp_path / "rl.yaml"
+    data = setup["data"]
+    cfg.write_text(f"task:\n  name: imdb\n  prompt_words: 6\n  dataset: {{train: {data['train']}, test: {data['test']}}}\n"
+                   f"model:\n  name_or_path: {setup['dirs'][0]}\nenv:\n  max_prompt_len: 8\n  max_new_tokens: 6\n")
+    write_trial(tmp_path / "run" / "trial", [0.5, 0.6], [0.0, 1.0])
+    out = run_module("agents.evaluate", *setup["dirs"], "--names", "a", "b", "--config", str(cfg), "--out",
+                     str(tmp_path / "eval"), "--curves", str(tmp_path / "run"), "--threads", "1", timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert "| a | 12 |" in out.stdout and "| b | 12 |" in out.stdout
+    for name in ("evaluation.csv", "evaluation.md", "generations.jsonl", "curve_episode_return_mean.png"):
+        assert os.path.getsize(tmp_path / "eval" / name) > 0
+
+
+@pytest.mark.slow
+def test_demo_end_to_end_with_a_short_budget(tmp_path):
+    """corpus -> pretrain -> PPO -> evaluate, shortened; asserts what a short run guarantees."""
+    out = tmp_path / "demo"
+    run = run_module("agents.demo", "--out", str(out), "--pretrain-set", "training.steps=40",
+                     "--ppo-set", "stop.training_iteration=2", "--ppo-set", "training.train_batch_size=256",
+                     "--ppo-set", "training.minibatch_size=128", "--num-samples", "1", timeout=400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(out / "eval" / "evaluation.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["table"] == "overall"]
+    assert [r["model"] for r in rows] == ["warm_start", "ppo"]
+    assert all(0.0 <= float(r["sentiment"]) <= 1.0 and float(r["perplexity"]) > 1.0 for r in rows)
+    assert os.path.getsize(out / "eval" / "curve_episode_return_mean.png") > 0
+    assert "wall time:" in run.stdout
+    assert os.path.isdir(ROOT)

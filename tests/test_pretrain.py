@@ -1,0 +1,204 @@
+"""Supervised warm start (agents/pretrain.py) on a tiny corpus written here; no network."""
+import json
+
+import pytest
+import torch
+
+from agents.config import ConfigError
+from agents.pretrain import (collate, encode_example, lm_loss, load_config, load_pairs, main, pretrain,
+                             scheduled_sampling_inputs, ss_probability, validate)
+from env.tasks.review_corpus import review_corpus
+from tests.conftest import run_module
+
+
+def write_jsonl(path, rows):
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    return {"train": write_jsonl(root / "train.jsonl", review_corpus(400, seed=0)),
+            "validation": write_jsonl(root / "validation.jsonl", review_corpus(40, seed=1))}
+
+
+def config(corpus, out, **training):
+    return validate({"output_dir": str(out), "data": {"dataset": corpus},
+                     "training": {"steps": 60, "batch_size": 16, "lr": 3e-3, "max_len": 40, "log_every": 20,
+                                  "num_threads": 1, **training}})
+
+
+@pytest.fixture(scope="module")
+def warm_start(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("warm") / "model"
+    lines = []
+    result = pretrain(config(corpus, out, ss_max=0.2), log=lines.append)
+    return result, lines
+
+
+def test_pretraining_lowers_held_out_cross_entropy_and_saves_a_loadable_dir(warm_start, corpus):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result, lines = warm_start
+    assert result["eval_after"] < result["eval_before"] - 1.0  # from ~log(V) = 4 nats to well below
+    assert any(line.startswith("step    20/60  loss") and "tokens/s" in line for line in lines)
+    model = AutoModelForCausalLM.from_pretrained(result["output_dir"])
+    tok = AutoTokenizer.from_pretrained(result["output_dir"])
+    text = "the film was very good . i loved it ."
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text and tok.eos_token_id not in ids  # every corpus word is in the vocabulary
+    # The saved model scores held-out text as the trained one did.
+    cfg = config(corpus, result["output_dir"])
+    held = [encode_example(tok, c, x, None, 40) for c, x in load_pairs(cfg, "validation")]
+    ids, attn, mask = collate(held[:16], tok.pad_token_id)
+    with torch.no_grad():
+        assert lm_loss(model, ids, attn, ids, mask).item() < result["eval_before"] - 1.0
+
+
+def test_an_rl_config_starts_from_the_saved_dir(warm_start, corpus):
+    """model.name_or_path: <dir> gives the env its tokenizer and the policy its weights."""
+    from transformers import AutoModelForCausalLM
+
+    from agents.config import env_config
+    from agents.config import validate as validate_rl
+    from agents.models import build_causal_lm, build_tokenizer
+    from env.text_env import TokenGenerationEnv
+
+    out = warm_start[0]["output_dir"]
+    cfg = validate_rl({"task": {"name": "imdb", "dataset": corpus, "prompt_words": 4}, "model": {"name_or_path": out},
+                       "env": {"max_prompt_len": 6, "max_new_tokens": 8}})
+    env = TokenGenerationEnv(env_config(cfg))
+    _, info = env.reset(seed=0)
+    assert len(info["prompt"].split()) == 4 and env.vocab_size == len(build_tokenizer(env_config(cfg)))
+    lm = build_causal_lm(cfg["model"], env.tokenizer)
+    saved = AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(a, b) for a, b in zip(lm.state_dict().values(), saved.state_dict().values()))
+
+
+def test_ss_probability_is_linear_from_zero_to_ss_max():
+    assert [ss_probability(i, 5, 0.4) for i in range(5)] == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+
+
+def _tiny_batch():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from env.tokenization import word_level_tokenizer
+
+    tok = word_level_tokenizer("a b c d e f g h".split())
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=32, n_layer=1, n_head=2, n_embd=16,
+                                       bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id))
+    model.eval()  # no dropout, as agents.models builds every policy
+    examples = [encode_example(tok, "a b", "c d e f g", None, 32), encode_example(tok, "", "h g f e d c b", None, 32)]
+    return model, collate(examples, tok.pad_token_id)
+
+
+def test_scheduled_sampling_at_zero_is_teacher_forcing_exactly():
+    model, (ids, attn, mask) = _tiny_batch()
+    inputs = scheduled_sampling_inputs(model, ids, attn, mask, 0.0, torch.Generator().manual_seed(0))
+    assert torch.equal(inputs, ids)
+    assert lm_loss(model, inputs, attn, ids, mask).item() == lm_loss(model, ids, attn, ids, mask).item()
+    labels = torch.where(mask.bool(), ids, -100)  # the transformers loss over the same tokens
+    assert lm_loss(model, ids, attn, ids, mask).item() == pytest.approx(
+        model(input_ids=ids, attention_mask=attn, labels=labels).loss.item(), rel=1e-6)
+
+
+def test_scheduled_sampling_at_one_feeds_the_models_own_tokens():
+    model, (ids, attn, mask) = _tiny_batch()
+    seen = []
+    hook = model.transformer.wte.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].clone()))
+    inputs = scheduled_sampling_inputs(model, ids, attn, mask, 1.0, torch.Generator().manual_seed(3))
+    loss = lm_loss(model, inputs, attn, ids, mask)
+    hook.remove()
+    assert torch.equal(seen[0], ids) and torch.equal(seen[1], inputs)  # a teacher-forced pass, then the mixed one
+    # Direct computation: every target token after the first is a draw from the model's
+    # teacher-forced distribution at the position before it; the rest is the data.
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)
+    expected = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1,
+                                 generator=torch.Generator().manual_seed(3)).view(ids.shape[0], -1)
+    feedable = (mask[:, 1:] == 1) & (mask[:, :-1] == 1)
+    assert torch.equal(inputs[:, 1:][feedable], expected[feedable])
+    assert torch.equal(inputs[:, 1:][~feedable], ids[:, 1:][~feedable]) and torch.equal(inputs[:, 0], ids[:, 0])
+    assert not torch.equal(inputs, ids)
+    assert loss.item() != lm_loss(model, ids, attn, ids, mask).item()
+
+
+def test_backward_model_trains_on_target_to_source(tmp_path):
+    pairs = [{"src": f"a{i} b{i}", "tgt": f"c{i} d{i} e{i}"} for i in range(20)]
+    path = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    raw = {"output_dir": str(tmp_path / "bwd"), "backward": True,
+           "data": {"dataset": {"train": path}, "source_field": "src", "target_field": "tgt", "eval_split": None},
+           "training": {"steps": 3, "batch_size": 4, "num_threads": 1}}
+    cfg = validate(raw)
+    assert load_pairs(cfg, "train")[:2] == [("c0 d0 e0", "a0 b0"), ("c1 d1 e1", "a1 b1")]
+    assert load_pairs(validate({**raw, "backward": False}), "train")[0] == ("a0 b0", "c0 d0 e0")
+    result = pretrain(cfg, log=lambda line: None)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(result["output_dir"])
+    ids, mask = encode_example(tok, *load_pairs(cfg, "train")[0], None, 32)
+    # The context is the target, the loss falls on the source and EOS.
+    assert tok.decode([t for t, m in zip(ids, mask) if not m]) == "c0 d0 e0"
+    assert [t for t, m in zip(ids, mask) if m] == tok("a0 b0", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+
+# -- bad input: one line naming the field or file, exit code 2 --------------------------------
+
+@pytest.mark.parametrize("raw,message", [
+    ({"data": {"dataset": "x.jsonl"}}, r"^output_dir: missing"),
+    ({"output_dir": "o", "trainig": {}}, r"^trainig: unknown key \(did you mean 'training'\?\)"),
+    ({"output_dir": "o", "training": {"stpes": 3}}, r"^training\.stpes: unknown key \(did you mean 'steps'\?\)"),
+    ({"output_dir": "o", "training": {"ss_max": 1.5}}, r"^training\.ss_max: expected a number in \[0\.0, 1\.0\]"),
+    ({"output_dir": "o", "data": {"dataset": "x.jsonl", "source_field": "s"}}, r"^data\.target_field: give both"),
+    ({"output_dir": "o", "backward": True, "data": {"dataset": "x.jsonl"}}, r"^backward: needs pairs"),
+    ({"output_dir": "o", "data": {"dataset": 3}}, r"^data\.dataset: expected a hub name"),
+])
+def test_config_mistakes_name_the_field(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(raw)
+
+
+def _cli_error(capsys, *argv):
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    return err.strip()
+
+
+def test_cli_bad_input_is_one_line(tmp_path, corpus, capsys):
+    assert _cli_error(capsys, str(tmp_path / "nope.yaml")).endswith("nope.yaml: no such config file")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"output_dir: {tmp_path / 'out'}\ndata:\n  dataset: {{train: {empty}}}\n  eval_split: null\n")
+    err = _cli_error(capsys, str(cfg))
+    assert str(empty) in err and "empty" in err
+    cfg.write_text(f"output_dir: {tmp_path / 'out'}\ndata:\n  dataset: {{train: {corpus['train']}}}\n"
+                   f"  text_field: review\n  eval_split: null\n")
+    err = _cli_error(capsys, str(cfg))
+    assert "missing field 'review'" in err and "set data.text_field" in err and corpus["train"] in err
+    err = _cli_error(capsys, str(cfg), "--set", "data.text_field=text", "--set", "model.name_or_path=no-such/model-4711")
+    assert err.startswith("error: model.name_or_path: cannot load a tokenizer from 'no-such/model-4711'")
+    err = _cli_error(capsys, str(cfg), "--set", "data.text_field=text", "--set", "data.eval_split=validation")
+    assert err.startswith("error: data.dataset: no file for split 'validation'") and "data.eval_split: null" in err
+    err = _cli_error(capsys, str(cfg), "--set", "training.lr=-1")
+    assert err.startswith("error: training.lr: expected a number > 0.0, got -1")
+
+
+def test_cli_runs_and_ends_with_the_output_dir(tmp_path, corpus):
+    cfg = tmp_path / "c.yaml"
+    out = tmp_path / "out"
+    cfg.write_text(f"output_dir: {out}\ndata:\n  dataset: {{train: {corpus['train']}, validation: {corpus['validation']}}}\n"
+                   "training: {steps: 4, batch_size: 8, log_every: 2, num_threads: 1}\n")
+    run = run_module("agents.pretrain", str(cfg), timeout=120)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert lines[-1] == f"saved model and tokenizer to {out}"
+    assert sum(line.startswith("step ") and "tokens/s" in line for line in lines) == 2
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    bad = run_module("agents.pretrain", str(cfg), "--set", "training.steps=0", timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: training.steps: expected an integer >= 1, got 0"
