@@ -116,6 +116,10 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "vf_clip_param": F(float, 10.0, lo=0.0, lo_open=True),
         "entropy_coeff": F(float, 0.0, lo=0.0),
         "grad_clip": F(float, 1.0, lo=0.0, lo_open=True, optional=True),
+        # Mixed objective: + mle_coef * NLL of the task's reference continuations given their
+        # prompts (mle_batch_size pairs per loss computation); 0: pure RL.
+        "mle_coef": F(float, 0.0, lo=0.0),
+        "mle_batch_size": F(int, 16, **POS_INT),
     },
     "dqn": {  # algorithm: dqn only (agents/algorithms/dqn.py, agents/modules/q_network.py)
         "head": F(str, "logits", choices=["logits", "mlp"]),
@@ -324,7 +328,7 @@ def _plain(value):
 
 # Training keys only the actor-critic algorithms read (DQN takes lr, train_batch_size, gamma, grad_clip).
 ACTOR_CRITIC_ONLY = ("minibatch_size", "num_epochs", "lambda", "clip_param", "vf_loss_coeff", "vf_clip_param",
-                     "entropy_coeff")
+                     "entropy_coeff", "mle_coef", "mle_batch_size")
 
 
 def _check_algorithm_fields(raw: dict, cfg: dict) -> None:
@@ -363,6 +367,11 @@ def _check_cross_fields(cfg: dict):
         )
     if cfg["reward"]["kl_adaptive"] and _plain(cfg["reward"]["kl_coef"]) == 0.0:
         raise ConfigError("reward.kl_adaptive: needs reward.kl_coef > 0 to adapt from")
+    if max(_candidates(t["mle_coef"])) > 0:
+        task = cfg["task"]
+        if task.get("name") == "increasing_numbers" or (task.get("name") == "text" and not task.get("reference_field")):
+            raise ConfigError(f"training.mle_coef: task {task.get('name')!r} has no reference texts to learn from "
+                              f"(imdb, commongen, dialogue, summarization, or text with reference_field have them)")
     stop = cfg["stop"]
     if all(v is None for v in stop.values()):
         raise ConfigError("stop: give at least one of " + ", ".join(stop))
@@ -503,7 +512,8 @@ def algorithm_config(cfg: dict):
             learner_config_dict={"kl": {
                 "coef": rw["kl_coef"], "adaptive": rw["kl_adaptive"],
                 "target": rw["kl_target"], "horizon": rw["kl_horizon"],
-            }},
+            }, **({"mle": {"coef": t["mle_coef"], "batch_size": t["mle_batch_size"], "env": env_cfg}}
+                  if algo != "dqn" else {})},
         )
         .rl_module(rl_module_spec=RLModuleSpec(module_class=QNetwork if algo == "dqn" else CausalLMActorCritic),
                    model_config=model_config)

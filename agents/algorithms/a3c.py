@@ -86,7 +86,7 @@ class A3CTorchLearner(LMPPOTorchLearner):
             key=module_id,
             window=1,
         )
-        return total
+        return self.add_mle_term(module_id, total)
 
 
 class A3CConfig(LMPPOConfig):

@@ -28,6 +28,7 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.torch_utils import explained_variance
 
 from agents.algorithms.kl_control import AdaptiveKLController, ReferenceKLPenalty
+from agents.algorithms.mle import ReferencePairs, reference_nll
 from agents.algorithms.sequence_batching import AddSequenceIds, sequence_minibatches
 from agents.modules.actor_critic import MASK_SIZE
 
@@ -63,6 +64,11 @@ class LMPPOTorchLearner(PPOTorchLearner):
                 ReferenceKLPenalty if self.kl_penalty is not None else GeneralAdvantageEstimation, AddSequenceIds()
             )
         self._minibatch_rng = np.random.default_rng(self.config.seed)
+        mle = self.config.learner_config_dict.get("mle") or {}
+        self.mle_pairs = None
+        if mle.get("coef", 0.0) > 0.0:  # the supervised term of the mixed objective (agents/algorithms/mle.py)
+            tokenizer = next(iter(self.module.values())).unwrapped().tokenizer
+            self.mle_pairs = ReferencePairs(mle["env"], tokenizer, seed=self.config.seed or 0)
         self.num_updates = 0  # gradient-based updates so far (one per training iteration)
 
     def _create_iterator_if_necessary(self, *, training_data, num_epochs=1, minibatch_size=None,
@@ -133,7 +139,17 @@ class LMPPOTorchLearner(PPOTorchLearner):
             key=module_id,
             window=1,
         )
-        return total
+        return self.add_mle_term(module_id, total)
+
+    def add_mle_term(self, module_id, total):
+        """total + mle_coef * NLL of a fresh draw of reference continuations (unchanged at coef 0)."""
+        if self.mle_pairs is None:
+            return total
+        mle = self.config.learner_config_dict["mle"]
+        lm = self.module[module_id].unwrapped().lm
+        nll = reference_nll(lm, *self.mle_pairs.batch(mle["batch_size"], device=next(lm.parameters()).device))
+        self.metrics.log_dict({"mle_nll": nll.detach(), "mle_coef": mle["coef"]}, key=module_id, window=1)
+        return total + mle["coef"] * nll
 
     def after_gradient_based_update(self, *, timesteps):
         super().after_gradient_based_update(timesteps=timesteps)

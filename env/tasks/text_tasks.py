@@ -113,6 +113,10 @@ class DataTask:
                 out[i] = v
         return out
 
+    def targets(self, example: dict) -> list[str]:
+        """Reference continuations of an example's prompt (for the MLE term of the RL loss)."""
+        return references_of(example["meta"])
+
     def reward_for(self, split: str):
         """The built reward for examples of `split` (cached per process)."""
         needs = _needs_corpus(self.reward_spec)
@@ -199,6 +203,14 @@ class ImdbTask(DataTask):
             out.append({"prompt": _cut_words(review, self.options["prompt_words"]),
                         "meta": {"label": row[label_f], "review": row[text_f]}})
         return out
+
+    def targets(self, example):
+        """The rest of the review after the prompt's words (none when the prompt is all of it)."""
+        review = example["meta"]["review"]
+        if self.options["strip_html"]:
+            review = review.replace("<br />", " ").replace("<br/>", " ").replace("<br>", " ")
+        words, n = review.split(), self.options["prompt_words"]
+        return [" " + " ".join(words[n:])] if n is not None and len(words) > n else []
 
 
 class CommonGenTask(DataTask):
