@@ -85,6 +85,9 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "max_new_tokens": F(int, 20, **POS_INT),
         "truncation_side": F(str, "left", choices=["left", "right"]),
         "tokenizer": F(str, None, optional=True),
+        # true: every token is rewarded with the change of the task metric over the text so far
+        # (the return is still the finished text's metric); false: the metric once, at the end.
+        "dense_reward": F(bool, False),
     },
     "sampler": {  # truncation sampler masking the policy (agents/samplers.py)
         "name": F(str, "none", choices=["none", "top_k", "top_p", "typical", "epsilon", "eta", "mirostat"]),
@@ -440,6 +443,7 @@ def env_config(cfg: dict) -> dict:
         "max_prompt_len": cfg["env"]["max_prompt_len"],
         "max_new_tokens": cfg["env"]["max_new_tokens"],
         "truncation_side": cfg["env"]["truncation_side"],
+        "dense_reward": cfg["env"]["dense_reward"],
     }
 
 

@@ -28,6 +28,7 @@ DEFAULTS = {
     "max_new_tokens": 20,
     "truncation_side": "left",
     "split": "train",
+    "dense_reward": False,
 }
 
 
@@ -45,6 +46,11 @@ class TokenGenerationEnv(gym.Env):
                 f"env.truncation_side: must be 'left' or 'right', got {cfg['truncation_side']!r}"
             )
         self.truncation_side = cfg["truncation_side"]
+        # Dense: each step is rewarded with the change of the task metric over the generation so
+        # far (the first step with the metric itself), so an episode's return is still the
+        # metric of the finished text; sparse: the metric once, at the end.
+        self.dense_reward = bool(cfg["dense_reward"])
+        self._metric_so_far = 0.0
         self.task = make_task(cfg["task"], max_new_tokens=self.max_new_tokens)
         self.tokenizer = self.task.tokenizer()
         if self.tokenizer is None:
@@ -110,6 +116,7 @@ class TokenGenerationEnv(gym.Env):
         self._example = example
         self._prompt_ids = list(prompt_ids)
         self._generated = prefix
+        self._metric_so_far = 0.0
         self._done = False
         prompt_text = self.tokenizer.decode(self._prompt_ids, skip_special_tokens=True)
         self._example = {**example, "prompt": prompt_text}
@@ -125,9 +132,11 @@ class TokenGenerationEnv(gym.Env):
         self._generated.append(token)
         self._done = token == self.eos_id or len(self._generated) >= self.max_new_tokens
         reward, info = 0.0, {}
-        if self._done:
+        if self._done or self.dense_reward:
             text = self.generated_text()
-            reward = self.score([self._example["prompt"]], [text], [self._example.get("meta", {})])[0]
+            metric = self.score([self._example["prompt"]], [text], [self._example.get("meta", {})])[0]
+            reward, self._metric_so_far = metric - self._metric_so_far, metric
+        if self._done:
             info = {"prompt": self._example["prompt"], "generation": text,
                     "num_generated": len(self._generated)}
         return self._observation(), reward, self._done, False, info

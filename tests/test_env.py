@@ -57,6 +57,17 @@ def test_horizon_terminates_with_task_reward():
         e.step(num(e, 1))
 
 
+def test_dense_reward_pays_each_tokens_change_of_the_metric_and_sums_to_the_sparse_return():
+    e = make(dense_reward=True)
+    e.reset(seed=0)
+    rewards = [e.step(num(e, n))[1] for n in [1, 2, 3, 2, 5]]
+    assert rewards == pytest.approx([0.0, 1 / 4, 1 / 4, 0.0, 1 / 4])
+    assert sum(rewards) == pytest.approx(3 / 4)  # the sparse env's one reward for the same text
+    e.reset(seed=0, options={"prefix_ids": [num(e, 1), num(e, 4)]})  # restart: the prefix's pair counts once
+    rewards = [e.step(num(e, 7))[1], e.step(e.eos_id)[1]]
+    assert rewards == pytest.approx([2 / 4, 0.0])
+
+
 def test_eos_terminates_early_and_cannot_game_the_reward():
     e = make()
     e.reset(seed=0)
