@@ -124,11 +124,12 @@ class A3C(LMPPO):
             self._learn([(None, (self.env_runner.sample(), self.env_runner.get_metrics()))])
             self.env_runner_group.sync_weights(from_worker_or_learner_group=self.learner_group, inference_only=True)
             return
-        # Re-arm every EnvRunner that has no request in flight; collect those that finished.
-        # A short wait, not "until all are back": that would be a barrier.
-        ready = group.foreach_env_runner_async_fetch_ready(
-            func=_sample, tag=SAMPLE_TAG, timeout_seconds=POLL_S, return_actor_ids=True)
-        self._learn(ready)
+        # Collect the EnvRunners that finished (a short wait, not "until all are back": that would
+        # be a barrier), learn on each batch and send that EnvRunner the new weights, then re-arm
+        # every idle EnvRunner. Re-arming after the weight sync makes each EnvRunner's next batch
+        # come from the weights its last batch produced (an actor runs its calls in order).
+        self._learn(group.fetch_ready_async_reqs(tags=SAMPLE_TAG, timeout_seconds=POLL_S))
+        group.foreach_env_runner_async(_sample, tag=SAMPLE_TAG)
 
     def _learn(self, ready) -> None:
         for runner_id, (episodes, runner_metrics) in ready:
