@@ -395,6 +395,11 @@ def parse_override(text: str) -> tuple[list[str], object]:
 
 def load(path: str, overrides: list[str] = ()) -> dict:
     """Reads a YAML file, applies `--set a.b=value` overrides, validates."""
+    return validate(read_yaml(path, overrides))
+
+
+def read_yaml(path: str, overrides=()) -> dict:
+    """A YAML config file as a dict, with `--set a.b=value` overrides applied (not validated)."""
     try:
         with open(path, encoding="utf-8") as f:
             raw = yaml.safe_load(f)
@@ -413,7 +418,7 @@ def load(path: str, overrides: list[str] = ()) -> dict:
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {text!r}: {k} is not a section")
         node[keys[-1]] = value
-    return validate(raw)
+    return raw
 
 
 # -- to Tune / RLlib ------------------------------------------------------------------

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from agents.config import ConfigError, Field as F, parse_override, _unknown
+from agents.config import ConfigError, Field as F, read_yaml, _unknown
 from env.tasks.data import DATA_OPTIONS, DataError, DataSpec, load_rows
 
 SCHEMA = {
@@ -106,24 +106,7 @@ def validate(raw) -> dict:
 
 
 def load_config(path: str, overrides=()) -> dict:
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({getattr(e, 'problem', e)})") from None
-    for text in overrides:
-        keys, value = parse_override(text)
-        node = raw
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {text!r}: {k} is not a section")
-        node[keys[-1]] = value
-    return validate(raw)
+    return validate(read_yaml(path, overrides))
 
 
 # -- data -----------------------------------------------------------------------------

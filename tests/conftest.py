@@ -33,6 +33,15 @@ def ray_local():
     ray.shutdown()
 
 
+def write_jsonl(path, rows) -> str:
+    """Writes dicts one JSON object per line; returns the path as a string."""
+    import json
+
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(path)
+
+
 def logged_iterations(trial_dir: str) -> dict[str, list[int]]:
     """The training iterations a trial's result.json, progress.csv and TensorBoard show, in order."""
     import csv

@@ -10,13 +10,7 @@ import torch
 from agents.evaluate import (EvalError, Model, distinct_n, evaluate, main, plot_curves, terciles,
                              write_results)
 from env.tasks.review_corpus import review_corpus, vocabulary
-from tests.conftest import ROOT, run_module
-
-
-def write_jsonl(path, rows):
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    return str(path)
+from tests.conftest import ROOT, run_module, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,4 @@
 """Supervised warm start (agents/pretrain.py) on a tiny corpus written here; no network."""
-import json
 
 import pytest
 import torch
@@ -8,13 +7,7 @@ from agents.config import ConfigError
 from agents.pretrain import (collate, encode_example, lm_loss, load_config, load_pairs, main, pretrain,
                              scheduled_sampling_inputs, ss_probability, validate)
 from env.tasks.review_corpus import review_corpus
-from tests.conftest import run_module
-
-
-def write_jsonl(path, rows):
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    return str(path)
+from tests.conftest import run_module, write_jsonl
 
 
 @pytest.fixture(scope="module")
