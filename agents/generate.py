@@ -54,6 +54,7 @@ def generate(module, env_config: dict, prompts: list[str | None], *, greedy: boo
         obs.append(o)
     gen = torch.Generator().manual_seed(seed)
     done = [False] * len(envs)
+    returns = [0.0] * len(envs)  # the episode's return: the task's reward, sparse or dense
     # Every row stays in the batch until all are done, so row i is always env i: the module's
     # per-row KV cache and sampler state (mirostat) follow each episode. Finished rows repeat
     # their last observation and their actions are ignored.
@@ -68,8 +69,9 @@ def generate(module, env_config: dict, prompts: list[str | None], *, greedy: boo
             if done[i]:
                 continue
             obs[i], reward, done[i], _, info = envs[i].step(a)
+            returns[i] += reward
             if done[i]:
-                results[i] = {"prompt": info["prompt"], "generation": info["generation"], "reward": reward}
+                results[i] = {"prompt": info["prompt"], "generation": info["generation"], "reward": returns[i]}
     return results
 
 

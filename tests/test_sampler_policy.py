@@ -162,3 +162,18 @@ def test_generation_from_a_masked_policy_respects_the_mask():
     assert [r["generation"] for r in sampled_top1] == [r["generation"] for r in greedy]
     unmasked = generate(make_module(None), ENV_CFG, prompts, seed=3)
     assert [r["generation"] for r in unmasked] != [r["generation"] for r in greedy]
+
+
+def test_generation_reports_the_task_reward_with_a_dense_env_reward_too():
+    from agents.generate import generate
+    from env.rewards import increasing_pairs_reward
+
+    prompts = [None] * 4
+    sparse = generate(make_module(None), ENV_CFG, prompts, seed=5)
+    dense = generate(make_module(None), {**ENV_CFG, "dense_reward": True}, prompts, seed=5)
+    assert [r["generation"] for r in dense] == [r["generation"] for r in sparse]
+    length = ENV_CFG.get("max_new_tokens", 20)
+    by_hand = increasing_pairs_reward(["" for _ in sparse], [r["generation"] for r in sparse], [{}] * 4, length=length)
+    assert [r["reward"] for r in dense] == pytest.approx([r["reward"] for r in sparse])
+    assert [r["reward"] for r in sparse] == pytest.approx(by_hand)
+    assert any(r > 0 for r in by_hand)
