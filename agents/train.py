@@ -178,6 +178,8 @@ def make_progress_csv_logger():
         with a checkpoint, first copies it back from storage, where it may hold rows past
         that checkpoint (the storage copy is synced on its own schedule). The rows from
         the repeated iteration on are dropped after that copy, before the first append.
+        (A trial retried in the same driver keeps its file open and gets no copy; there
+        ContinuousCurves drops the rows.)
         """
 
         def log_trial_result(self, iteration, trial, result):

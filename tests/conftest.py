@@ -33,6 +33,15 @@ def ray_local():
     ray.shutdown()
 
 
+def one_line_cli_error(capsys, main, *argv) -> str:
+    """Runs a CLI's main(argv) in-process; asserts exit code 2 and one error line, and returns it."""
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    return err.strip()
+
+
 def write_jsonl(path, rows) -> str:
     """Writes dicts one JSON object per line; returns the path as a string."""
     import json

@@ -10,7 +10,7 @@ import torch
 from agents.evaluate import (EvalError, Model, distinct_n, evaluate, main, plot_curves, terciles,
                              write_results)
 from env.tasks.review_corpus import review_corpus, vocabulary
-from tests.conftest import ROOT, run_module, write_jsonl
+from tests.conftest import ROOT, one_line_cli_error, run_module, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -147,11 +147,7 @@ def test_curves_png_per_metric(tmp_path):
 
 
 def _cli_error(capsys, *argv):
-    code = main(list(argv))
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    return err.strip()
+    return one_line_cli_error(capsys, main, *argv)
 
 
 def test_cli_bad_input_is_one_line(setup, tmp_path, capsys):

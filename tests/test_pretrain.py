@@ -7,7 +7,7 @@ from agents.config import ConfigError
 from agents.pretrain import (collate, encode_example, lm_loss, load_config, load_pairs, main, pretrain,
                              scheduled_sampling_inputs, ss_probability, validate)
 from env.tasks.review_corpus import review_corpus
-from tests.conftest import run_module, write_jsonl
+from tests.conftest import one_line_cli_error, run_module, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +155,7 @@ def test_config_mistakes_name_the_field(raw, message):
 
 
 def _cli_error(capsys, *argv):
-    code = main(list(argv))
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    return err.strip()
+    return one_line_cli_error(capsys, main, *argv)
 
 
 def test_cli_bad_input_is_one_line(tmp_path, corpus, capsys):
