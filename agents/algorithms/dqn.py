@@ -29,7 +29,6 @@ additions here:
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from ray.rllib.algorithms.dqn import DQN, DQNConfig
 from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
@@ -38,7 +37,7 @@ from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 
 from agents.algorithms.sequence_batching import SEQ_ID
-from agents.modules.actor_critic import hidden_at_last_token
+from agents.modules.actor_critic import reference_logp
 
 REF_LOGP_MEAN = "ref_logp_mean"
 
@@ -85,12 +84,7 @@ class LMDQNTorchLearner(DQNTorchLearner):
 
     def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
         if self.ref_coef > 0.0:
-            module = self.module[module_id].unwrapped()
-            with torch.no_grad():
-                ref = module.ref_model
-                hidden = hidden_at_last_token(ref.base_model, batch[Columns.OBS])
-                logp = torch.log_softmax(ref.get_output_embeddings()(hidden).float(), -1)
-                ref_logp = logp.gather(-1, batch[Columns.ACTIONS].long()[:, None])[:, 0]
+            ref_logp = reference_logp(self.module[module_id].unwrapped().ref_model, batch)
             batch = {**batch, Columns.REWARDS: batch[Columns.REWARDS] + self.ref_coef * ref_logp}
             self.metrics.log_value((module_id, REF_LOGP_MEAN), ref_logp.mean().item(), window=1)
         return super().compute_loss_for_module(module_id=module_id, config=config, batch=batch, fwd_out=fwd_out)

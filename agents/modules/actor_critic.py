@@ -88,6 +88,15 @@ def hidden_at_last_token(trunk: nn.Module, obs: dict, seq_ids: torch.Tensor | No
     return out.last_hidden_state[inverse, column]
 
 
+@torch.no_grad()
+def reference_logp(ref_model: nn.Module, batch) -> torch.Tensor:
+    """log p_ref(a_t | s_t) of the batch's actions under a frozen causal LM (one pass per
+    sequence when the batch has `seq_id`)."""
+    hidden = hidden_at_last_token(ref_model.base_model, batch[Columns.OBS], batch.get(SEQ_ID))
+    logits = ref_model.get_output_embeddings()(hidden)
+    return torch.log_softmax(logits.float(), -1).gather(-1, batch[Columns.ACTIONS].long()[:, None])[:, 0]
+
+
 class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
     def setup(self):
         cfg = self.model_config
@@ -188,12 +197,9 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             embeddings = hidden_at_last_token(trunk, batch[Columns.OBS], batch.get(SEQ_ID))
         return self.value_head(embeddings).squeeze(-1)
 
-    @torch.no_grad()
     def reference_logp(self, batch) -> torch.Tensor:
         """log p_ref(a_t | s_t) of the batch's actions under the frozen initial policy."""
-        hidden = hidden_at_last_token(self.ref_model.base_model, batch[Columns.OBS], batch.get(SEQ_ID))
-        logits = self.ref_model.get_output_embeddings()(hidden)
-        return torch.log_softmax(logits.float(), -1).gather(-1, batch[Columns.ACTIONS].long()[:, None])[:, 0]
+        return reference_logp(self.ref_model, batch)
 
     def set_state(self, state) -> None:
         super().set_state(state)
