@@ -69,7 +69,10 @@ F = Field
 POS_INT, NONNEG_INT = dict(lo=1), dict(lo=0)
 
 SCHEMA: dict[str, dict[str, Field] | Field] = {
-    "algorithm": F(str, "ppo", choices=["ppo", "a3c", "dqn"]),
+    # ppo_pp, aggrevated, lols, dlols: guided RL (agents/algorithms/guided.py, `guide` section);
+    # reinforce, self_critical: sequence-level policy gradient (agents/algorithms/reinforce.py).
+    "algorithm": F(str, "ppo", choices=["ppo", "a3c", "dqn", "ppo_pp", "aggrevated", "lols", "dlols", "reinforce",
+                                        "self_critical"]),
     "seed": F(int, 0, **NONNEG_INT),
     "task": {  # extra keys are passed to the task; its constructor checks them
         "name": F(str, "increasing_numbers"),
@@ -77,6 +80,9 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
     "model": {
         "name_or_path": F(str, "tiny-gpt2"),
         "value_model": F(str, "shared", choices=["shared", "separate"]),
+        # causal: AutoModelForCausalLM; seq2seq: AutoModelForSeq2SeqLM (T5, BART), the prompt is the
+        # encoder's input; auto: from the built-in's kind or the model's config (is_encoder_decoder).
+        "kind": F(str, "auto", choices=["auto", "causal", "seq2seq"]),
         "kv_cache": F(bool, True),
         "overrides": F(dict, {}),
     },
@@ -156,6 +162,21 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         # agents.generate without --greedy samples softmax(Q / sample_temperature).
         "sample_temperature": F(float, 1.0, lo=0.0, lo_open=True),
     },
+    "guide": {  # guided algorithms only (ppo_pp, aggrevated, lols, dlols); agents/guides.py
+        "name_or_path": F(str, None, optional=True),  # a causal LM sharing the policy's vocabulary
+        "callable": F(str, None, optional=True),  # 'module:function': prefix texts -> continuations
+        "greedy": F(bool, False),  # an LM guide takes its argmax token instead of sampling
+        "beta": F(float, 0.2, lo=0.0, hi=1.0),  # PPO++: probability an episode starts with a guide roll-in
+        "mix": F(float, 0.8, lo=0.0, hi=1.0),  # AggreVaTeD: probability a roll-in token is the guide's
+        "lols_prob": F(float, 0.2, lo=0.0, hi=1.0),  # LOLS: probability an iteration is AggreVaTeD
+        # DLOLS: AggreVaTeD for this many iterations, or this fraction of stop.training_iteration; then PPO++.
+        "switch_iteration": F(int, None, **NONNEG_INT, optional=True),
+        "switch_fraction": F(float, 0.2, lo=0.0, hi=1.0),
+    },
+    "reinforce": {  # reinforce and self_critical only (agents/algorithms/reinforce.py)
+        # reinforce: each prompt is drawn for this many episodes in a row; baseline = their mean reward.
+        "num_samples": F(int, 4, lo=2),
+    },
     "evaluation": {  # greedy (explore off) evaluation episodes every `interval` iterations; 0: none
         "interval": F(int, 0, **NONNEG_INT),
         "episodes": F(int, 32, **POS_INT),
@@ -219,7 +240,7 @@ def _unknown(path: str, key: str, known) -> ConfigError:
     return ConfigError(f"{path + '.' if path else ''}{key}: unknown key{suffix}")
 
 
-SEARCHABLE_SECTIONS = ("training", "reward", "sampler", "seed", "dqn")  # others feed values that must agree across processes
+SEARCHABLE_SECTIONS = ("training", "reward", "sampler", "seed", "dqn", "guide", "algorithm")  # others feed values that must agree across processes
 WHOLE_SECTION_SEARCH = ("sampler",)  # sections that may be one search space over whole mappings
 # The parameters each sampler needs (and the only ones it accepts), with their ranges where they
 # are narrower than the schema's.
@@ -271,7 +292,9 @@ def validate(raw: dict) -> dict:
             out[key] = {kind: [_check_section(f"{key}[{i}]", key, spec, c) for i, c in enumerate(candidates)]}
             continue
         out[key] = _check_section(key, key, spec, value)
+    _check_model_kind(out, None)  # first: an unsupported policy kind makes the other checks moot
     _check_algorithm_fields(raw, out)
+    _check_guided_fields(raw, out)
     _check_cross_fields(out)
     return out
 
@@ -361,6 +384,60 @@ def _check_algorithm_fields(raw: dict, cfg: dict) -> None:
                           "are summed in the replay buffer, before the learner adds the term)")
 
 
+GUIDED_ALGORITHMS = ("ppo_pp", "aggrevated", "lols", "dlols")
+SEQUENCE_PG_ALGORITHMS = ("reinforce", "self_critical")
+
+
+def algorithm_family(cfg: dict) -> str:
+    """'guided' for the guided algorithms (and any search over algorithms, which may only mix ppo
+    with them: they are one RLlib algorithm), 'reinforce' for sequence-level policy gradient, else the name."""
+    algo = cfg["algorithm"]
+    if _is_search_space(algo) or algo in GUIDED_ALGORITHMS:
+        return "guided"
+    return "reinforce" if algo in SEQUENCE_PG_ALGORITHMS else algo
+
+
+def dlols_switch_iteration(cfg: dict) -> int | None:
+    g = cfg["guide"]
+    if g["switch_iteration"] is not None:
+        return g["switch_iteration"]
+    total = cfg["stop"]["training_iteration"]
+    return None if total is None else int(round(_plain(g["switch_fraction"]) * total))
+
+
+def _check_guided_fields(raw: dict, cfg: dict) -> None:
+    """Guide and REINFORCE options: only with the algorithms that read them, and complete."""
+    algos = _candidates(cfg["algorithm"])
+    if _is_search_space(cfg["algorithm"]):
+        if next(iter(cfg["algorithm"])) not in ("grid_search", "choice"):
+            raise ConfigError("algorithm: search over algorithm names with grid_search or choice")
+        if any(a not in GUIDED_ALGORITHMS + ("ppo",) for a in algos):
+            raise ConfigError(f"algorithm: a search over algorithms may list ppo and the guided ones "
+                              f"({', '.join(GUIDED_ALGORITHMS)}) only, got {algos}; run others as separate experiments")
+    guided = any(a in GUIDED_ALGORITHMS for a in algos)
+    if raw.get("guide") is not None and not guided:
+        raise ConfigError(f"guide: only used by the guided algorithms ({', '.join(GUIDED_ALGORITHMS)}); this "
+                          f"config's algorithm is {cfg['algorithm']!r}")
+    if raw.get("reinforce") is not None and not any(a in SEQUENCE_PG_ALGORITHMS for a in algos):
+        raise ConfigError(f"reinforce: only used by algorithm reinforce or self_critical (this config's algorithm "
+                          f"is {cfg['algorithm']!r})")
+    if not guided:
+        return
+    g = cfg["guide"]
+    if _is_search_space(g["name_or_path"]) or _is_search_space(g["callable"]):
+        raise ConfigError("guide.name_or_path: the guide itself cannot be searched; sweep beta, mix, lols_prob or "
+                          "switch_fraction")
+    if bool(g["name_or_path"]) == bool(g["callable"]):
+        raise ConfigError("guide: give exactly one of guide.name_or_path (a causal LM with the policy's vocabulary) "
+                          "and guide.callable ('module:function')")
+    spec = g["callable"]
+    if spec and (spec.count(":") != 1 or not all(spec.split(":"))):
+        raise ConfigError(f"guide.callable: expected 'module:function', got {spec!r}")
+    if "dlols" in algos and dlols_switch_iteration(cfg) is None:
+        raise ConfigError("guide.switch_fraction: DLOLS takes it of stop.training_iteration, which is not set; "
+                          "set stop.training_iteration or guide.switch_iteration")
+
+
 def _check_cross_fields(cfg: dict):
     t = cfg["training"]
     if cfg["algorithm"] != "dqn" and _plain(t["minibatch_size"]) > _plain(t["train_batch_size"]):
@@ -439,7 +516,39 @@ def to_tune(value):
     return value
 
 
+SEQ2SEQ_ALGORITHMS = ("ppo", "a3c")  # algorithms whose modules have an encoder-decoder version
+
+
+def _check_model_kind(cfg: dict, kind: str | None) -> str | None:
+    """Refuses what encoder-decoder policies do not support yet, in one line; returns the kind
+    (None when it cannot be known without loading the model's config)."""
+    from agents.models import declared_kind
+
+    if kind is None:
+        try:
+            kind = declared_kind(cfg["model"])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if kind != "seq2seq":
+        return kind
+    algo = cfg["algorithm"]
+    if algo not in SEQ2SEQ_ALGORITHMS:
+        raise ConfigError(f"model.kind: seq2seq policies are not supported by algorithm {algo!r} yet (supported: "
+                          f"{', '.join(SEQ2SEQ_ALGORITHMS)}; its module wraps causal LMs only)")
+    if max(_candidates(cfg["training"]["mle_coef"])) > 0:
+        raise ConfigError("training.mle_coef: the supervised term is implemented for causal LMs only; "
+                          "warm-start a seq2seq policy with agents.pretrain instead")
+    return kind
+
+
 def env_config(cfg: dict) -> dict:
+    from agents.models import model_kind
+
+    try:
+        kind = model_kind(cfg["model"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _check_model_kind(cfg, kind)
     return {
         "task": cfg["task"],
         "tokenizer": cfg["env"]["tokenizer"] or (
@@ -449,12 +558,13 @@ def env_config(cfg: dict) -> dict:
         "max_new_tokens": cfg["env"]["max_new_tokens"],
         "truncation_side": cfg["env"]["truncation_side"],
         "dense_reward": cfg["env"]["dense_reward"],
+        "encoder_decoder": kind == "seq2seq",
     }
 
 
 def _builtin_names():
-    from agents.models import BUILTIN_CONFIGS
-    return BUILTIN_CONFIGS
+    from agents.models import BUILTIN_CONFIGS, SEQ2SEQ_CONFIGS
+    return {**BUILTIN_CONFIGS, **SEQ2SEQ_CONFIGS}
 
 
 def _same_seed(spec) -> int:
@@ -473,6 +583,20 @@ def learner_cpus(cfg: dict):
     return "auto"
 
 
+def _config_class(family: str):
+    from agents.algorithms.a3c import A3CConfig
+    from agents.algorithms.dqn import LMDQNConfig
+    from agents.algorithms.ppo import LMPPOConfig
+
+    if family == "guided":
+        from agents.algorithms.guided import GuidedPPOConfig
+        return GuidedPPOConfig
+    if family == "reinforce":
+        from agents.algorithms.reinforce import ReinforceConfig
+        return ReinforceConfig
+    return {"ppo": LMPPOConfig, "a3c": A3CConfig, "dqn": LMDQNConfig}[family]
+
+
 def algorithm_config(cfg: dict):
     """The RLlib AlgorithmConfig for a validated config (search spaces as Tune objects)."""
     from ray import tune
@@ -481,10 +605,14 @@ def algorithm_config(cfg: dict):
     from agents.algorithms.a3c import A3CConfig
     from agents.algorithms.dqn import LMDQNConfig
     from agents.algorithms.ppo import LMPPOConfig
+    from agents.env_runner import TokenEnvRunner
     from agents.modules import CausalLMActorCritic
     from agents.modules.q_network import CausalLMQNetwork as QNetwork
+    from agents.modules.seq2seq import Seq2SeqActorCritic
     from env.text_env import TokenGenerationEnv
 
+    if os.path.isdir(cfg["model"]["name_or_path"]):  # trials run in their own directory: a local model goes absolute
+        cfg = {**cfg, "model": {**cfg["model"], "name_or_path": os.path.abspath(cfg["model"]["name_or_path"])}}
     c = to_tune(cfg)
     t, er, lr, rw = c["training"], c["env_runners"], c["learners"], c["reward"]
     env_cfg = to_tune(env_config(cfg))
@@ -499,9 +627,22 @@ def algorithm_config(cfg: dict):
     dqn = c["dqn"]
     if algo == "dqn":
         model_config["dqn"] = {k: dqn[k] for k in ("head", "mlp_hidden", "sample_temperature")}
+    family = algorithm_family(cfg)
+    env_class, env_runner_env_cfg = TokenGenerationEnv, env_cfg
+    if family == "guided":  # the guide acts on the EnvRunners; GuidedPPO sets each iteration's roll-in mode
+        model_config["guide"] = {**{k: c["guide"][k] for k in ("name_or_path", "callable", "greedy", "beta", "mix")},
+                                 "mode": "none"}
+        path = cfg["guide"]["name_or_path"]
+        if path and os.path.isdir(path):  # a Tune trial does not run in this directory
+            model_config["guide"]["name_or_path"] = os.path.abspath(path)
+    elif family == "reinforce":  # each prompt num_samples times in a row, for the per-prompt baseline
+        from agents.algorithms.reinforce import RepeatedPromptEnv
+
+        env_class = RepeatedPromptEnv
+        env_runner_env_cfg = {**env_cfg, "repeat_prompt": c["reinforce"]["num_samples"] if algo == "reinforce" else 1}
     config = (
-        {"ppo": LMPPOConfig, "a3c": A3CConfig, "dqn": LMDQNConfig}[algo]()
-        .environment(TokenGenerationEnv, env_config=env_cfg)
+        _config_class(family)()
+        .environment(env_class, env_config=env_runner_env_cfg)
         .env_runners(
             num_env_runners=er["num_env_runners"],
             num_envs_per_env_runner=er["num_envs_per_env_runner"],
@@ -510,6 +651,7 @@ def algorithm_config(cfg: dict):
             # Actor-critic losses take whole generations (exact per-sequence KL, one forward per
             # sequence); DQN stores steps in its replay buffer and samples n_step steps per env per call.
             batch_mode="truncate_episodes" if algo == "dqn" else "complete_episodes",
+            env_runner_cls=TokenEnvRunner,  # new prompts on every sample() call (see agents/env_runner.py)
         )
         .fault_tolerance(
             restart_failed_env_runners=True, max_num_env_runner_restarts=er["max_restarts"]
@@ -524,10 +666,21 @@ def algorithm_config(cfg: dict):
             }, **({"mle": {"coef": t["mle_coef"], "batch_size": t["mle_batch_size"], "env": env_cfg}}
                   if algo != "dqn" else {})},
         )
-        .rl_module(rl_module_spec=RLModuleSpec(module_class=QNetwork if algo == "dqn" else CausalLMActorCritic),
+        .rl_module(rl_module_spec=RLModuleSpec(module_class=QNetwork if algo == "dqn" else
+                                               Seq2SeqActorCritic if env_cfg["encoder_decoder"] else CausalLMActorCritic),
                    model_config=model_config)
         .debugging(seed=c["seed"])
     )
+    if family == "guided":
+        from agents.algorithms.guided import log_policy_return
+
+        config.callbacks(on_episode_end=log_policy_return)
+        config.learner_config_dict["guided"] = {
+            "algorithm": c["algorithm"], "switch_iteration": dlols_switch_iteration(cfg),
+            "lols_prob": c["guide"]["lols_prob"], "seed": module_seed}
+    elif family == "reinforce":
+        config.learner_config_dict["reinforce"] = {"baseline": "greedy" if algo == "self_critical" else "mean",
+                                                   "num_samples": c["reinforce"]["num_samples"]}
     common = dict(lr=t["lr"], train_batch_size=t["train_batch_size"], gamma=t["gamma"], grad_clip=t["grad_clip"])
     if algo == "dqn":
         eps = [[0, dqn["epsilon_start"]], [dqn["epsilon_steps"], dqn["epsilon_end"]]]

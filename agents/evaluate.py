@@ -63,6 +63,11 @@ class HFPolicy:
         return {Columns.ACTION_DIST_INPUTS: self.lm.get_output_embeddings()(hidden)}
 
 
+# The perplexity column and model-directory policies here are causal-LM code.
+SEQ2SEQ_UNSUPPORTED = ("{path}: an encoder-decoder model; agents.evaluate handles causal LMs only for now "
+                       "(compare seq2seq checkpoints and warm starts with benchmarks/seq2seq_bleu.py)")
+
+
 class Model:
     """One model to evaluate: its policy, LM, tokenizer and (for checkpoints) its env config."""
 
@@ -82,6 +87,8 @@ class Model:
             from agents.generate import load_policy
 
             self.policy = load_policy(self.path)
+            if getattr(self.policy.lm.config, "is_encoder_decoder", False):
+                raise EvalError(SEQ2SEQ_UNSUPPORTED.format(path=path))
             self.lm, self.tokenizer = self.policy.lm, self.policy.tokenizer
             self.env_config = dict(self.policy.model_config["env"])
             self.tokenizer_spec = self.env_config.get("tokenizer")
@@ -94,6 +101,10 @@ class Model:
             if not os.path.isfile(os.path.join(self.path, "config.json")):
                 raise EvalError(f"{path}: neither a checkpoint from agents.train nor a model directory "
                                 "(no config.json)")
+            from agents.models import declared_kind
+
+            if declared_kind({"name_or_path": self.path, "kind": "auto"}) == "seq2seq":
+                raise EvalError(SEQ2SEQ_UNSUPPORTED.format(path=path))
             try:
                 self.lm = AutoModelForCausalLM.from_pretrained(self.path)
                 self.tokenizer = load_tokenizer(self.path)

@@ -1,14 +1,18 @@
 """Builds policies and tokenizers from a model spec.
 
 `model.name_or_path` is one of:
-  * a config defined here (`tiny-gpt2`, `gpt2-small-shaped`): randomly
-    initialised, sized to the task's tokenizer, no download;
+  * a config defined here (`tiny-gpt2`, `gpt2-small-shaped`, and the
+    encoder-decoder `tiny-t5`, `tiny-bart`): randomly initialised, sized to the
+    task's tokenizer, no download;
   * a local directory written by `save_pretrained`;
   * a hub name (loaded with `from_pretrained`; needs the hub or its cache).
 """
 from __future__ import annotations
 
 import torch
+import json
+import os
+
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
 from env.tasks import make_task
@@ -21,8 +25,52 @@ BUILTIN_CONFIGS = {
 }
 
 
+# Encoder-decoder shapes (T5: relative positions; BART: learned absolute positions).
+SEQ2SEQ_CONFIGS = {
+    "tiny-t5": dict(num_layers=2, num_decoder_layers=2, num_heads=4, d_model=64, d_kv=16, d_ff=128,
+                    relative_attention_num_buckets=8, relative_attention_max_distance=32),
+    "tiny-bart": dict(encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                      d_model=64, encoder_ffn_dim=128, decoder_ffn_dim=128),
+}
+
+
 def is_builtin(name_or_path: str) -> bool:
-    return name_or_path in BUILTIN_CONFIGS
+    return name_or_path in BUILTIN_CONFIGS or name_or_path in SEQ2SEQ_CONFIGS
+
+
+def declared_kind(model_config: dict, actual: str | None = None) -> str | None:
+    """The model's kind when it is known without loading anything: `model.kind` when set, a
+    built-in's kind, or a local directory's `config.json` (or `actual`, when the caller looked it
+    up); None for a hub name under `auto`. A `model.kind` that contradicts it is a ValueError."""
+    kind = model_config.get("kind", "auto")
+    name = model_config["name_or_path"]
+    if actual is None:
+        if name in BUILTIN_CONFIGS or name in SEQ2SEQ_CONFIGS:
+            actual = "seq2seq" if name in SEQ2SEQ_CONFIGS else "causal"
+        elif os.path.isfile(os.path.join(name, "config.json")):
+            with open(os.path.join(name, "config.json"), encoding="utf-8") as f:
+                actual = "seq2seq" if json.load(f).get("is_encoder_decoder") else "causal"
+        else:
+            return None if kind == "auto" else kind
+    if kind not in ("auto", actual):
+        raise ValueError(f"model.kind: {kind} does not match model.name_or_path {name!r}, which is a "
+                         f"{'causal LM' if actual == 'causal' else 'encoder-decoder (seq2seq) model'}")
+    return actual
+
+
+def model_kind(model_config: dict) -> str:
+    """'causal' or 'seq2seq'; a hub name is looked up (its config only) and must agree with an
+    explicit `model.kind`."""
+    name, kind = model_config["name_or_path"], model_config.get("kind", "auto")
+    if name in BUILTIN_CONFIGS or name in SEQ2SEQ_CONFIGS or os.path.isfile(os.path.join(name, "config.json")):
+        return declared_kind(model_config)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError):  # not reachable here: trust model.kind; the load fails later with its own message
+        return "causal" if kind == "auto" else kind
+    return declared_kind(model_config, actual="seq2seq" if getattr(config, "is_encoder_decoder", False) else "causal")
 
 
 def build_tokenizer(env_config: dict):
@@ -52,15 +100,61 @@ def build_causal_lm(model_config: dict, tokenizer, *, seed: int = 0, max_positio
             torch.manual_seed(seed)
             model = GPT2LMHeadModel(config)
     else:
-        model = AutoModelForCausalLM.from_pretrained(name)
-        if model.get_input_embeddings().num_embeddings < len(tokenizer):
-            raise ValueError(
-                f"model.name_or_path: {name!r} has {model.get_input_embeddings().num_embeddings} "
-                f"embeddings but the tokenizer has {len(tokenizer)} tokens"
-            )
+        model = _check_embeddings(AutoModelForCausalLM.from_pretrained(name), name, tokenizer)
     model.config.use_cache = False
     disable_dropout(model)
     return model
+
+
+def _check_embeddings(model: PreTrainedModel, name: str, tokenizer) -> PreTrainedModel:
+    """The model, if it has an embedding for every token of the tokenizer."""
+    if model.get_input_embeddings().num_embeddings < len(tokenizer):
+        raise ValueError(
+            f"model.name_or_path: {name!r} has {model.get_input_embeddings().num_embeddings} "
+            f"embeddings but the tokenizer has {len(tokenizer)} tokens"
+        )
+    return model
+
+
+def build_seq2seq_lm(model_config: dict, tokenizer, *, seed: int = 0) -> PreTrainedModel:
+    """An encoder-decoder LM (`AutoModelForSeq2SeqLM`) for `model_config` and `tokenizer`."""
+    from transformers import AutoModelForSeq2SeqLM, BartConfig, BartForConditionalGeneration, T5Config, \
+        T5ForConditionalGeneration
+
+    name = model_config["name_or_path"]
+    if name in SEQ2SEQ_CONFIGS:
+        shape = {**SEQ2SEQ_CONFIGS[name], **model_config.get("overrides", {})}
+        pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+        if name == "tiny-t5":  # T5 starts the decoder with the pad token
+            config = T5Config(vocab_size=len(tokenizer), pad_token_id=pad, eos_token_id=eos,
+                              decoder_start_token_id=pad, **shape)
+            cls = T5ForConditionalGeneration
+        else:  # BART starts it with EOS
+            config = BartConfig(vocab_size=len(tokenizer), pad_token_id=pad, eos_token_id=eos, bos_token_id=eos,
+                                decoder_start_token_id=eos, forced_eos_token_id=None, max_position_embeddings=256,
+                                **shape)
+            cls = BartForConditionalGeneration
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = cls(config)
+    else:
+        if declared_kind({**model_config, "kind": "auto"}) == "causal":
+            raise ValueError(f"model.kind: seq2seq, but model.name_or_path {name!r} is a causal LM")
+        model = _check_embeddings(AutoModelForSeq2SeqLM.from_pretrained(name), name, tokenizer)
+    model.config.use_cache = False
+    disable_dropout(model)
+    return model
+
+
+def decoder_start_id(model: PreTrainedModel) -> int:
+    """The token every decoder sequence starts with (T5: pad, BART: EOS)."""
+    for source in (model.config, getattr(model, "generation_config", None)):
+        value = getattr(source, "decoder_start_token_id", None)
+        if value is not None:
+            return int(value)
+    if model.config.pad_token_id is None:
+        raise ValueError("model.name_or_path: the model's config names no decoder_start_token_id or pad token")
+    return int(model.config.pad_token_id)
 
 
 def disable_dropout(model: PreTrainedModel) -> None:

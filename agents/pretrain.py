@@ -17,6 +17,11 @@ teacher-forced pass without gradient (the two-pass form of Mihaylova and
 Martins, 2019); the loss is then taken on the mixed inputs against the true
 targets. ss_max 0 (the default) is plain teacher forcing.
 
+An encoder-decoder model (`model.kind: seq2seq`, a built-in `tiny-t5` / `tiny-bart`, or a
+directory whose config says `is_encoder_decoder`) learns source -> target pairs: the source
+is the encoder's input, the loss is on the target and EOS; scheduled sampling mixes the
+decoder's inputs the same way.
+
 With a built-in model (`tiny-gpt2`) and no `model.tokenizer`, the tokenizer is
 a word-level one over the training text's words. Errors in the config or the
 data stop with one line naming the field or file, exit code 2.
@@ -46,6 +51,7 @@ SCHEMA = {
     },
     "model": {
         "name_or_path": F(str, "tiny-gpt2"),
+        "kind": F(str, "auto", choices=["auto", "causal", "seq2seq"]),
         "tokenizer": F(str, None, optional=True),
         "overrides": F(dict, {}),
     },
@@ -98,6 +104,17 @@ def validate(raw) -> dict:
         raise ConfigError("data.target_field: give both data.source_field and data.target_field, or neither")
     if cfg["backward"] and d["source_field"] is None:
         raise ConfigError("backward: needs pairs (data.source_field and data.target_field)")
+    from agents.models import declared_kind
+
+    try:
+        kind = declared_kind(cfg["model"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if kind == "seq2seq" and d["source_field"] is None:
+        raise ConfigError("data.source_field: a seq2seq model learns source -> target pairs; give "
+                          "data.source_field and data.target_field")
+    if kind == "seq2seq" and d["separator"]:
+        raise ConfigError("data.separator: a seq2seq model reads the source in its encoder; no separator is used")
     try:
         DataSpec.parse(d, path="data")
     except ValueError as e:
@@ -222,6 +239,64 @@ def heldout_loss(model, batches) -> float:
     return total / max(count, 1)
 
 
+# -- encoder-decoder models -------------------------------------------------------------
+
+def encode_pair(tok, source: str, target: str, max_len: int):
+    """(source ids, target ids + EOS), as the token env feeds them: the source without special
+    tokens, losing its start when too long (env truncation_side left); the target its end."""
+    src = tok(source, add_special_tokens=False)["input_ids"][-max_len:]
+    tgt = (tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])[:max_len]
+    return src, tgt
+
+
+def collate_pairs(examples, pad_id: int):
+    """Right-padded (source, source mask, target, target mask) tensors."""
+    out = []
+    for part in (0, 1):
+        width = max(len(ex[part]) for ex in examples)
+        ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(examples), width), dtype=torch.long)
+        for i, ex in enumerate(examples):
+            ids[i, :len(ex[part])] = torch.tensor(ex[part])
+            mask[i, :len(ex[part])] = 1
+        out += [ids, mask]
+    return tuple(out)
+
+
+def seq2seq_loss(model, start_id: int, src, src_mask, tgt, tgt_mask, p: float = 0.0, generator=None,
+                 reduction: str = "mean"):
+    """Cross-entropy of the targets given the sources with teacher forcing; with p > 0, each decoder
+    input after the start token is, with probability p, the model's own sampled guess for it."""
+    dec_in = torch.cat([torch.full_like(tgt[:, :1], start_id), tgt[:, :-1]], 1)
+    if p > 0.0:
+        with torch.no_grad():
+            logits = model(input_ids=src, attention_mask=src_mask, decoder_input_ids=dec_in,
+                           decoder_attention_mask=tgt_mask).logits[:, :-1].float()
+            probs = torch.softmax(logits, -1).reshape(-1, logits.shape[-1])
+            sampled = torch.multinomial(probs.cpu(), 1, generator=generator).view(tgt.shape[0], -1).to(tgt.device)
+        coin = (torch.rand(sampled.shape, generator=generator) < p).to(tgt.device) & (tgt_mask[:, 1:] == 1)
+        dec_in = dec_in.clone()
+        dec_in[:, 1:] = torch.where(coin, sampled, dec_in[:, 1:])
+    logits = model(input_ids=src, attention_mask=src_mask, decoder_input_ids=dec_in,
+                   decoder_attention_mask=tgt_mask).logits.float()
+    mask = tgt_mask.bool()
+    nll = torch.nn.functional.cross_entropy(logits[mask], tgt[mask], reduction="sum")
+    return nll / mask.sum() if reduction == "mean" else nll
+
+
+@torch.no_grad()
+def heldout_seq2seq_loss(model, start_id: int, batches) -> float:
+    """Mean per-token cross-entropy (nats) of the targets over `batches` of collate_pairs tensors."""
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for batch in batches:
+        src, src_mask, tgt, tgt_mask = (x.to(device) for x in batch)
+        total += seq2seq_loss(model, start_id, src, src_mask, tgt, tgt_mask, reduction="sum").item()
+        count += int(tgt_mask.sum())
+    return total / max(count, 1)
+
+
 def ss_probability(step: int, steps: int, ss_max: float) -> float:
     """Linear from 0 at the first step to ss_max at the last."""
     return ss_max * step / max(steps - 1, 1)
@@ -231,7 +306,7 @@ def ss_probability(step: int, steps: int, ss_max: float) -> float:
 
 def pretrain(cfg: dict, log=print) -> dict:
     """Trains and saves; returns {"output_dir", "eval_before", "eval_after", "train_loss"}."""
-    from agents.models import build_causal_lm
+    from agents.models import build_causal_lm, build_seq2seq_lm, decoder_start_id, model_kind
 
     from env.rewards.base import resolve_device
 
@@ -243,19 +318,34 @@ def pretrain(cfg: dict, log=print) -> dict:
     train = load_pairs(cfg, "train")
     held = load_pairs(cfg, cfg["data"]["eval_split"]) if cfg["data"]["eval_split"] else []
     tok = build_tokenizer(cfg, [x for pair in train for x in pair])
+    seq2seq = model_kind(cfg["model"]) == "seq2seq"
     try:
-        # Room for RL prompts + generations longer than the training texts (a built-in model only).
-        model = build_causal_lm(cfg["model"], tok, seed=cfg["seed"], max_positions=max(t["max_len"], 1024))
+        if seq2seq:
+            model = build_seq2seq_lm(cfg["model"], tok, seed=cfg["seed"])
+            start_id = decoder_start_id(model)
+        else:
+            # Room for RL prompts + generations longer than the training texts (a built-in model only).
+            model = build_causal_lm(cfg["model"], tok, seed=cfg["seed"], max_positions=max(t["max_len"], 1024))
     except OSError as e:
         raise ValueError(f"model.name_or_path: cannot load {cfg['model']['name_or_path']!r}: {_first_line(e)}") from None
     model.to(device)
     sep = cfg["data"]["separator"]
-    train_ex = [encode_example(tok, c, x, sep, t["max_len"]) for c, x in train]
-    held_ex = [encode_example(tok, c, x, sep, t["max_len"]) for c, x in held]
+    if seq2seq:
+        encode, batch_of = (lambda c, x: encode_pair(tok, c, x, t["max_len"])), collate_pairs
+
+        def evaluate(batches):
+            return heldout_seq2seq_loss(model, start_id, batches)
+    else:
+        encode, batch_of = (lambda c, x: encode_example(tok, c, x, sep, t["max_len"])), collate
+
+        def evaluate(batches):
+            return heldout_loss(model, batches)
+    train_ex = [encode(c, x) for c, x in train]
+    held_ex = [encode(c, x) for c, x in held]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     bs = t["batch_size"]
-    held_batches = [collate(held_ex[i:i + bs], pad) for i in range(0, len(held_ex), bs)][:t["eval_batches"]]
-    eval_before = heldout_loss(model, held_batches) if held_batches else None
+    held_batches = [batch_of(held_ex[i:i + bs], pad) for i in range(0, len(held_ex), bs)][:t["eval_batches"]]
+    eval_before = evaluate(held_batches) if held_batches else None
     if eval_before is not None:
         log(f"held-out cross-entropy before: {eval_before:.4f} nats/token ({len(held_ex)} examples)")
 
@@ -268,28 +358,34 @@ def pretrain(cfg: dict, log=print) -> dict:
             order, cursor = torch.randperm(len(train_ex), generator=gen).tolist(), 0
         batch = [train_ex[i] for i in order[cursor:cursor + bs]]
         cursor += bs
-        ids, attn, mask = (x.to(device) for x in collate(batch, pad))
         p = ss_probability(step, t["steps"], t["ss_max"])
         model.train()
-        inputs = scheduled_sampling_inputs(model, ids, attn, mask, p, gen)
-        loss = lm_loss(model, inputs, attn, ids, mask)
+        if seq2seq:
+            src, src_mask, tgt, tgt_mask = (x.to(device) for x in collate_pairs(batch, pad))
+            loss = seq2seq_loss(model, start_id, src, src_mask, tgt, tgt_mask, p, gen)
+            n_tokens = int(src_mask.sum() + tgt_mask.sum())
+        else:
+            ids, attn, mask = (x.to(device) for x in collate(batch, pad))
+            inputs = scheduled_sampling_inputs(model, ids, attn, mask, p, gen)
+            loss = lm_loss(model, inputs, attn, ids, mask)
+            n_tokens = int(attn.sum())
         optimizer.zero_grad()
         loss.backward()
         if t["grad_clip"]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
         optimizer.step()
         losses.append(loss.item())
-        tokens += int(attn.sum())
+        tokens += n_tokens
         seen += 1
         if (step + 1) % t["log_every"] == 0 or step + 1 == t["steps"]:
             elapsed = time.perf_counter() - start
             line = (f"step {step + 1:5d}/{t['steps']}  loss {sum(losses[-seen:]) / seen:.4f}  ss_p {p:.3f}  "
                     f"{tokens / max(elapsed, 1e-9):,.0f} tokens/s")  # since the last line
             if held_batches and step + 1 == t["steps"]:
-                line += f"  held-out {heldout_loss(model, held_batches):.4f}"
+                line += f"  held-out {evaluate(held_batches):.4f}"
             log(line)
             seen, tokens, start = 0, 0, time.perf_counter()
-    eval_after = heldout_loss(model, held_batches) if held_batches else None
+    eval_after = evaluate(held_batches) if held_batches else None
     if eval_after is not None:
         log(f"held-out cross-entropy after: {eval_after:.4f} nats/token (before: {eval_before:.4f})")
 

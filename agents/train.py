@@ -31,7 +31,7 @@ def _fail(message: str) -> int:
 def preflight(cfg: dict) -> None:
     """Builds the env (task, tokenizer, data) and checks the model spec in this process,
     so that bad input fails here with one line instead of inside a Ray worker."""
-    from agents.config import env_config
+    from agents.config import algorithm_family, env_config
     from agents.models import is_builtin
     from env.text_env import TokenGenerationEnv
 
@@ -46,6 +46,21 @@ def preflight(cfg: dict) -> None:
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(f"model.name_or_path: cannot load {name!r}: {first}") from None
+    if cfg.get("guide") and algorithm_family(cfg) == "guided":
+        preflight_guide(cfg, env)
+
+
+def preflight_guide(cfg: dict, env) -> None:
+    """Builds the guide here and asks it for the next token of the env's first state, so an
+    unknown guide, a vocabulary mismatch or a callable's malformed answer fails in one line."""
+    import torch
+
+    from agents.guides import build_guide
+
+    obs, _ = env.reset(seed=0)
+    guide = build_guide(cfg["guide"], env.tokenizer, max_positions=env.seq_len)
+    batch = {k: torch.as_tensor(v)[None] for k, v in obs.items()}
+    guide.next_tokens(batch, torch.tensor([0]))
 
 
 def _metric(result: dict, path: str):
@@ -72,10 +87,13 @@ def make_progress_callback(eval_interval: int = 0):
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             reward = _metric(result, "env_runners/episode_return_mean")
-            if reward is not None:
-                self.first.setdefault(trial.trial_id, (result["training_iteration"], reward))
-                self.last[trial.trial_id] = (result["training_iteration"], reward)
-                self.best[trial.trial_id] = max(reward, self.best.get(trial.trial_id, -math.inf))
+            # Guided runs: the summary follows the episodes the policy wrote alone (no guide token).
+            policy = _metric(result, "env_runners/policy_return_mean")
+            tracked = policy if "guide_mode_aggrevated" in result else reward
+            if tracked is not None:
+                self.first.setdefault(trial.trial_id, (result["training_iteration"], tracked))
+                self.last[trial.trial_id] = (result["training_iteration"], tracked)
+                self.best[trial.trial_id] = max(tracked, self.best.get(trial.trial_id, -math.inf))
             fields = [
                 f"iter {result['training_iteration']:4d}",
                 f"steps {int(_metric(result, 'env_runners/num_env_steps_sampled_lifetime') or 0):>9,}",
@@ -87,6 +105,8 @@ def make_progress_callback(eval_interval: int = 0):
             if greedy is not None:
                 self.evals.setdefault(trial.trial_id, []).append((result["training_iteration"], greedy))
                 fields.append(f"greedy {greedy:.3f}")
+            if policy is not None:  # guided runs: episodes the policy wrote alone
+                fields.append(f"policy {policy:.3f}")
             for key, label in (("ref_kl", "kl"), ("entropy", "entropy"), ("mask_size", "mask"),
                                ("qf_mean", "q"), ("td_error_mean", "td")):
                 value = _metric(result, f"learners/default_policy/{key}")
@@ -345,7 +365,8 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
             ),
             run_config=run_config,
         )
-    print(f"Training {cfg['algorithm'].upper()} on task {cfg['task']['name']!r} with model "
+    algo = cfg["algorithm"] if isinstance(cfg["algorithm"], str) else "/".join(next(iter(cfg["algorithm"].values())))
+    print(f"Training {algo.upper()} on task {cfg['task']['name']!r} with model "
           f"{cfg['model']['name_or_path']!r}; results in {experiment}", flush=True)
     start = time.time()
     grid = tuner.fit()
@@ -385,7 +406,8 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float) -> int:
     n = cfg["generate"]["num_samples"]
     if best is not None and best.checkpoint and n:
         module = load_policy(best.checkpoint.path)
-        samples = generate(module, module.model_config["env"], [None] * n, seed=cfg["seed"])
+        seed = cfg["seed"] if isinstance(cfg["seed"], int) else 0  # a searched seed: any fixed one
+        samples = generate(module, module.model_config["env"], [None] * n, seed=seed)
         print(f"  samples from {os.path.basename(best.checkpoint.path)} (sampling):")
         for s in samples:
             print(f"    [reward {s['reward']:.3f}] {s['generation']}")
@@ -413,6 +435,9 @@ def _trial_row(cfg: dict, result, progress) -> dict:
         "params": " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()),
         "masking": sampler.get("masking", "-") if sampler.get("name", "none") != "none" else "-",
     }
+    guided = (config.get("learner_config_dict") or {}).get("guided")
+    if guided:  # guided runs (possibly a sweep over algorithm names): one setting per algorithm
+        row = {"algorithm": guided["algorithm"], **row}
     kl_keys = {"kl_coef": "coef", "kl_adaptive": "adaptive", "kl_target": "target", "kl_horizon": "horizon"}
     for sec, key in _searched_training_keys(cfg):
         value = config.get(key) if sec == "training" else (config.get("learner_config_dict") or {}).get("kl", {}).get(kl_keys[key])
@@ -453,8 +478,12 @@ def sweep_table(cfg: dict, grid, progress, experiment: str) -> str:
     best: dict[tuple, tuple] = {}
     for key, group in settings.items():
         score = sum(r["best_reward"] for r in group) / len(group)
-        if key[:2] not in best or score > best[key[:2]][0]:
-            best[key[:2]] = (score, key, group)
+        which = key[:2] + ((group[0]["algorithm"],) if "algorithm" in group[0] else ())
+        if which not in best or score > best[which][0]:
+            best[which] = (score, key, group)
+    if rows and "algorithm" in rows[0]:
+        searched = ["algorithm", *searched]
+        best = {w: (score, (*key[:3], group[0]["algorithm"], *key[3:]), group) for w, (score, key, group) in best.items()}
     header = ["sampler", "masking", "params", *searched, "seeds", "best_reward", "final_reward", "final_std",
               "mean_mask_size"]
     table = [header]

@@ -10,6 +10,14 @@ The observation is `{"input_ids", "attention_mask"}`, int64 arrays of fixed
 length `L = max_prompt_len + max_new_tokens`, left-padded so the newest token
 is always the last column. `reset(options=...)` restarts from any prompt and
 any prefix of generated tokens (guided algorithms roll in from such states).
+
+With `encoder_decoder: true` (a seq2seq policy) the prompt is the encoder's
+input and the decoder sees only what was generated: the observation is
+`{"input_ids", "attention_mask"}` of length `max_new_tokens` holding the
+generated tokens (left-padded, newest last, all padding at the start of an
+episode) plus `{"encoder_input_ids", "encoder_attention_mask"}` of length
+`max_prompt_len` holding the prompt (right-padded, as encoders are trained).
+The policy adds its own decoder start token.
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ DEFAULTS = {
     "truncation_side": "left",
     "split": "train",
     "dense_reward": False,
+    "encoder_decoder": False,
 }
 
 
@@ -60,14 +69,20 @@ class TokenGenerationEnv(gym.Env):
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         self.vocab_size = len(self.tokenizer)
-        self.seq_len = self.max_prompt_len + self.max_new_tokens
+        self.encoder_decoder = bool(cfg["encoder_decoder"])
+        # The decoder window holds generated tokens only; a causal window holds prompt + generation.
+        self.seq_len = self.max_new_tokens if self.encoder_decoder else self.max_prompt_len + self.max_new_tokens
         self.examples = self.task.examples(cfg["split"])
         if not self.examples:
             raise ValueError(f"task {self.task.name!r}: split {cfg['split']!r} has no examples")
 
         ids_space = gym.spaces.Box(0, self.vocab_size - 1, (self.seq_len,), np.int64)
         mask_space = gym.spaces.Box(0, 1, (self.seq_len,), np.int64)
-        self.observation_space = gym.spaces.Dict({"input_ids": ids_space, "attention_mask": mask_space})
+        spaces = {"input_ids": ids_space, "attention_mask": mask_space}
+        if self.encoder_decoder:
+            spaces["encoder_input_ids"] = gym.spaces.Box(0, self.vocab_size - 1, (self.max_prompt_len,), np.int64)
+            spaces["encoder_attention_mask"] = gym.spaces.Box(0, 1, (self.max_prompt_len,), np.int64)
+        self.observation_space = gym.spaces.Dict(spaces)
         self.action_space = gym.spaces.Discrete(self.vocab_size)
 
         self._prompt_ids: list[int] = []
@@ -163,9 +178,16 @@ class TokenGenerationEnv(gym.Env):
         return list(self._prompt_ids)
 
     def _observation(self) -> dict:
-        ids = self._prompt_ids + self._generated
+        ids = self._generated if self.encoder_decoder else self._prompt_ids + self._generated
         input_ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
         mask = np.zeros(self.seq_len, dtype=np.int64)
-        input_ids[self.seq_len - len(ids):] = ids
-        mask[self.seq_len - len(ids):] = 1
-        return {"input_ids": input_ids, "attention_mask": mask}
+        if ids:
+            input_ids[self.seq_len - len(ids):] = ids
+            mask[self.seq_len - len(ids):] = 1
+        obs = {"input_ids": input_ids, "attention_mask": mask}
+        if self.encoder_decoder:
+            n = len(self._prompt_ids)
+            obs["encoder_input_ids"] = np.full(self.max_prompt_len, self.pad_id, dtype=np.int64)
+            obs["encoder_input_ids"][:n] = self._prompt_ids
+            obs["encoder_attention_mask"] = (np.arange(self.max_prompt_len) < n).astype(np.int64)
+        return obs

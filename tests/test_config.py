@@ -25,7 +25,8 @@ def test_quickstart_config_is_valid_and_builds_an_rllib_config():
         ({"env": {"truncation_side": "middle"}}, "env.truncation_side: expected one of 'left', 'right', got 'middle'"),
         ({"training": {"minibatch_size": 4096, "train_batch_size": 2048}}, "training.minibatch_size: 4096 is larger than training.train_batch_size=2048"),
         ({"reward": {"kl_adaptive": True}}, "reward.kl_adaptive: needs reward.kl_coef > 0"),
-        ({"algorithm": "sac"}, "algorithm: expected one of 'ppo', 'a3c', 'dqn', got 'sac'"),
+        ({"algorithm": "sac"}, "algorithm: expected one of 'ppo', 'a3c', 'dqn', 'ppo_pp', 'aggrevated', 'lols', 'dlols', 'reinforce', "
+                                  "'self_critical', got 'sac'"),
         ({"env": {"max_new_tokens": {"grid_search": [10, 20]}}}, "env.max_new_tokens: search spaces are supported"),
         ({"training": {"lr": {"loguniform": [1e-3, 1e-5]}}}, "training.lr.loguniform: expected [low, high] with low < high"),
         ({"training": {"lr": {"grid_search": [1e-3, -1]}}}, "training.lr: expected a number > 0.0, got -1"),

@@ -24,11 +24,14 @@ stored with each step (`sampler_state`), so the learner rebuilds the same mask.
 model_config keys: `model` (the YAML model section), `env` (the env config,
 for the tokenizer and lengths), `seed`, `reference_model` (bool: keep a frozen
 copy of the initial policy for the KL penalty), `sampler` (the sampler
-section; absent or `name: none` for no truncation).
+section; absent or `name: none` for no truncation), `guide` (guided algorithms: the guide
+and its roll-in parameters, see `agents.guides`; EnvRunner modules then play the guide's
+tokens where its roll-in plan says so and store each step's role).
 """
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from torch import nn
@@ -103,42 +106,69 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         env_cfg = cfg["env"]
         self.tokenizer = build_tokenizer(env_cfg)
         seq_len = env_cfg.get("max_prompt_len", 5) + env_cfg.get("max_new_tokens", 20)
-        self.lm = build_causal_lm(cfg["model"], self.tokenizer, seed=cfg.get("seed", 0), max_positions=seq_len)
+        self.lm = self._build_lm(cfg, seq_len)
         # Rollouts (forward_inference / forward_exploration) step the LM incrementally.
-        self.kv_cache = WindowKVCache() if cfg["model"].get("kv_cache", True) else None
+        self.kv_cache = self._new_cache() if cfg["model"].get("kv_cache", True) else None
         self.sampler = Sampler(cfg.get("sampler") or {"name": "none"})
         self.row_sampler_state = RowSamplerState(self.sampler) if self.sampler.stateful else None
         if self.sampler.learned:  # the delayed masking policy; needed for acting, never trained
             self.mask_lm = copy.deepcopy(self.lm).requires_grad_(False)
-            self.mask_kv_cache = WindowKVCache() if self.kv_cache is not None else None
+            self.mask_kv_cache = self._new_cache() if self.kv_cache is not None else None
+        # Guided algorithms (agents/guides.py): the guide acts where the rollouts run, so only
+        # EnvRunner (inference-only) modules build it; the learner reads the stored roles.
+        self.guided = None
+        if self.inference_only and cfg.get("guide"):
+            from agents.guides import GuidedRollout, build_guide
+
+            g = cfg["guide"]
+            self.guided = GuidedRollout(
+                build_guide(g, self.tokenizer, seed=cfg.get("seed", 0), max_positions=seq_len),
+                max_new_tokens=env_cfg.get("max_new_tokens", 20), beta=g.get("beta", 0.2), mix=g.get("mix", 0.8),
+                seed=cfg.get("seed", 0) + os.getpid(), mode=g.get("mode", "ppo_pp"))
         if self.inference_only:
             self.eval()  # rollouts only; see forward_exploration
             return
         hidden = self.lm.config.hidden_size
         if cfg["model"].get("value_model", "shared") == "separate":
-            self.value_trunk = copy.deepcopy(self.lm.base_model)
+            self.value_trunk = copy.deepcopy(self._trunk(self.lm))
         self.value_head = nn.Linear(hidden, 1)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
         if cfg.get("reference_model", False):
             self.ref_model = copy.deepcopy(self.lm).requires_grad_(False).eval()
 
+    # -- what depends on the kind of LM (Seq2SeqActorCritic overrides these) ------------
+
+    def _build_lm(self, cfg: dict, seq_len: int) -> nn.Module:
+        return build_causal_lm(cfg["model"], self.tokenizer, seed=cfg.get("seed", 0), max_positions=seq_len)
+
+    def _new_cache(self):
+        return WindowKVCache()
+
+    @staticmethod
+    def _trunk(lm: nn.Module) -> nn.Module:
+        """The part of an LM that gives hidden states (what `_hidden` and the value trunk take)."""
+        return lm.base_model
+
+    def _hidden(self, trunk: nn.Module, obs: dict, seq_ids=None, cache=None) -> torch.Tensor:
+        """The trunk's final hidden state at each row's newest token, through `cache` when given."""
+        if cache is not None:
+            return cache.hidden_at_last_token(trunk, obs)
+        return hidden_at_last_token(trunk, obs, seq_ids)
+
+    @staticmethod
+    def _logits(lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return lm.get_output_embeddings()(hidden)
+
     # -- forward passes ----------------------------------------------------------------
 
     def _next_token_logits(self, obs: dict) -> torch.Tensor:
-        if self.kv_cache is not None:
-            hidden = self.kv_cache.hidden_at_last_token(self.lm.base_model, obs)
-        else:
-            hidden = hidden_at_last_token(self.lm.base_model, obs)
-        return self.lm.get_output_embeddings()(hidden)
+        return self._logits(self.lm, self._hidden(self._trunk(self.lm), obs, cache=self.kv_cache))
 
     def _mask_lm_logits(self, obs: dict, seq_ids=None, cached: bool = False) -> torch.Tensor:
         with torch.no_grad():
-            if cached and self.mask_kv_cache is not None:
-                hidden = self.mask_kv_cache.hidden_at_last_token(self.mask_lm.base_model, obs)
-            else:
-                hidden = hidden_at_last_token(self.mask_lm.base_model, obs, seq_ids)
-            return self.mask_lm.get_output_embeddings()(hidden).float()
+            cache = self.mask_kv_cache if cached else None
+            return self._logits(self.mask_lm, self._hidden(self._trunk(self.mask_lm), obs, seq_ids, cache)).float()
 
     def _acting_logits(self, obs: dict) -> tuple[torch.Tensor, dict]:
         """Next-token logits with the sampler's mask applied, plus what to store with the step."""
@@ -176,13 +206,17 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         logits, extra = self._acting_logits(batch[Columns.OBS])
         logp_all = torch.log_softmax(logits, -1)
         actions = torch.multinomial(logp_all.exp(), 1)[:, 0]  # masked tokens have probability exactly 0
+        if self.guided is not None:  # the guide's tokens replace the policy's where its roll-in plan says so
+            from agents.guides import GUIDE_ROLE
+
+            actions, extra[GUIDE_ROLE] = self.guided(batch[Columns.OBS], actions)
         return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: logp_all.gather(-1, actions[:, None])[:, 0], **extra}
 
     def _forward_train(self, batch, **kwargs):
         obs, seq_ids = batch[Columns.OBS], batch.get(SEQ_ID)
-        hidden = hidden_at_last_token(self.lm.base_model, obs, seq_ids)
-        embeddings = hidden_at_last_token(self.value_trunk, obs, seq_ids) if hasattr(self, "value_trunk") else hidden
-        logits = self.lm.get_output_embeddings()(hidden)
+        hidden = self._hidden(self._trunk(self.lm), obs, seq_ids)
+        embeddings = self._hidden(self.value_trunk, obs, seq_ids) if hasattr(self, "value_trunk") else hidden
+        logits = self._logits(self.lm, hidden)
         out = {Columns.ACTION_DIST_INPUTS: logits, Columns.EMBEDDINGS: embeddings}
         if self.sampler.active:  # the loss sees the same renormalised masked distribution as the rollout
             source = self._mask_lm_logits(obs, seq_ids) if self.sampler.learned else logits.detach().float()
@@ -193,8 +227,8 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
 
     def compute_values(self, batch, embeddings=None):
         if embeddings is None:
-            trunk = self.value_trunk if hasattr(self, "value_trunk") else self.lm.base_model
-            embeddings = hidden_at_last_token(trunk, batch[Columns.OBS], batch.get(SEQ_ID))
+            trunk = self.value_trunk if hasattr(self, "value_trunk") else self._trunk(self.lm)
+            embeddings = self._hidden(trunk, batch[Columns.OBS], batch.get(SEQ_ID))
         return self.value_head(embeddings).squeeze(-1)
 
     def reference_logp(self, batch) -> torch.Tensor:
@@ -206,6 +240,11 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         for cache in (self.kv_cache, getattr(self, "mask_kv_cache", None)):
             if cache is not None:  # new weights: every cached key/value is stale
                 cache.invalidate()
+
+    def set_guide_mode(self, mode: str) -> None:
+        """Which roll-in new episodes get (`none`, `ppo_pp`, `aggrevated`); DLOLS/LOLS switch it."""
+        if self.guided is not None:
+            self.guided.set_mode(mode)
 
     def sync_mask_model(self) -> None:
         """NLPO's delayed sync: the masking policy becomes a copy of the current policy."""

@@ -7,9 +7,10 @@ tokenizer, or None to use the model's).
 from __future__ import annotations
 
 from env.tasks.increasing_numbers import IncreasingNumbersTask
+from env.tasks.sort_numbers import SortNumbersTask
 from env.tasks.text_tasks import TEXT_TASKS  # imdb, commongen, dialogue, summarization, text (data sets)
 
-TASKS = {IncreasingNumbersTask.name: IncreasingNumbersTask, **TEXT_TASKS}
+TASKS = {IncreasingNumbersTask.name: IncreasingNumbersTask, SortNumbersTask.name: SortNumbersTask, **TEXT_TASKS}
 
 
 def make_task(spec: dict, *, max_new_tokens: int):

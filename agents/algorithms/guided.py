@@ -1,0 +1,174 @@
+"""RL with guided feedback (RLGF): PPO++, AggreVaTeD, LOLS and DLOLS as configurations of one algorithm.
+
+All four are PPO (the `LMPPO` learner: clipped ratio, value head, KL penalty, whole-sequence
+minibatches) on data whose roll-ins come partly from a guide policy (`agents/guides.py`).
+The EnvRunner-side module plays the guide's tokens and stores each step's role; this file
+turns roles into losses and decides, per training iteration, which roll-in episodes get:
+
+  ppo_pp      every iteration PPO++: with probability `guide.beta` an episode starts with a
+              guide roll-in of k ~ U{1..T-1} tokens, and only the policy's own steps (those
+              after the roll-in) enter the loss. The roll-in is the restart distribution:
+              the transition is deterministic, so the policy continues from exactly the
+              state a restart to the guide's prefix would give.
+  aggrevated  every iteration AggreVaTeD: a mixture roll-in (each token the guide's with
+              probability `guide.mix`) up to a step d ~ U{0..T-1}, one policy action at d,
+              the guide completes the text. The only loss step is d; its advantage is the
+              completed text's return minus the value head's V(s_d), under the same
+              clipped PPO objective.
+  lols        each iteration is AggreVaTeD with probability `guide.lols_prob`, else PPO++
+              (a seeded coin per iteration, the same on resume).
+  dlols       AggreVaTeD for the first `switch_iteration` iterations (`guide.switch_iteration`,
+              or `guide.switch_fraction` of `stop.training_iteration`), PPO++ after.
+  ppo         no guide at all (lets a sweep over `algorithm` include the baseline).
+
+Guide steps neither pay the KL penalty nor count in the loss (their loss mask is off);
+advantages are standardised over the loss steps only.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ray.rllib.connectors.connector_v2 import ConnectorV2
+from ray.rllib.connectors.learner import GeneralAdvantageEstimation
+from ray.rllib.core.columns import Columns
+from ray.rllib.evaluation.postprocessing import Postprocessing
+from ray.rllib.utils.postprocessing.value_predictions import compute_value_targets
+
+from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner
+from agents.algorithms.sequence_batching import AddSequenceIds
+from agents.guides import DEVIATION, GUIDE, GUIDE_ROLE, POLICY
+
+
+def guide_mode(guided: dict, iteration: int) -> str:
+    """The roll-in mode ('none', 'ppo_pp' or 'aggrevated') of training iteration `iteration` (0-based)."""
+    algo = guided["algorithm"]
+    if algo == "ppo":
+        return "none"
+    if algo in ("ppo_pp", "aggrevated"):
+        return algo
+    if algo == "dlols":
+        return "aggrevated" if iteration < guided["switch_iteration"] else "ppo_pp"
+    if algo == "lols":
+        coin = np.random.default_rng([int(guided.get("seed", 0)), int(iteration)]).random()
+        return "aggrevated" if coin < guided["lols_prob"] else "ppo_pp"
+    raise ValueError(f"algorithm: {algo!r} is not a guided algorithm")
+
+
+def guided_loss_mask(loss_mask: torch.Tensor, roles: torch.Tensor) -> torch.Tensor:
+    """Loss steps are the policy's own (POLICY, DEVIATION); guide roll-in/roll-out steps are not."""
+    return loss_mask & (roles != GUIDE)
+
+
+def guided_value_targets(values, rewards, terminateds, truncateds, roles, *, gamma: float, lambda_: float):
+    """Value targets and raw advantages (targets - values) per row of episodes laid end to end
+    (RLlib's layout: each episode plus one artificial bootstrap step).
+
+    POLICY steps get GAE(gamma, lambda). A DEVIATION step's target is its Monte-Carlo return
+    (the guide completed the text after it), so its advantage is that return minus V(s_d).
+    """
+    gae = compute_value_targets(values=values, rewards=rewards, terminateds=terminateds, truncateds=truncateds,
+                                gamma=gamma, lambda_=lambda_)
+    mc = compute_value_targets(values=values, rewards=rewards, terminateds=terminateds, truncateds=truncateds,
+                               gamma=gamma, lambda_=1.0)
+    targets = np.where(roles == DEVIATION, mc, gae).astype(np.float32)
+    return targets, targets - values
+
+
+def standardize(advantages: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """Zero mean, unit std over the loss steps; other rows 0 (they are masked out anyway)."""
+    live = advantages[loss_mask]
+    if live.size == 0:
+        return np.zeros_like(advantages)
+    out = (advantages - live.mean()) / max(1e-4, float(live.std()))
+    return np.where(loss_mask, out, 0.0).astype(np.float32)
+
+
+class MaskGuideSteps(ConnectorV2):
+    """Learner connector piece: turns the stored roles into the loss mask (before the KL penalty,
+    so guide steps pay none)."""
+
+    def __call__(self, *, rl_module, batch, episodes, **kwargs):
+        for module_batch in batch.values():
+            if GUIDE_ROLE in module_batch and Columns.LOSS_MASK in module_batch:
+                module_batch[Columns.LOSS_MASK] = guided_loss_mask(module_batch[Columns.LOSS_MASK],
+                                                                   module_batch[GUIDE_ROLE])
+        return batch
+
+
+class GuidedAdvantageEstimation(GeneralAdvantageEstimation):
+    """GAE for policy steps, guide-completed returns for AggreVaTeD's deviation steps."""
+
+    def __call__(self, *, rl_module, episodes, batch, **kwargs):
+        lens = [len(e) for e in self.single_agent_episode_iterator(episodes, agents_that_stepped_only=False)]
+        for module_id, module_batch in batch.items():
+            module = rl_module[module_id].unwrapped()
+            if not hasattr(module, "compute_values"):
+                continue
+            with torch.no_grad():
+                values = module.compute_values(module_batch)
+            device = values.device
+            values = values.float().cpu().numpy()
+            assert values.shape[0] == sum(lens)
+
+            def col(key, fill=0):
+                v = module_batch.get(key)
+                return np.full(len(values), fill) if v is None else torch.as_tensor(v).cpu().numpy()
+
+            roles = col(GUIDE_ROLE, POLICY)
+            targets, raw = guided_value_targets(
+                values, col(Columns.REWARDS).astype(np.float32), col(Columns.TERMINATEDS).astype(np.float32),
+                col(Columns.TRUNCATEDS).astype(np.float32), roles, gamma=self.gamma, lambda_=self.lambda_)
+            loss_mask = col(Columns.LOSS_MASK, True).astype(bool)
+            module_batch[Postprocessing.ADVANTAGES] = torch.as_tensor(standardize(raw, loss_mask), device=device)
+            module_batch[Postprocessing.VALUE_TARGETS] = torch.as_tensor(targets, device=device)
+        return batch
+
+
+class GuidedPPOTorchLearner(LMPPOTorchLearner):
+    def build(self) -> None:
+        super().build()
+        if self._learner_connector is not None:
+            self._learner_connector.insert_before(AddSequenceIds, MaskGuideSteps())
+            self._learner_connector.insert_after(
+                GeneralAdvantageEstimation, GuidedAdvantageEstimation(gamma=self.config.gamma, lambda_=self.config.lambda_))
+            self._learner_connector.remove(GeneralAdvantageEstimation)
+
+
+class GuidedPPOConfig(LMPPOConfig):
+    def __init__(self, algo_class=None):
+        super().__init__(algo_class=algo_class or GuidedPPO)
+        self._learner_class = GuidedPPOTorchLearner
+
+    def get_default_learner_class(self):
+        return GuidedPPOTorchLearner
+
+
+def _set_guide_mode(env_runner, mode: str) -> None:
+    module = env_runner.module
+    for m in ([module] if hasattr(module, "set_guide_mode") else list(module.values())):
+        m.unwrapped().set_guide_mode(mode) if hasattr(m, "unwrapped") else m.set_guide_mode(mode)
+
+
+def log_policy_return(*, episode, metrics_logger, **kwargs) -> None:
+    """EnvRunner callback: the return of episodes the policy wrote alone (no guide step), the
+    figure to compare with plain PPO's; plus the share of guided episodes."""
+    roles = np.asarray(episode.get_extra_model_outputs(GUIDE_ROLE)) if GUIDE_ROLE in episode.extra_model_outputs \
+        else np.zeros(1)
+    guided = bool((roles != POLICY).any())
+    metrics_logger.log_value("guided_episode_fraction", float(guided), reduce="mean", window=100)
+    if not guided:
+        metrics_logger.log_value("policy_return_mean", float(episode.get_return()), reduce="mean", window=100)
+
+
+class GuidedPPO(LMPPO):
+    @classmethod
+    def get_default_config(cls):
+        return GuidedPPOConfig()
+
+    def training_step(self) -> None:
+        # Pushed every iteration (a few bytes), so restarted EnvRunners get it too.
+        mode = guide_mode(self.config.learner_config_dict["guided"], self.iteration)
+        self.env_runner_group.foreach_env_runner(lambda er: _set_guide_mode(er, mode))
+        self.metrics.log_value("guide_mode_aggrevated", float(mode == "aggrevated"), window=1)
+        return super().training_step()

@@ -1,0 +1,222 @@
+"""Sequence-level policy gradient: REINFORCE with a per-prompt baseline, and self-critical training.
+
+The whole generation is one action sequence with one return R (the task reward, minus the
+per-token KL penalty when `reward.kl_coef > 0`). The loss per minibatch is
+
+    -1/N * sum over sequences of (R - b) * sum_t log pi(a_t | s_t)   -  entropy_coeff * H
+    (+ training.mle_coef * NLL of the task's references, the mixed objective)
+
+with N the number of sequences, no value head, no ratio, no clipping. Each batch should be
+used once (`training.num_epochs: 1`); later minibatches of the same batch are slightly
+off-policy, as in any REINFORCE implementation that takes several steps per batch.
+
+The baseline b:
+  reinforce      the mean return of the `reinforce.num_samples` episodes of the same prompt
+                 (the env draws each prompt that many times in a row, `RepeatedPromptEnv`;
+                 episodes of one prompt in a batch are grouped by their prompt tokens, in
+                 chunks of num_samples in batch order);
+  self_critical  the task reward of the policy's own greedy decode of the same prompt
+                 (Rennie et al., 2017), decoded on the learner with the weights that sampled
+                 the batch and scored by the task's reward.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ray.rllib.connectors.connector_v2 import ConnectorV2
+from ray.rllib.connectors.learner import GeneralAdvantageEstimation
+from ray.rllib.core.columns import Columns
+from ray.rllib.evaluation.postprocessing import Postprocessing
+
+from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner
+from agents.algorithms.sequence_batching import SEQ_ID
+from agents.modules.kv_cache import WindowKVCache
+from env.text_env import TokenGenerationEnv
+
+
+class RepeatedPromptEnv(TokenGenerationEnv):
+    """The token env, drawing each prompt for `repeat_prompt` consecutive episodes, and
+    reporting the prompt's task metadata in the reset info (for the learner's rewards)."""
+
+    def __init__(self, config: dict | None = None, **kwargs):
+        cfg = {**dict(config or {}), **kwargs}
+        self.repeat = int(cfg.pop("repeat_prompt", 1))
+        super().__init__(cfg)
+        self._left, self._current = 0, None
+
+    def reset(self, *, seed=None, options=None):
+        if options:  # an explicit restart: as asked
+            return super().reset(seed=seed, options=options)
+        if seed is not None:  # seeds np_random for the next draws; the current group goes on
+            super().reset(seed=seed)
+        # RLlib resets with a seed at every sample() call of whole episodes, and one call gives
+        # each vector-env row about one episode: a group must go on across calls, or every prompt
+        # would appear once per batch and its baseline would be its own return (advantage 0).
+        # A group cut by the end of a train batch is averaged over the part in each batch.
+        if self._left == 0:
+            self._current = self.examples[int(self.np_random.integers(len(self.examples)))]
+            self._left = self.repeat
+        self._left -= 1
+        meta = self._current.get("meta", {})
+        obs, info = super().reset(options={"prompt": self._current["prompt"], "meta": meta})
+        return obs, {**info, "meta": meta}
+
+
+def per_prompt_baselines(prompt_keys: list, returns: np.ndarray, num_samples: int) -> np.ndarray:
+    """Each episode's baseline: the mean return of its group, where a group is up to
+    `num_samples` episodes with the same prompt, taken in batch order."""
+    baselines = np.zeros(len(returns), dtype=np.float64)
+    by_prompt: dict = {}
+    for i, key in enumerate(prompt_keys):
+        by_prompt.setdefault(key, []).append(i)
+    for idx in by_prompt.values():
+        for start in range(0, len(idx), num_samples):
+            chunk = idx[start:start + num_samples]
+            baselines[chunk] = returns[chunk].mean()
+    return baselines
+
+
+@torch.no_grad()
+def greedy_generations(module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                       eos_id: int) -> list[list[int]]:
+    """Argmax decoding from prompt windows (the env's left-padded layout), KV-cached.
+
+    The argmax is taken over the sampler's kept tokens when a stateless truncation sampler is
+    on (typical sampling can drop the most likely token); mirostat keeps the argmax anyway.
+    """
+    lm, sampler = module.lm, module.sampler
+    cache = WindowKVCache()
+    ids, mask = input_ids.clone(), attention_mask.clone()
+    out = [[] for _ in range(ids.shape[0])]
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    for _ in range(max_new_tokens):
+        obs = {"input_ids": ids, "attention_mask": mask}
+        logits = lm.get_output_embeddings()(cache.hidden_at_last_token(lm.base_model, obs)).float()
+        if sampler.active and not sampler.stateful:
+            source = module._mask_lm_logits(obs) if sampler.learned else logits
+            logits = logits.masked_fill(~sampler.keep(source, None), -torch.inf)
+        token = logits.argmax(-1)
+        for r in torch.nonzero(~done)[:, 0].tolist():
+            out[r].append(int(token[r]))
+        done |= token == eos_id
+        if done.all():
+            break
+        ids = torch.cat([ids[:, 1:], token[:, None]], 1)
+        mask = torch.cat([mask[:, 1:], torch.ones_like(mask[:, :1])], 1)
+    return out
+
+
+class SequenceLevelAdvantages(ConnectorV2):
+    """Learner connector piece (in place of GAE): every step of an episode gets the episode's
+    R - b as its advantage. Records the baselines it used in `self.last` (and per episode in
+    `self.last_baselines`)."""
+
+    def __init__(self, input_observation_space=None, input_action_space=None, *, baseline: str = "mean",
+                 num_samples: int = 4):
+        super().__init__(input_observation_space, input_action_space)
+        self.baseline, self.num_samples = baseline, num_samples
+        self.scorer = None  # the task's reward on the learner (self-critical)
+        self.last, self.last_baselines = {}, None
+
+    def greedy_baselines(self, module, episodes) -> np.ndarray:
+        """The task reward of the greedy decode of each episode's prompt (one decode per distinct prompt)."""
+        if self.scorer is None:
+            self.scorer = TokenGenerationEnv(module.model_config["env"])
+        device = next(module.lm.parameters()).device
+        keys, firsts, metas, prompts = [], [], [], []
+        for e in episodes:
+            first = e.get_observations(0)
+            info = e.get_infos(0) or {}
+            keys.append((tuple(np.asarray(first["input_ids"])[np.asarray(first["attention_mask"]) == 1].tolist()),
+                         repr(info.get("meta", {}))))
+            firsts.append(first)
+            metas.append(info.get("meta", {}))
+        unique = {k: i for i, k in enumerate(keys)}
+        order = list(unique.values())
+        ids = torch.as_tensor(np.stack([np.asarray(firsts[i]["input_ids"]) for i in order]), device=device)
+        mask = torch.as_tensor(np.stack([np.asarray(firsts[i]["attention_mask"]) for i in order]), device=device)
+        gens = greedy_generations(module, ids, mask, self.scorer.max_new_tokens, self.scorer.eos_id)
+        tok = self.scorer.tokenizer
+        prompts = [tok.decode(ids[j][mask[j].bool()].tolist(), skip_special_tokens=True) for j in range(len(order))]
+        texts = [tok.decode(g, skip_special_tokens=True) for g in gens]
+        rewards = self.scorer.score(prompts, texts, [metas[i] for i in order])
+        reward_of = {k: rewards[j] for j, k in enumerate(unique)}
+        return np.array([reward_of[k] for k in keys], dtype=np.float64)
+
+    def __call__(self, *, rl_module, batch, episodes, **kwargs):
+        eps = list(self.single_agent_episode_iterator(episodes, agents_that_stepped_only=False))
+        lens = [len(e) for e in eps]
+        bounds = np.cumsum([0] + lens)
+        for module_id, module_batch in batch.items():
+            rewards = torch.as_tensor(module_batch[Columns.REWARDS]).detach().cpu().numpy().astype(np.float64)
+            if len(rewards) != bounds[-1]:
+                continue
+            returns = np.array([rewards[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:])])
+            if self.baseline == "greedy":
+                baselines = self.greedy_baselines(rl_module[module_id].unwrapped(), eps)
+            else:
+                keys = []
+                for e in eps:
+                    first = e.get_observations(0)
+                    keys.append(tuple(np.asarray(first["input_ids"])[np.asarray(first["attention_mask"]) == 1].tolist()))
+                baselines = per_prompt_baselines(keys, returns, self.num_samples)
+            adv = np.repeat(returns - baselines, lens).astype(np.float32)
+            if Columns.LOSS_MASK in module_batch:
+                adv = adv * torch.as_tensor(module_batch[Columns.LOSS_MASK]).cpu().numpy()
+            device = module_batch[Columns.REWARDS].device if torch.is_tensor(module_batch[Columns.REWARDS]) else None
+            module_batch[Postprocessing.ADVANTAGES] = torch.as_tensor(adv, device=device)
+            module_batch[Postprocessing.VALUE_TARGETS] = torch.zeros(len(adv), device=device)
+            self.last_baselines = baselines
+            self.last[module_id] = {"baseline_mean": float(baselines.mean()), "sequence_return_mean": float(returns.mean()),
+                                    "advantage_abs_mean": float(np.abs(returns - baselines).mean())}
+        return batch
+
+
+class ReinforceTorchLearner(LMPPOTorchLearner):
+    def build(self) -> None:
+        super().build()
+        cfg = self.config.learner_config_dict.get("reinforce") or {}
+        self.sequence_advantages = SequenceLevelAdvantages(baseline=cfg.get("baseline", "mean"),
+                                                           num_samples=cfg.get("num_samples", 4))
+        if self._learner_connector is not None:
+            self._learner_connector.insert_after(GeneralAdvantageEstimation, self.sequence_advantages)
+            self._learner_connector.remove(GeneralAdvantageEstimation)
+
+    def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
+        module = self.module[module_id].unwrapped()
+        mask = batch[Columns.LOSS_MASK] if Columns.LOSS_MASK in batch else torch.ones_like(batch[Columns.ACTIONS],
+                                                                                           dtype=torch.bool)
+        dist = module.get_train_action_dist_cls().from_logits(fwd_out[Columns.ACTION_DIST_INPUTS])
+        logp = dist.logp(batch[Columns.ACTIONS])
+        adv = batch[Postprocessing.ADVANTAGES]
+        # Sum over each sequence's tokens, mean over sequences: the REINFORCE gradient of E[R].
+        n_seq = torch.unique(batch[SEQ_ID][mask]).numel() if SEQ_ID in batch else int(mask.sum())
+        policy_loss = -(logp * adv)[mask].sum() / max(n_seq, 1)
+        entropy = dist.entropy()[mask].mean()
+        entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
+        log_gap = (batch[Columns.ACTION_LOGP] - logp).detach()[mask]
+        self.metrics.log_dict(
+            {"policy_loss": policy_loss, "entropy": entropy,
+             "mean_kl_loss": torch.where(log_gap > 1e30, 0.0, log_gap).mean(),
+             **self.sequence_advantages.last.get(module_id, {})},
+            key=module_id, window=1)
+        return self.add_mle_term(module_id, policy_loss - entropy_coeff * entropy)
+
+
+class ReinforceConfig(LMPPOConfig):
+    def __init__(self, algo_class=None):
+        super().__init__(algo_class=algo_class or Reinforce)
+        self._learner_class = ReinforceTorchLearner
+
+    def get_default_learner_class(self):
+        return ReinforceTorchLearner
+
+
+class Reinforce(LMPPO):
+    """REINFORCE (per-prompt mean baseline) or self-critical (greedy baseline): PPO's sampling
+    and learner plumbing with the sequence-level loss above."""
+
+    @classmethod
+    def get_default_config(cls):
+        return ReinforceConfig()

@@ -1,0 +1,150 @@
+"""Sequence-level policy gradient: REINFORCE's per-prompt baseline and self-critical's greedy baseline."""
+import numpy as np
+import pytest
+import torch
+
+from ray.rllib.core.columns import Columns
+from ray.rllib.evaluation.postprocessing import Postprocessing
+
+from agents.algorithms.reinforce import RepeatedPromptEnv, SequenceLevelAdvantages, per_prompt_baselines
+from agents.config import ConfigError, validate
+from agents.modules import CausalLMActorCritic
+from env.text_env import TokenGenerationEnv
+
+ENV_CFG = {"task": {"name": "increasing_numbers", "num_numbers": 20}, "max_prompt_len": 4, "max_new_tokens": 6}
+
+
+class Episode:
+    """The two things the advantage connector reads from an RLlib episode, and its length."""
+
+    def __init__(self, obs0, info0, length):
+        self.obs0, self.info0, self.length = obs0, info0, length
+
+    def get_observations(self, i):
+        return self.obs0
+
+    def get_infos(self, i):
+        return self.info0
+
+    def __len__(self):
+        return self.length
+
+
+class Connector(SequenceLevelAdvantages):
+    def single_agent_episode_iterator(self, episodes, **kwargs):
+        return iter(episodes)
+
+
+def test_per_prompt_baseline_is_the_sample_mean_of_each_prompts_group():
+    keys = ["a", "b", "a", "a", "b", "a", "a"]
+    returns = np.array([1.0, 0.2, 0.0, 0.5, 0.4, 0.25, 0.9])
+    baselines = per_prompt_baselines(keys, returns, num_samples=4)
+    # prompt a: episodes 0, 2, 3, 5 form the first group of 4, episode 6 is a group of its own
+    a = (1.0 + 0.0 + 0.5 + 0.25) / 4
+    np.testing.assert_allclose(baselines, [a, 0.3, a, a, 0.3, a, 0.9])
+
+
+def test_repeated_prompt_env_draws_each_prompt_num_samples_times_with_its_meta():
+    env = RepeatedPromptEnv({**ENV_CFG, "repeat_prompt": 3})
+    env.examples = [{"prompt": f"{i} {i + 1}", "meta": {"i": i}} for i in range(5)]
+    seen = []
+    for i in range(9):
+        _, info = env.reset(seed=1 if i == 0 else None)
+        seen.append((info["prompt"], info["meta"]["i"]))
+    assert all(seen[g * 3] == seen[g * 3 + 1] == seen[g * 3 + 2] for g in range(3))
+    assert all(p == f"{i} {i + 1}" for p, i in seen)
+
+
+def test_repeated_prompt_groups_go_on_across_seeded_resets():
+    # RLlib resets with a new seed at every sample() call and a call gives each row about one
+    # episode, so a group that restarted at each seed would hold one episode (advantage 0).
+    env = RepeatedPromptEnv({**ENV_CFG, "repeat_prompt": 3})
+    env.examples = [{"prompt": f"{i} {i + 1}", "meta": {"i": i}} for i in range(50)]
+    seen = [env.reset(seed=100 + i)[1]["meta"]["i"] for i in range(9)]
+    assert [seen[g * 3] for g in range(3)] == [seen[g * 3 + 2] for g in range(3)]
+    assert seen[0:3] == [seen[0]] * 3 and seen[3:6] == [seen[3]] * 3 and seen[6:9] == [seen[6]] * 3
+    assert len(set(seen)) > 1
+
+
+def test_reinforce_advantage_is_the_return_minus_the_prompts_mean():
+    env = TokenGenerationEnv(ENV_CFG)
+    obs_a, _ = env.reset(options={"prompt": "1 2"})
+    obs_b, _ = env.reset(options={"prompt": "3"})
+    lens = [3, 2, 4, 2]  # rows per episode, each with RLlib's artificial last row
+    eps = [Episode(o, {}, n) for o, n in zip([obs_a, obs_b, obs_a, obs_b], lens)]
+    rewards = torch.tensor([0, 0.6, 0, 0, 0.1, 0, 0, 0.2, 0, 0, 0.5], dtype=torch.float32)
+    loss_mask = torch.tensor([1, 1, 0, 1, 0, 1, 1, 1, 0, 1, 0], dtype=torch.bool)
+    batch = {"default_policy": {Columns.REWARDS: rewards, Columns.LOSS_MASK: loss_mask}}
+    out = Connector(baseline="mean", num_samples=2)(rl_module=None, batch=batch, episodes=eps)["default_policy"]
+    # prompt "1 2": returns 0.6 and 0.2 -> baseline 0.4; prompt "3": 0.1 and 0.5 -> 0.3
+    expected = np.repeat([0.6 - 0.4, 0.1 - 0.3, 0.2 - 0.4, 0.5 - 0.3], lens) * loss_mask.numpy()
+    np.testing.assert_allclose(out[Postprocessing.ADVANTAGES].numpy(), expected, atol=1e-6)
+
+
+def test_self_critical_baseline_is_the_reward_of_the_greedy_decode():
+    env = TokenGenerationEnv(ENV_CFG)
+    module = CausalLMActorCritic(observation_space=env.observation_space, action_space=env.action_space,
+                                 model_config={"model": {"name_or_path": "tiny-gpt2"}, "env": ENV_CFG, "seed": 3})
+    # The untrained model copies its last token; an output layer shifted by one row makes it
+    # count up instead, so greedy decodes earn different, non-zero rewards.
+    w = module.lm.get_input_embeddings().weight.detach()
+    head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    head.weight.data = torch.roll(w, 1, 0).clone()
+    module.lm.set_output_embeddings(head)
+    prompts = ["1 2", "15", "1 2"]
+    # The greedy decode, done independently: argmax of the module's acting logits, step by step in the env.
+    expected = []
+    for p in prompts:
+        obs, _ = env.reset(options={"prompt": p})
+        done, reward = False, 0.0
+        while not done:
+            batch = {k: torch.as_tensor(v)[None] for k, v in obs.items()}
+            with torch.no_grad():
+                logits = module.forward_inference({Columns.OBS: batch})[Columns.ACTION_DIST_INPUTS]
+            obs, reward, done, _, _ = env.step(int(logits.argmax(-1)[0]))
+        expected.append(reward)
+    firsts = [env.reset(options={"prompt": p})[0] for p in prompts]
+    connector = Connector(baseline="greedy")
+    baselines = connector.greedy_baselines(module, [Episode(o, {"meta": {}}, 7) for o in firsts])
+    np.testing.assert_allclose(expected, [1.0, 0.6, 1.0])  # "3 4 5 6 7 8"; "16 17 18 19" then EOS
+    np.testing.assert_allclose(baselines, expected)
+    # and the advantage of each episode is its own return minus that baseline
+    rewards = torch.zeros(21)
+    rewards[[6, 13, 20]] = torch.tensor([0.9, 0.1, 0.4])
+    batch = {"default_policy": {Columns.REWARDS: rewards}}
+    module_dict = {"default_policy": type("W", (), {"unwrapped": lambda self: module})()}
+    out = connector(rl_module=module_dict, batch=batch, episodes=[Episode(o, {"meta": {}}, 7) for o in firsts])
+    adv = out["default_policy"][Postprocessing.ADVANTAGES].numpy()
+    np.testing.assert_allclose(adv[[0, 7, 14]], np.array([0.9, 0.1, 0.4]) - np.array(expected), atol=1e-6)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"algorithm": "ppo", "reinforce": {"num_samples": 4}}, r"^reinforce: only used by algorithm reinforce"),
+    ({"algorithm": "reinforce", "reinforce": {"num_samples": 1}}, r"^reinforce\.num_samples: expected an integer >= 2"),
+    ({"algorithm": "self_critical", "guide": {"callable": "a:b"}}, r"^guide: only used by the guided algorithms"),
+])
+def test_bad_sequence_level_configs_name_the_field(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(raw)
+
+
+def test_reinforce_trains_with_the_sequence_level_loss(ray_local):
+    from agents.algorithms.reinforce import Reinforce
+    from agents.config import algorithm_config
+
+    cfg = validate({"algorithm": "reinforce", "task": ENV_CFG["task"], "env": {"max_prompt_len": 4, "max_new_tokens": 6},
+                    "reinforce": {"num_samples": 4},
+                    "training": {"train_batch_size": 96, "minibatch_size": 96, "num_epochs": 1},
+                    "env_runners": {"num_envs_per_env_runner": 4}, "stop": {"training_iteration": 1}})
+    config = algorithm_config(cfg)
+    assert config.algo_class is Reinforce
+    algo = config.build_algo()
+    try:
+        before = {k: v.clone() for k, v in algo.learner_group._learner.module["default_policy"].lm.state_dict().items()}
+        learner = algo.train()["learners"]["default_policy"]
+        # one prompt: each group of 4 has its own mean, so the baselines average to the mean return
+        assert learner["baseline_mean"] == pytest.approx(learner["sequence_return_mean"], abs=1e-6)
+        after = algo.learner_group._learner.module["default_policy"].lm.state_dict()
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+    finally:
+        algo.stop()
