@@ -3,12 +3,12 @@
     python -m agents.export --checkpoint PATH --out DIR [--force]
 
 PATH is a checkpoint directory written by `agents.train` (or the RLModule
-directory inside it). DIR receives the policy's causal LM and its tokenizer,
+directory inside it). DIR receives the policy's LM and its tokenizer,
 both written with `save_pretrained`, so that anything built on `transformers`
 loads them without this project and without network access:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(DIR)
+    model = AutoModelForCausalLM.from_pretrained(DIR)  # AutoModelForSeq2SeqLM for T5/BART policies
     tokenizer = AutoTokenizer.from_pretrained(DIR)
 
 Only the language model is exported: the value head, the frozen reference
@@ -99,7 +99,8 @@ def export_policy(checkpoint: str, out_dir: str, *, force: bool = False) -> dict
     os.makedirs(out_dir, exist_ok=True)
     lm.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    return {"out_dir": out_dir, "generation_config": fields, "notes": notes}
+    auto_class = "AutoModelForSeq2SeqLM" if getattr(lm.config, "is_encoder_decoder", False) else "AutoModelForCausalLM"
+    return {"out_dir": out_dir, "generation_config": fields, "notes": notes, "auto_class": auto_class}
 
 
 def main(argv=None) -> int:
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
     for note in result["notes"]:
         print(f"note: {note}", file=sys.stderr)
     print(f"exported the policy's model and tokenizer to {result['out_dir']}")
-    print(f"  load with AutoModelForCausalLM.from_pretrained({result['out_dir']!r}) "
+    print(f"  load with {result['auto_class']}.from_pretrained({result['out_dir']!r}) "
           f"and AutoTokenizer.from_pretrained({result['out_dir']!r})")
     return 0
 

@@ -167,26 +167,37 @@ def test_hub_names_are_told_apart_by_their_config(monkeypatch):
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "a3c"])
-def test_samplers_learned_masking_separate_value_model_and_a3c_build_and_update(algorithm):
-    from agents.algorithms.a3c import A3CConfig
+def test_samplers_learned_masking_separate_value_model_and_a3c_build_and_update(algorithm, tmp_path):
+    from transformers import AutoModelForSeq2SeqLM
 
-    for extra in ([("algorithm", algorithm)],):
-        raw = seq2seq_config(("model.value_model", "separate"), ("model.kv_cache", False),
-                             ("reward.kl_coef", 0.01), ("training.train_batch_size", 64),
-                             ("training.minibatch_size", 32), ("env_runners.num_envs_per_env_runner", 4))
-        raw["sampler"] = {"name": "top_p", "p": 0.9, "masking": "learned", "sync_every": 1}
-        raw.update(dict(extra))
-        cfg = validate(raw)
-        config = algorithm_config(cfg)
-        assert isinstance(config, A3CConfig) == (raw["algorithm"] == "a3c")
-        algo = config.build_algo()
-        try:
-            result = algo.train()
-        finally:
-            algo.stop()
-        learner = result["learners"]["default_policy"]
-        vocab = TokenGenerationEnv(ENV).vocab_size
-        assert learner["mask_size"] < vocab and np.isfinite(learner["policy_loss"]) and "ref_kl" in learner
+    from agents.algorithms.a3c import A3CConfig
+    from agents.export import export_policy
+
+    raw = seq2seq_config(("model.value_model", "separate"), ("model.kv_cache", False),
+                         ("reward.kl_coef", 0.01), ("training.train_batch_size", 64),
+                         ("training.minibatch_size", 32), ("env_runners.num_envs_per_env_runner", 4))
+    raw["sampler"] = {"name": "top_p", "p": 0.9, "masking": "learned", "sync_every": 1}
+    raw["algorithm"] = algorithm
+    cfg = validate(raw)
+    config = algorithm_config(cfg)
+    assert isinstance(config, A3CConfig) == (algorithm == "a3c")
+    algo = config.build_algo()
+    try:
+        result = algo.train()
+        checkpoint = algo.save(str(tmp_path / "checkpoint")).checkpoint.path
+    finally:
+        algo.stop()
+    learner = result["learners"]["default_policy"]
+    vocab = TokenGenerationEnv(ENV).vocab_size
+    assert learner["mask_size"] < vocab and np.isfinite(learner["policy_loss"]) and "ref_kl" in learner
+    # The exported directory is a plain seq2seq model with the trained weights.
+    exported = export_policy(checkpoint, str(tmp_path / "export"))
+    assert exported["auto_class"] == "AutoModelForSeq2SeqLM"
+    model = AutoModelForSeq2SeqLM.from_pretrained(exported["out_dir"]).eval()
+    from agents.generate import load_policy
+
+    trained = load_policy(checkpoint).lm.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
 
 
 def test_pretrain_warm_starts_a_seq2seq_model_that_the_env_policy_loads(tmp_path):
