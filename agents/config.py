@@ -115,6 +115,10 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
     },
     "training": {
         "lr": F(float, 1e-4, lo=0.0, lo_open=True),
+        # Linear annealing (A3C anneals to 0): lr falls from `lr` to `lr_end` over `lr_decay_steps`
+        # sampled env steps, then stays there; both null: constant lr.
+        "lr_end": F(float, None, lo=0.0, optional=True),
+        "lr_decay_steps": F(int, None, **POS_INT, optional=True),
         "train_batch_size": F(int, 1024, **POS_INT),
         "minibatch_size": F(int, 256, **POS_INT),
         "num_epochs": F(int, 4, **POS_INT),
@@ -445,6 +449,10 @@ def _check_cross_fields(cfg: dict):
             f"training.minibatch_size: {_plain(t['minibatch_size'])} is larger than "
             f"training.train_batch_size={_plain(t['train_batch_size'])}"
         )
+    if (t["lr_end"] is None) != (t["lr_decay_steps"] is None):
+        given, missing = ("lr_end", "lr_decay_steps") if t["lr_end"] is not None else ("lr_decay_steps", "lr_end")
+        raise ConfigError(f"training.{given}: needs training.{missing} too (lr falls linearly from training.lr to "
+                          f"training.lr_end over training.lr_decay_steps env steps)")
     if cfg["reward"]["kl_adaptive"] and _plain(cfg["reward"]["kl_coef"]) == 0.0:
         raise ConfigError("reward.kl_adaptive: needs reward.kl_coef > 0 to adapt from")
     if max(_candidates(t["mle_coef"])) > 0:
@@ -681,7 +689,9 @@ def algorithm_config(cfg: dict):
     elif family == "reinforce":
         config.learner_config_dict["reinforce"] = {"baseline": "greedy" if algo == "self_critical" else "mean",
                                                    "num_samples": c["reinforce"]["num_samples"]}
-    common = dict(lr=t["lr"], train_batch_size=t["train_batch_size"], gamma=t["gamma"], grad_clip=t["grad_clip"])
+    # RLlib's lr schedule: [[env steps, lr], ...], linear in between, the last value after.
+    lr = t["lr"] if t["lr_decay_steps"] is None else [[0, t["lr"]], [t["lr_decay_steps"], t["lr_end"]]]
+    common = dict(lr=lr, train_batch_size=t["train_batch_size"], gamma=t["gamma"], grad_clip=t["grad_clip"])
     if algo == "dqn":
         eps = [[0, dqn["epsilon_start"]], [dqn["epsilon_steps"], dqn["epsilon_end"]]]
         config.training(

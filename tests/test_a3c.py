@@ -115,3 +115,19 @@ def test_a3c_raises_the_reward_and_its_checkpoint_restores_and_keeps_training(ra
         assert np.mean(more) > returns[0] + 0.1, more  # continues from the trained policy
     finally:
         restored.stop()
+
+
+def test_lr_anneals_linearly_over_env_steps_and_half_a_schedule_is_refused():
+    from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME
+
+    from agents.config import ConfigError
+    from env.text_env import TokenGenerationEnv
+
+    cfg = load(QUICKSTART, SMALL + ["training.lr=1e-3", "training.lr_end=0", "training.lr_decay_steps=1000"])
+    learner = algorithm_config(cfg).build_learner(env=TokenGenerationEnv(env_config(cfg)))
+    optimizer = next(iter(learner._named_optimizers.values()))
+    for steps, expected in ((0, 1e-3), (250, 7.5e-4), (1000, 0.0), (5000, 0.0)):
+        learner.after_gradient_based_update(timesteps={NUM_ENV_STEPS_SAMPLED_LIFETIME: steps})
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected, abs=1e-12)
+    with pytest.raises(ConfigError, match=r"^training.lr_end: needs training.lr_decay_steps too"):
+        load(QUICKSTART, ["training.lr_end=1e-5"])
