@@ -610,9 +610,6 @@ def algorithm_config(cfg: dict):
     from ray import tune
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
-    from agents.algorithms.a3c import A3CConfig
-    from agents.algorithms.dqn import LMDQNConfig
-    from agents.algorithms.ppo import LMPPOConfig
     from agents.env_runner import TokenEnvRunner
     from agents.modules import CausalLMActorCritic
     from agents.modules.q_network import CausalLMQNetwork as QNetwork

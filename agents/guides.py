@@ -40,7 +40,6 @@ from agents.modules.kv_cache import WindowKVCache, continuing_rows
 
 GUIDE_ROLE = "guide_role"  # per-step column: POLICY, GUIDE or DEVIATION
 POLICY, GUIDE, DEVIATION = 0, 1, 2
-GUIDED_ALGORITHMS = ("ppo_pp", "aggrevated", "lols", "dlols")
 
 
 class GuideError(ValueError):
@@ -53,17 +52,14 @@ class LMGuide:
     """A causal LM sharing the policy's vocabulary; samples (or takes the argmax of) its next token."""
 
     def __init__(self, name_or_path: str, tokenizer, *, greedy: bool = False, seed: int = 0, max_positions: int = 1024):
-        from agents.models import build_causal_lm, is_builtin
+        from agents.models import build_causal_lm
 
         check_guide_vocabulary(name_or_path, tokenizer)
-        try:
+        try:  # build_causal_lm also refuses a model with fewer embeddings than the tokenizer's tokens
             self.lm = build_causal_lm({"name_or_path": name_or_path}, tokenizer, seed=seed + 1,
                                       max_positions=max_positions).eval().requires_grad_(False)
         except (OSError, ValueError) as e:
             raise GuideError(f"guide.name_or_path: cannot load {name_or_path!r}: {_first_line(e)}") from None
-        if not is_builtin(name_or_path) and self.lm.get_input_embeddings().num_embeddings < len(tokenizer):
-            raise GuideError(f"guide.name_or_path: {name_or_path!r} has fewer embeddings than the policy's "
-                             f"{len(tokenizer)} tokens")
         self.greedy = greedy
         self.cache = WindowKVCache()
         self.generator = torch.Generator().manual_seed(seed)

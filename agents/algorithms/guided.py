@@ -145,9 +145,9 @@ class GuidedPPOConfig(LMPPOConfig):
 
 
 def _set_guide_mode(env_runner, mode: str) -> None:
-    module = env_runner.module
-    for m in ([module] if hasattr(module, "set_guide_mode") else list(module.values())):
-        m.unwrapped().set_guide_mode(mode) if hasattr(m, "unwrapped") else m.set_guide_mode(mode)
+    module = env_runner.module  # one RLModule, or a MultiRLModule of them
+    for m in ([module] if hasattr(module, "set_guide_mode") else module.values()):
+        m.unwrapped().set_guide_mode(mode)
 
 
 def log_policy_return(*, episode, metrics_logger, **kwargs) -> None:
