@@ -2,7 +2,8 @@
 
     python benchmarks/guided_comparison.py results/ppo_synthetic results/ppo_pp_synthetic ...
 
-Each argument is a Tune experiment directory. For every trial it reads result.json: env steps
+Each argument is a Tune experiment directory, or several joined with commas (seeds run as
+separate experiments, shown under the first one's name). For every trial it reads result.json: env steps
 sampled (guide tokens included: they are env steps too) and the reward of the episodes the
 policy wrote alone (`env_runners/policy_return_mean` for guided runs, the mean episode return
 otherwise). It prints, per experiment, the mean over seeds of the final reward and of the env
@@ -49,9 +50,11 @@ def main(argv=None) -> int:
     parser.add_argument("--levels", type=float, nargs="*", default=[0.6, 0.7])
     args = parser.parse_args(argv)
     curves = {}
-    for exp in args.experiments:
-        trials = sorted(d for d in glob.glob(os.path.join(exp, "*")) if os.path.isfile(os.path.join(d, "result.json")))
-        curves[os.path.basename(exp.rstrip("/"))] = [c for c in (trial_curve(t) for t in trials) if c]
+    for arg in args.experiments:
+        exps = [e for e in arg.split(",") if e]
+        trials = sorted(d for exp in exps for d in glob.glob(os.path.join(exp, "*"))
+                        if os.path.isfile(os.path.join(d, "result.json")))
+        curves[os.path.basename(exps[0].rstrip("/"))] = [c for c in (trial_curve(t) for t in trials) if c]
     first = next(iter(curves.values()))
     reference = round(mean_std([c[-1][1] for c in first])[0], 3)
     levels = sorted(set(args.levels) | {reference})

@@ -277,3 +277,38 @@ def test_dlols_run_switches_modes_and_masks_guide_steps(ray_local):
         assert int(mask.sum()) == int((roles == POLICY).sum()) - len(episodes)
     finally:
         algo.stop()
+
+
+def test_guided_comparison_reads_policy_returns_and_merges_experiments(tmp_path, capsys):
+    """The benchmark table: guided trials are read through policy_return_mean (NaN rows skipped),
+    plain ones through the episode return; comma-joined experiments pool their seeds."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    import guided_comparison
+
+    def trial(exp, name, rows):
+        d = tmp_path / exp / name
+        d.mkdir(parents=True)
+        with open(d / "result.json", "w") as f:
+            for steps, ret, pol in rows:
+                r = {"env_runners": {"num_env_steps_sampled_lifetime": steps, "episode_return_mean": ret}}
+                if pol is not None:
+                    r["guide_mode_aggrevated"] = 0.0
+                    r["env_runners"]["policy_return_mean"] = pol
+                f.write(json.dumps(r) + "\n")
+
+    trial("ppo", "t0", [(100, 0.5, None), (200, 0.7, None)])
+    trial("ppo_b", "t1", [(100, 0.6, None), (200, 0.9, None)])
+    trial("pp", "t0", [(100, 0.99, float("nan")), (200, 0.99, 0.75), (300, 0.99, 0.85)])
+    assert guided_comparison.trial_curve(str(tmp_path / "pp" / "t0")) == [(200, 0.75), (300, 0.85)]
+    guided_comparison.main([f"{tmp_path}/ppo,{tmp_path}/ppo_b", str(tmp_path / "pp"), "--levels", "0.6"])
+    out = capsys.readouterr().out
+    assert "reference level 0.8" in out  # mean of the pooled PPO seeds' final rewards (0.7, 0.9)
+    ppo_row = next(line for line in out.splitlines() if line.startswith("| ppo |"))
+    pp_row = next(line for line in out.splitlines() if line.startswith("| pp |"))
+    assert ppo_row.split("|")[2].strip() == "2" and "0.800 ± 0.141" in ppo_row
+    assert ppo_row.split("|")[5].strip() == "150"  # 0.6 first reached at 200 and at 100 steps
+    assert ppo_row.split("|")[6].strip() == "1/2 seeds (mean 200)"  # only one seed reached 0.8
+    assert pp_row.split("|")[5].strip() == "200" and pp_row.split("|")[6].strip() == "300"
