@@ -84,12 +84,15 @@ def make_progress_callback(eval_interval: int = 0):
 
         def __init__(self):
             self.first, self.last, self.best, self.mask, self.evals = {}, {}, {}, {}, {}
+            self.guided = set()  # trials whose tracked reward is that of the policy-alone episodes
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             reward = _metric(result, "env_runners/episode_return_mean")
             # Guided runs: the summary follows the episodes the policy wrote alone (no guide token).
             policy = _metric(result, "env_runners/policy_return_mean")
             tracked = policy if "guide_mode_aggrevated" in result else reward
+            if "guide_mode_aggrevated" in result:
+                self.guided.add(trial.trial_id)
             if tracked is not None:
                 self.first.setdefault(trial.trial_id, (result["training_iteration"], tracked))
                 self.last[trial.trial_id] = (result["training_iteration"], tracked)
@@ -388,7 +391,8 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float) -> int:
         first = progress.first.get(trial_id)
         last = progress.last.get(trial_id)
         if first and last:
-            print(f"  trial {trial_id}: mean episode reward {first[1]:.3f} (iteration {first[0]}) -> "
+            what = "policy-alone episode reward" if trial_id in progress.guided else "mean episode reward"
+            print(f"  trial {trial_id}: {what} {first[1]:.3f} (iteration {first[0]}) -> "
                   f"{last[1]:.3f} (iteration {last[0]}), best {progress.best[trial_id]:.3f}")
         evals = progress.evals.get(trial_id)
         if evals:

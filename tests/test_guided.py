@@ -312,3 +312,19 @@ def test_guided_comparison_reads_policy_returns_and_merges_experiments(tmp_path,
     assert ppo_row.split("|")[5].strip() == "150"  # 0.6 first reached at 200 and at 100 steps
     assert ppo_row.split("|")[6].strip() == "1/2 seeds (mean 200)"  # only one seed reached 0.8
     assert pp_row.split("|")[5].strip() == "200" and pp_row.split("|")[6].strip() == "300"
+
+
+def test_ppo_pp_cli_runs_the_shipped_config_and_summarises_policy_alone_episodes(tmp_path):
+    import os
+    import re
+
+    from tests.conftest import run_module
+
+    yaml = os.path.join(os.path.dirname(__file__), "..", "tune_configs", "ppo_pp_synthetic.yaml")
+    out = run_module("agents.train", yaml, "--set", "stop.training_iteration=3", "--set", "training.train_batch_size=512",
+                     "--set", "training.minibatch_size=128", "--set", f"tune.storage_path={tmp_path}",
+                     "--set", "generate.num_samples=0", timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert len(re.findall(r"^iter +\d+ .* policy \d\.\d{3} ", out.stdout, re.M)) == 3
+    # The summary follows the episodes the policy wrote alone, and says so.
+    assert re.search(r"policy-alone episode reward \d\.\d{3} \(iteration 1\) -> \d\.\d{3} \(iteration 3\)", out.stdout)
