@@ -199,7 +199,7 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "num_cpus_per_learner": F(float, None, lo=0.0, optional=True),
         "num_gpus_per_learner": F(float, 0.0, lo=0.0),
     },
-    "stop": {
+    "stop": {  # the default 100 iterations applies only when no time or env-step budget is given
         "training_iteration": F(int, 100, **POS_INT, optional=True),
         "time_total_s": F(float, None, lo=0.0, lo_open=True, optional=True),
         "num_env_steps_sampled_lifetime": F(int, None, **POS_INT, optional=True),
@@ -296,6 +296,10 @@ def validate(raw: dict) -> dict:
             out[key] = {kind: [_check_section(f"{key}[{i}]", key, spec, c) for i, c in enumerate(candidates)]}
             continue
         out[key] = _check_section(key, key, spec, value)
+    raw_stop = raw.get("stop") if isinstance(raw.get("stop"), dict) else {}
+    if "training_iteration" not in raw_stop and any(
+            raw_stop.get(k) is not None for k in ("time_total_s", "num_env_steps_sampled_lifetime")):
+        out["stop"]["training_iteration"] = None  # a budget given in time or steps is not cut at 100 iterations
     _check_model_kind(out, None)  # first: an unsupported policy kind makes the other checks moot
     _check_algorithm_fields(raw, out)
     _check_guided_fields(raw, out)

@@ -111,3 +111,15 @@ def test_cli_rejects_missing_file_and_bad_override():
 def test_generate_rejects_a_path_without_a_policy(tmp_path):
     out = run_cli("agents.generate", "--checkpoint", str(tmp_path))
     assert out.returncode == 2 and "holds no policy" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_time_or_step_budget_is_not_cut_at_the_default_100_iterations():
+    assert validate({})["stop"]["training_iteration"] == 100  # nothing given: the default cap
+    assert validate({"stop": {"time_total_s": 3600}})["stop"]["training_iteration"] is None
+    assert validate({"stop": {"num_env_steps_sampled_lifetime": 10**6}})["stop"]["training_iteration"] is None
+    # A reward target alone could run forever: the cap stays; an explicit one is kept.
+    assert validate({"stop": {"episode_return_mean": 0.9}})["stop"]["training_iteration"] == 100
+    assert validate({"stop": {"time_total_s": 60, "training_iteration": 7}})["stop"]["training_iteration"] == 7
+    with pytest.raises(ConfigError, match="guide.switch_fraction: DLOLS takes it of stop.training_iteration"):
+        validate({"algorithm": "dlols", "stop": {"time_total_s": 60},
+                  "guide": {"callable": "agents.guides:noisy_increasing_numbers"}})
