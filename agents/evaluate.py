@@ -5,13 +5,15 @@
     python -m agents.evaluate --curves RUN [RUN ...] [--metric NAME ...] [--out DIR]
 
 A MODEL is a checkpoint written by `agents.train` (or the RLModule directory in it) or
-a Hugging Face model directory (`agents.pretrain`, `agents.export`). Every model writes
+a Hugging Face model directory (`agents.pretrain`, `agents.export`), causal or
+encoder-decoder (the prompt is then the encoder's input, as in training). Every model writes
 continuations for the same prompts, through the same token env, decoded greedily or
 sampled (a checkpoint samples with its own truncation sampler). The task, the prompt
 and generation lengths come from `--config` (an RL YAML), else from the first
 checkpoint. The table has one row per model: every metric of the task (its reward,
 and each term of a summed reward), the perplexity of the generations (after their
-prompts) under a reference LM (`--reference`, default the first model), distinct-1
+prompts; for an encoder-decoder reference, given them as source) under a reference LM
+(`--reference`, default the first model), distinct-1
 and distinct-2 (unique n-grams / all n-grams of the model's generations, words
 split on whitespace), and the mean length in words. A second table breaks the task
 metrics down by prompt difficulty: for sentiment tasks the prompt's own VADER
@@ -63,9 +65,28 @@ class HFPolicy:
         return {Columns.ACTION_DIST_INPUTS: self.lm.get_output_embeddings()(hidden)}
 
 
-# The perplexity column and model-directory policies here are causal-LM code.
-SEQ2SEQ_UNSUPPORTED = ("{path}: an encoder-decoder model; agents.evaluate handles causal LMs only for now "
-                       "(compare seq2seq checkpoints and warm starts with benchmarks/seq2seq_bleu.py)")
+class HFSeq2SeqPolicy:
+    """A plain encoder-decoder LM behind the same call: the decoder's next-token logits for the
+    source (encoder side) and the tokens generated so far, computed as the seq2seq RLModule does."""
+
+    def __init__(self, lm):
+        from agents.models import decoder_start_id
+        from agents.modules.seq2seq import check_windowed_logits
+
+        self.lm = lm.eval()
+        self.start_id = decoder_start_id(lm)
+        check_windowed_logits(lm, self.start_id)
+
+    def forward_inference(self, batch):
+        from ray.rllib.core.columns import Columns
+
+        from agents.modules.seq2seq import decoder_hidden, lm_logits
+
+        return {Columns.ACTION_DIST_INPUTS: lm_logits(self.lm, decoder_hidden(self.lm, batch[Columns.OBS], self.start_id))}
+
+
+def is_seq2seq(lm) -> bool:
+    return bool(getattr(lm.config, "is_encoder_decoder", False))
 
 
 class Model:
@@ -87,33 +108,29 @@ class Model:
             from agents.generate import load_policy
 
             self.policy = load_policy(self.path)
-            if getattr(self.policy.lm.config, "is_encoder_decoder", False):
-                raise EvalError(SEQ2SEQ_UNSUPPORTED.format(path=path))
             self.lm, self.tokenizer = self.policy.lm, self.policy.tokenizer
             self.env_config = dict(self.policy.model_config["env"])
             self.tokenizer_spec = self.env_config.get("tokenizer")
         else:
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-            from agents.models import disable_dropout
+            from agents.models import declared_kind, disable_dropout
             from env.tokenization import load_tokenizer
 
             if not os.path.isfile(os.path.join(self.path, "config.json")):
                 raise EvalError(f"{path}: neither a checkpoint from agents.train nor a model directory "
                                 "(no config.json)")
-            from agents.models import declared_kind
-
-            if declared_kind({"name_or_path": self.path, "kind": "auto"}) == "seq2seq":
-                raise EvalError(SEQ2SEQ_UNSUPPORTED.format(path=path))
+            seq2seq = declared_kind({"name_or_path": self.path, "kind": "auto"}) == "seq2seq"
             try:
-                self.lm = AutoModelForCausalLM.from_pretrained(self.path)
+                self.lm = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(self.path)
                 self.tokenizer = load_tokenizer(self.path)
+                disable_dropout(self.lm)
+                self.policy = HFSeq2SeqPolicy(self.lm) if seq2seq else HFPolicy(self.lm)
             except (OSError, ValueError) as e:
                 raise EvalError(f"{path}: cannot load the model or its tokenizer: {_first_line(e)}") from None
-            disable_dropout(self.lm)
-            self.policy = HFPolicy(self.lm)
             self.env_config = None
             self.tokenizer_spec = self.path
+        self.seq2seq = is_seq2seq(self.lm)
 
 
 def _short_name(path: str) -> str:
@@ -180,9 +197,47 @@ def perplexity(lm, tokenizer, prompts: list[str], generations: list[str], batch_
     lm.eval()
     targets = [encode(tokenizer, g) for g in generations]
     contexts = [encode(tokenizer, p) for p in prompts]
-    scored = target_logprobs(lm, tokenizer, contexts, targets, batch_size)
+    score = seq2seq_target_logprobs if is_seq2seq(lm) else target_logprobs
+    scored = score(lm, tokenizer, contexts, targets, batch_size)
     n = sum(len(lp) for lp in scored)
     return math.exp(-sum(sum(lp) for lp in scored) / n) if n else float("nan")
+
+
+@torch.no_grad()
+def seq2seq_target_logprobs(model, tokenizer, contexts: list[list[int]], targets: list[list[int]],
+                            batch_size: int = 16) -> list[list[float]]:
+    """log p(target_t | source = context, target_<t) for every target token under an encoder-decoder
+    LM: the context is the encoder's input, the decoder reads its start token then the target.
+    Both sides are right-padded, so real tokens keep the positions they have alone."""
+    from agents.models import decoder_start_id
+
+    start = decoder_start_id(model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    out: list[list[float]] = []
+    for first in range(0, len(contexts), batch_size):
+        ctxs, tgts = contexts[first:first + batch_size], targets[first:first + batch_size]
+        ctxs = [list(c) or [pad] for c in ctxs]  # an empty source: one pad token, masked in
+
+        def padded(rows, lead=()):
+            rows = [list(lead) + list(r) for r in rows]
+            width = max(len(r) for r in rows)
+            ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for i, r in enumerate(rows):
+                ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+                mask[i, :len(r)] = 1
+            return ids, mask
+
+        enc_ids, enc_mask = padded(ctxs)
+        enc_mask[:, 0] = 1
+        dec_ids, dec_mask = padded(tgts, lead=(start,))
+        device = next(model.parameters()).device
+        logits = model(input_ids=enc_ids.to(device), attention_mask=enc_mask.to(device),
+                       decoder_input_ids=dec_ids.to(device), decoder_attention_mask=dec_mask.to(device)).logits.float()
+        logp = logits.log_softmax(-1)
+        for i, t in enumerate(tgts):
+            out.append([logp[i, j, tok].item() for j, tok in enumerate(t)])
+    return out
 
 
 def task_metrics(task, split: str) -> list[tuple[str, object]]:
@@ -254,7 +309,7 @@ def evaluate(models: list[Model], env_config: dict, *, split: str = "test", gree
     rows, breakdown, all_gens = [], [], []
     prompts = buckets = labels = what = None
     for model in models:
-        cfg = {**env_config, "split": split, "tokenizer": model.tokenizer_spec}
+        cfg = {**env_config, "split": split, "tokenizer": model.tokenizer_spec, "encoder_decoder": model.seq2seq}
         gens = rollout(model.policy, cfg, examples, greedy=greedy, seed=seed)
         if prompts is None:  # the prompts as the env cut them (identical for every model)
             from env.text_env import TokenGenerationEnv
@@ -273,9 +328,10 @@ def evaluate(models: list[Model], env_config: dict, *, split: str = "test", gree
         rows.append(row)
         for b, label in enumerate(labels):
             idx = [i for i, x in enumerate(buckets) if x == b]
+            if not idx:  # e.g. every prompt equally long: one bucket, not two empty rows of nan
+                continue
             entry = {"model": model.name, "bucket": label, "n": len(idx)}
-            entry.update({name: float(np.mean([v[i] for i in idx])) if idx else float("nan")
-                          for name, v in values.items()})
+            entry.update({name: float(np.mean([v[i] for i in idx])) for name, v in values.items()})
             breakdown.append(entry)
         all_gens.extend({"model": model.name, "prompt": p, "generation": g,
                          **{name: v[i] for name, v in values.items()}}
