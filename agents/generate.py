@@ -36,12 +36,32 @@ def load_policy(checkpoint: str):
     return module
 
 
+def reward_needs_meta(env_config: dict) -> bool:
+    """True when the task's reward cannot score a text without the example's metadata
+    (references, labels): a prompt typed by a user then gets no reward."""
+    from env.tasks import make_task
+
+    task = make_task(env_config["task"], max_new_tokens=env_config.get("max_new_tokens", 20))
+    try:
+        examples = task.examples("train")
+    except (OSError, ValueError):  # a task without a train split here: any text will do
+        examples = []
+    prompt = examples[0]["prompt"] if examples else "a"
+    try:
+        task.reward([prompt], [prompt], [{}])
+    except (ValueError, KeyError, TypeError):
+        return True
+    return False
+
+
 @torch.no_grad()
-def generate(module, env_config: dict, prompts: list[str | None], *, greedy: bool = False, seed: int = 0):
+def generate(module, env_config: dict, prompts: list[str | None], *, greedy: bool = False, seed: int = 0,
+             metas: list[dict] | None = None, score: bool = True):
     """Runs the policy in one `TokenGenerationEnv` per prompt, all stepped together.
 
-    A prompt of None draws one from the task. Returns
-    `[{"prompt", "generation", "reward"}]`, the reward being the task's.
+    A prompt of None draws one (with its metadata) from the task; a given prompt takes
+    `metas[i]` (default none). Returns `[{"prompt", "generation", "reward"}]`, the reward
+    being the task's, or None with `score=False` (given prompts only).
     """
     from ray.rllib.core.columns import Columns
 
@@ -50,7 +70,8 @@ def generate(module, env_config: dict, prompts: list[str | None], *, greedy: boo
     envs = [TokenGenerationEnv(env_config) for _ in prompts]
     obs, results = [], [None] * len(prompts)
     for i, (env, prompt) in enumerate(zip(envs, prompts)):
-        o, _ = env.reset(seed=seed + i, options=None if prompt is None else {"prompt": prompt})
+        options = None if prompt is None else {"prompt": prompt, "meta": metas[i] if metas else {}, "score": score}
+        o, _ = env.reset(seed=seed + i, options=options)
         obs.append(o)
     gen = torch.Generator().manual_seed(seed)
     done = [False] * len(envs)
@@ -71,7 +92,9 @@ def generate(module, env_config: dict, prompts: list[str | None], *, greedy: boo
             obs[i], reward, done[i], _, info = envs[i].step(a)
             returns[i] += reward
             if done[i]:
-                results[i] = {"prompt": info["prompt"], "generation": info["generation"], "reward": returns[i]}
+                scored = score or prompts[i] is None
+                results[i] = {"prompt": info["prompt"], "generation": info["generation"],
+                              "reward": returns[i] if scored else None}
     return results
 
 
@@ -92,13 +115,19 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     prompts = [p for p in (args.prompt or [None]) for _ in range(args.n)]
+    env_config = module.model_config["env"]
     try:
-        results = generate(module, module.model_config["env"], prompts, greedy=args.greedy, seed=args.seed)
+        score = not (args.prompt and reward_needs_meta(env_config))
+        if not score:
+            print(f"note: task {env_config['task'].get('name')!r} scores a text against references; "
+                  f"prompts given with --prompt have none, so no reward is shown", file=sys.stderr)
+        results = generate(module, env_config, prompts, greedy=args.greedy, seed=args.seed, score=score)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for r in results:
-        print(f"[reward {r['reward']:.3f}] {r['prompt']!s}|| {r['generation']}")
+        reward = "n/a" if r["reward"] is None else f"{r['reward']:.3f}"
+        print(f"[reward {reward}] {r['prompt']!s}|| {r['generation']}")
     return 0
 
 

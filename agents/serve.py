@@ -34,6 +34,10 @@ Fields (only `prompt` is required; any other field is an error):
   greedy          boolean (default false): argmax decoding (after the sampler's mask)
   seed            integer in [0, 2**31 - 1] (default: random, and returned in the reply);
                   the same seed and request give the same generations
+  references      string or list of strings: reference texts for tasks whose reward
+                  compares the generation with references (BLEU, ROUGE, CIDEr, ...).
+                  Without them such a task's `reward` is null (GET shows
+                  `reward_needs_references`); the generations are the same.
 
 A request the policy cannot take gets HTTP 400 (413 for a body over 1 MiB,
 405 for a method other than POST or GET) and `{"error": "<one line naming the
@@ -77,7 +81,8 @@ APP_NAME = "policy"
 MAX_BODY_BYTES = 1 << 20
 MAX_PROMPT_CHARS = 10_000
 MAX_SEED = 2**31 - 1
-FIELDS = ("prompt", "max_new_tokens", "num_samples", "greedy", "seed")
+FIELDS = ("prompt", "max_new_tokens", "num_samples", "greedy", "seed", "references")
+MAX_REFERENCES = 64
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +160,14 @@ def parse_request(body: bytes, tokenizer, *, max_new_tokens: int, max_prompt_len
     greedy = req.get("greedy", False)
     if not isinstance(greedy, bool):
         raise BadRequest(f"greedy: must be true or false, got {_type_name(greedy)} {json.dumps(greedy)}")
+    refs = req.get("references")
+    if refs is not None:
+        refs = [refs] if isinstance(refs, str) else refs
+        if not isinstance(refs, list) or not refs or not all(isinstance(r, str) and r.strip() for r in refs):
+            raise BadRequest(f"references: must be a non-empty string or a non-empty list of non-empty strings, "
+                             f"got {json.dumps(req['references'])[:80]}")
+        if len(refs) > MAX_REFERENCES or sum(len(r) for r in refs) > MAX_PROMPT_CHARS:
+            raise BadRequest(f"references: at most {MAX_REFERENCES} texts of {MAX_PROMPT_CHARS} characters in all")
     seed = req.get("seed")
     if seed is None:  # absent (or null): a fresh seed, returned so the reply can be reproduced
         req.pop("seed", None)
@@ -166,16 +179,20 @@ def parse_request(body: bytes, tokenizer, *, max_new_tokens: int, max_prompt_len
         "num_samples": _integer(req, "num_samples", 1, 1, max_samples),
         "greedy": greedy,
         "seed": _integer(req, "seed", seed, 0, MAX_SEED),
+        "references": refs,
     }
 
 
-def run_request(module, env_config: dict, req: dict) -> dict:
-    """Generates for a validated request with `agents.generate.generate`; the reply's JSON."""
+def run_request(module, env_config: dict, req: dict, *, needs_references: bool = False) -> dict:
+    """Generates for a validated request with `agents.generate.generate`; the reply's JSON.
+    A task whose reward needs references is scored only when the request gives them."""
     from agents.generate import generate
 
     env_config = {**env_config, "max_new_tokens": req["max_new_tokens"]}
-    results = generate(module, env_config, [req["prompt"]] * req["num_samples"],
-                       greedy=req["greedy"], seed=req["seed"])
+    refs = req.get("references")
+    meta = {"references": refs} if refs else {}
+    results = generate(module, env_config, [req["prompt"]] * req["num_samples"], greedy=req["greedy"],
+                       seed=req["seed"], metas=[meta] * req["num_samples"], score=bool(refs) or not needs_references)
     return {
         "prompt": results[0]["prompt"],
         "prompt_truncated": req["prompt_truncated"],
@@ -197,8 +214,11 @@ class PolicyServer:
         from agents.generate import load_policy
         from env.tasks import make_task
 
+        from agents.generate import reward_needs_meta
+
         self.module = load_policy(checkpoint)
         self.env_config = dict(self.module.model_config["env"])
+        self.needs_references = reward_needs_meta(self.env_config)
         self.tokenizer = self.module.tokenizer
         self.max_new_tokens = int(self.env_config.get("max_new_tokens", 20))
         self.max_prompt_len = int(self.env_config.get("max_prompt_len", 5))
@@ -216,12 +236,13 @@ class PolicyServer:
             "sampler": {k: v for k, v in (self.module.model_config.get("sampler") or {"name": "none"}).items()
                         if v is not None},
             "example_prompt": examples[0]["prompt"] if examples else None,
+            "reward_needs_references": self.needs_references,
             "fields": list(FIELDS),
         }
 
     def _generate(self, req: dict) -> dict:
         with self.lock:  # one generation at a time per replica: the module keeps per-row state
-            return run_request(self.module, self.env_config, req)
+            return run_request(self.module, self.env_config, req, needs_references=self.needs_references)
 
     async def handle(self, method: str, body: bytes) -> tuple[int, dict]:
         """(HTTP status, JSON reply) for one request; never raises."""

@@ -100,6 +100,8 @@ class TokenGenerationEnv(gym.Env):
           prompt_ids   the prompt as token ids (instead of `prompt`)
           prefix_ids   generated tokens to restart from (fewer than max_new_tokens, no EOS)
           meta         task metadata for the reward (references, labels, ...)
+          score        False: do not compute the reward (every step's is 0.0), e.g. for a
+                       user's prompt whose task reward needs references it was not given
         """
         super().reset(seed=seed)
         options = dict(options or {})
@@ -132,6 +134,7 @@ class TokenGenerationEnv(gym.Env):
         self._prompt_ids = list(prompt_ids)
         self._generated = prefix
         self._metric_so_far = 0.0
+        self._score = bool(options.get("score", True))
         self._done = False
         prompt_text = self.tokenizer.decode(self._prompt_ids, skip_special_tokens=True)
         self._example = {**example, "prompt": prompt_text}
@@ -147,8 +150,9 @@ class TokenGenerationEnv(gym.Env):
         self._generated.append(token)
         self._done = token == self.eos_id or len(self._generated) >= self.max_new_tokens
         reward, info = 0.0, {}
-        if self._done or self.dense_reward:
-            text = self.generated_text()
+        scoring = (self._done or self.dense_reward) and self._score
+        text = self.generated_text() if scoring or self._done else None
+        if scoring:
             metric = self.score([self._example["prompt"]], [text], [self._example.get("meta", {})])[0]
             reward, self._metric_so_far = metric - self._metric_so_far, metric
         if self._done:

@@ -219,6 +219,40 @@ def test_samplers_learned_masking_separate_value_model_and_a3c_build_and_update(
         with torch.no_grad():
             argmax = [m.policy.forward_inference(batch)[Columns.ACTION_DIST_INPUTS].argmax(-1) for m in models]
         assert torch.equal(argmax[0], argmax[1])
+        # The serving deployment's handler (no HTTP here) answers for a seq2seq checkpoint too:
+        # greedy, it writes what agents.evaluate wrote for the same source.
+        import asyncio
+
+        from agents.serve import PolicyServer
+
+        def post(**request):
+            return asyncio.run(server.handle("POST", json.dumps(request).encode()))
+
+        server = PolicyServer(checkpoint)
+        assert server.info["reward_needs_references"]  # BLEU against the sorted source
+        prompt = result["generations"][0]["prompt"]
+        status, reply = post(prompt=prompt, greedy=True)
+        assert status == 200, reply
+        assert reply["generations"][0] == {"text": gens["checkpoint"][0], "reward": None}  # no references given
+        # With references the reply is scored, as the task scores it.
+        from env.tasks import make_task
+
+        refs = [" ".join(sorted(prompt.split(), key=int))]
+        status, reply = post(prompt=prompt, num_samples=3, seed=1, references=refs)
+        assert status == 200 and len(reply["generations"]) == 3, reply
+        task = make_task(models[0].env_config["task"], max_new_tokens=6)
+        texts = [g["text"] for g in reply["generations"]]
+        expected = task.reward([prompt] * 3, texts, [{"references": refs}] * 3)
+        assert [g["reward"] for g in reply["generations"]] == pytest.approx([float(x) for x in expected])
+        status, reply = post(prompt=prompt, references=[])
+        assert status == 400 and reply["error"].startswith("references: must be a non-empty string"), reply
+        # The generate CLI prints unscored generations for typed prompts, with a note saying why.
+        from tests.conftest import run_module
+
+        out = run_module("agents.generate", "--checkpoint", checkpoint, "--prompt", prompt, "-n", "2", timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert len([l for l in out.stdout.splitlines() if l.startswith("[reward n/a] ")]) == 2
+        assert "scores a text against references" in out.stderr
 
 
 def test_pretrain_warm_starts_a_seq2seq_model_that_the_env_policy_loads(tmp_path):
