@@ -85,10 +85,6 @@ class HFSeq2SeqPolicy:
         return {Columns.ACTION_DIST_INPUTS: lm_logits(self.lm, decoder_hidden(self.lm, batch[Columns.OBS], self.start_id))}
 
 
-def is_seq2seq(lm) -> bool:
-    return bool(getattr(lm.config, "is_encoder_decoder", False))
-
-
 class Model:
     """One model to evaluate: its policy, LM, tokenizer and (for checkpoints) its env config."""
 
@@ -130,7 +126,9 @@ class Model:
                 raise EvalError(f"{path}: cannot load the model or its tokenizer: {_first_line(e)}") from None
             self.env_config = None
             self.tokenizer_spec = self.path
-        self.seq2seq = is_seq2seq(self.lm)
+        from agents.models import is_encoder_decoder
+
+        self.seq2seq = is_encoder_decoder(self.lm)
 
 
 def _short_name(path: str) -> str:
@@ -192,52 +190,24 @@ def distinct_n(generations: list[str], n: int) -> float:
 def perplexity(lm, tokenizer, prompts: list[str], generations: list[str], batch_size: int = 32) -> float:
     """exp(mean negative log-likelihood per token) of the generations after their prompts under `lm`,
     over all generated tokens together; empty generations add no tokens (nan if all are empty)."""
+    from agents.models import decoder_start_id, is_encoder_decoder
     from env.rewards.hf import encode, target_logprobs
 
     lm.eval()
     targets = [encode(tokenizer, g) for g in generations]
     contexts = [encode(tokenizer, p) for p in prompts]
-    score = seq2seq_target_logprobs if is_seq2seq(lm) else target_logprobs
-    scored = score(lm, tokenizer, contexts, targets, batch_size)
+    if is_encoder_decoder(lm):  # the prompt is the source; the warm start's held-out loss scores it
+        from agents.pretrain import collate_pairs, heldout_seq2seq_loss
+
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        pairs = [(c or [pad], t) for c, t in zip(contexts, targets) if t]
+        if not pairs:
+            return float("nan")
+        batches = [collate_pairs(pairs[i:i + batch_size], pad) for i in range(0, len(pairs), batch_size)]
+        return math.exp(heldout_seq2seq_loss(lm, decoder_start_id(lm), batches))
+    scored = target_logprobs(lm, tokenizer, contexts, targets, batch_size)
     n = sum(len(lp) for lp in scored)
     return math.exp(-sum(sum(lp) for lp in scored) / n) if n else float("nan")
-
-
-@torch.no_grad()
-def seq2seq_target_logprobs(model, tokenizer, contexts: list[list[int]], targets: list[list[int]],
-                            batch_size: int = 16) -> list[list[float]]:
-    """log p(target_t | source = context, target_<t) for every target token under an encoder-decoder
-    LM: the context is the encoder's input, the decoder reads its start token then the target.
-    Both sides are right-padded, so real tokens keep the positions they have alone."""
-    from agents.models import decoder_start_id
-
-    start = decoder_start_id(model)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    out: list[list[float]] = []
-    for first in range(0, len(contexts), batch_size):
-        ctxs, tgts = contexts[first:first + batch_size], targets[first:first + batch_size]
-        ctxs = [list(c) or [pad] for c in ctxs]  # an empty source: one pad token, masked in
-
-        def padded(rows, lead=()):
-            rows = [list(lead) + list(r) for r in rows]
-            width = max(len(r) for r in rows)
-            ids = torch.full((len(rows), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)
-            for i, r in enumerate(rows):
-                ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-                mask[i, :len(r)] = 1
-            return ids, mask
-
-        enc_ids, enc_mask = padded(ctxs)
-        enc_mask[:, 0] = 1
-        dec_ids, dec_mask = padded(tgts, lead=(start,))
-        device = next(model.parameters()).device
-        logits = model(input_ids=enc_ids.to(device), attention_mask=enc_mask.to(device),
-                       decoder_input_ids=dec_ids.to(device), decoder_attention_mask=dec_mask.to(device)).logits.float()
-        logp = logits.log_softmax(-1)
-        for i, t in enumerate(tgts):
-            out.append([logp[i, j, tok].item() for j, tok in enumerate(t)])
-    return out
 
 
 def task_metrics(task, split: str) -> list[tuple[str, object]]:

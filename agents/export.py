@@ -99,7 +99,9 @@ def export_policy(checkpoint: str, out_dir: str, *, force: bool = False) -> dict
     os.makedirs(out_dir, exist_ok=True)
     lm.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    auto_class = "AutoModelForSeq2SeqLM" if getattr(lm.config, "is_encoder_decoder", False) else "AutoModelForCausalLM"
+    from agents.models import is_encoder_decoder
+
+    auto_class = "AutoModelForSeq2SeqLM" if is_encoder_decoder(lm) else "AutoModelForCausalLM"
     return {"out_dir": out_dir, "generation_config": fields, "notes": notes, "auto_class": auto_class}
 
 

@@ -36,12 +36,9 @@ def load_policy(checkpoint: str):
     return module
 
 
-def reward_needs_meta(env_config: dict) -> bool:
+def reward_needs_meta(task) -> bool:
     """True when the task's reward cannot score a text without the example's metadata
     (references, labels): a prompt typed by a user then gets no reward."""
-    from env.tasks import make_task
-
-    task = make_task(env_config["task"], max_new_tokens=env_config.get("max_new_tokens", 20))
     try:
         examples = task.examples("train")
     except (OSError, ValueError):  # a task without a train split here: any text will do
@@ -117,7 +114,10 @@ def main(argv=None) -> int:
     prompts = [p for p in (args.prompt or [None]) for _ in range(args.n)]
     env_config = module.model_config["env"]
     try:
-        score = not (args.prompt and reward_needs_meta(env_config))
+        from env.tasks import make_task
+
+        score = not (args.prompt and reward_needs_meta(make_task(env_config["task"],
+                                                                 max_new_tokens=env_config["max_new_tokens"])))
         if not score:
             print(f"note: task {env_config['task'].get('name')!r} scores a text against references; "
                   f"prompts given with --prompt have none, so no reward is shown", file=sys.stderr)

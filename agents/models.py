@@ -146,6 +146,10 @@ def build_seq2seq_lm(model_config: dict, tokenizer, *, seed: int = 0) -> PreTrai
     return model
 
 
+def is_encoder_decoder(model: PreTrainedModel) -> bool:
+    return bool(getattr(model.config, "is_encoder_decoder", False))
+
+
 def decoder_start_id(model: PreTrainedModel) -> int:
     """The token every decoder sequence starts with (T5: pad, BART: EOS)."""
     for source in (model.config, getattr(model, "generation_config", None)):

@@ -211,20 +211,18 @@ class PolicyServer:
 
     def __init__(self, checkpoint: str, max_samples: int = 16):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from agents.generate import load_policy
+        from agents.generate import load_policy, reward_needs_meta
         from env.tasks import make_task
-
-        from agents.generate import reward_needs_meta
 
         self.module = load_policy(checkpoint)
         self.env_config = dict(self.module.model_config["env"])
-        self.needs_references = reward_needs_meta(self.env_config)
         self.tokenizer = self.module.tokenizer
         self.max_new_tokens = int(self.env_config.get("max_new_tokens", 20))
         self.max_prompt_len = int(self.env_config.get("max_prompt_len", 5))
         self.max_samples = int(max_samples)
         self.lock = threading.Lock()
         task = make_task(self.env_config["task"], max_new_tokens=self.max_new_tokens)
+        self.needs_references = reward_needs_meta(task)
         examples = task.examples("train")
         self.info = {
             "checkpoint": checkpoint,
