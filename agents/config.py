@@ -191,6 +191,9 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "num_cpus_per_env_runner": F(float, 1.0, lo=0.0),
         "num_gpus_per_env_runner": F(float, 0.0, lo=0.0),
         "max_restarts": F(int, 3, **NONNEG_INT),
+        # fast: whole episodes from the vector env, one module call per token step
+        # (agents/env_runner.py); stock: RLlib's SingleAgentEnvRunner. auto: fast, stock for dqn.
+        "runner": F(str, "auto", choices=("auto", "fast", "stock")),
     },
     "learners": {
         "num_learners": F(int, 0, **NONNEG_INT),
@@ -464,6 +467,9 @@ def _check_cross_fields(cfg: dict):
         if task.get("name") == "increasing_numbers" or (task.get("name") == "text" and not task.get("reference_field")):
             raise ConfigError(f"training.mle_coef: task {task.get('name')!r} has no reference texts to learn from "
                               f"(imdb, commongen, dialogue, summarization, or text with reference_field have them)")
+    if cfg["algorithm"] == "dqn" and cfg["env_runners"]["runner"] == "fast":
+        raise ConfigError("env_runners.runner: 'fast' samples whole episodes; DQN samples n-step fragments "
+                          "(batch_mode truncate_episodes) for its replay buffer: use 'stock' or 'auto'")
     stop = cfg["stop"]
     if all(v is None for v in stop.values()):
         raise ConfigError("stop: give at least one of " + ", ".join(stop))
@@ -609,16 +615,23 @@ def _config_class(family: str):
     return {"ppo": LMPPOConfig, "a3c": A3CConfig, "dqn": LMDQNConfig}[family]
 
 
+def env_runner_kind(cfg: dict) -> str:
+    """'fast' or 'stock' (agents/env_runner.py): `env_runners.runner`, where auto is fast except for DQN."""
+    kind = cfg["env_runners"]["runner"]
+    if kind == "auto":
+        return "stock" if cfg["algorithm"] == "dqn" else "fast"
+    return kind
+
+
 def algorithm_config(cfg: dict):
     """The RLlib AlgorithmConfig for a validated config (search spaces as Tune objects)."""
     from ray import tune
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
-    from agents.env_runner import TokenEnvRunner
+    from agents.env_runner import TOKEN_ENV, FastTokenEnvRunner, StockTokenEnvRunner, make_token_env
     from agents.modules import CausalLMActorCritic
     from agents.modules.q_network import CausalLMQNetwork as QNetwork
     from agents.modules.seq2seq import Seq2SeqActorCritic
-    from env.text_env import TokenGenerationEnv
 
     if os.path.isdir(cfg["model"]["name_or_path"]):  # trials run in their own directory: a local model goes absolute
         cfg = {**cfg, "model": {**cfg["model"], "name_or_path": os.path.abspath(cfg["model"]["name_or_path"])}}
@@ -637,7 +650,7 @@ def algorithm_config(cfg: dict):
     if algo == "dqn":
         model_config["dqn"] = {k: dqn[k] for k in ("head", "mlp_hidden", "sample_temperature")}
     family = algorithm_family(cfg)
-    env_class, env_runner_env_cfg = TokenGenerationEnv, env_cfg
+    env_runner_env_cfg = env_cfg
     if family == "guided":  # the guide acts on the EnvRunners; GuidedPPO sets each iteration's roll-in mode
         model_config["guide"] = {**{k: c["guide"][k] for k in ("name_or_path", "callable", "greedy", "beta", "mix")},
                                  "mode": "none"}
@@ -645,13 +658,16 @@ def algorithm_config(cfg: dict):
         if path and os.path.isdir(path):  # a Tune trial does not run in this directory
             model_config["guide"]["name_or_path"] = os.path.abspath(path)
     elif family == "reinforce":  # each prompt num_samples times in a row, for the per-prompt baseline
-        from agents.algorithms.reinforce import RepeatedPromptEnv
-
-        env_class = RepeatedPromptEnv
         env_runner_env_cfg = {**env_cfg, "repeat_prompt": c["reinforce"]["num_samples"] if algo == "reinforce" else 1}
+    from ray.tune.registry import register_env
+
+    register_env(TOKEN_ENV, make_token_env)  # RLlib builds one row, or the vector env through its entry point
+    fast = env_runner_kind(cfg) == "fast"
+    if fast:  # the vector env, built through RLlib's vector entry point; the runner resets its rows
+        env_runner_env_cfg = {**env_runner_env_cfg, "autoreset_mode": "Disabled"}
     config = (
         _config_class(family)()
-        .environment(env_class, env_config=env_runner_env_cfg)
+        .environment(TOKEN_ENV, env_config=env_runner_env_cfg)
         .env_runners(
             num_env_runners=er["num_env_runners"],
             num_envs_per_env_runner=er["num_envs_per_env_runner"],
@@ -660,7 +676,8 @@ def algorithm_config(cfg: dict):
             # Actor-critic losses take whole generations (exact per-sequence KL, one forward per
             # sequence); DQN stores steps in its replay buffer and samples n_step steps per env per call.
             batch_mode="truncate_episodes" if algo == "dqn" else "complete_episodes",
-            env_runner_cls=TokenEnvRunner,  # new prompts on every sample() call (see agents/env_runner.py)
+            env_runner_cls=FastTokenEnvRunner if fast else StockTokenEnvRunner,
+            gym_env_vectorize_mode="vector_entry_point" if fast else "sync",
         )
         .fault_tolerance(
             restart_failed_env_runners=True, max_num_env_runner_restarts=er["max_restarts"]

@@ -1,20 +1,271 @@
-"""The EnvRunner for the token env: RLlib's single-agent EnvRunner, with fresh prompts per reset.
+"""EnvRunners for the token env.
 
-With `batch_mode: complete_episodes` RLlib 2.60 resets every vector env at the
-start of each `sample()` call and passes the same seed each time
-(`SingleAgentEnvRunner._reset_envs`). The env reseeds its prompt draw from it,
-so every call would replay the same `num_envs_per_env_runner` prompts and a
-policy could learn just those. Here the k-th seeded reset of an EnvRunner uses
-`seed + k * SEED_STRIDE`: runs stay reproducible, and each call draws new prompts.
+`FastTokenEnvRunner` (the default, `env_runners.runner: fast`) samples whole
+episodes from `TokenGenerationVectorEnv` with no per-step connector pipeline
+and no per-row Python in the token loop. Per vector step it makes one batched
+module call and one batched env step:
+
+  * the module gets every row's window plus `ROW_CONTINUES` (which rows
+    continue the previous call's), so its KV cache, mirostat state and guide
+    plans carry on by construction, and only rows that (re)started are prefilled;
+  * rows whose episode ended wait (the env leaves them as they are, autoreset
+    DISABLED) until a quarter of the rows are free, then they restart together,
+    so refills share one prefill pass;
+  * an RLlib `SingleAgentEpisode` is built once per finished episode, from
+    arrays, in the format RLlib's learner connectors consume.
+
+One `sample()` call with no arguments samples complete episodes until it holds
+the EnvRunner's share of the train batch (`train_batch_size / num_env_runners`
+env steps); episodes never straddle calls, so each is sampled by one set of
+weights and the next call draws new prompts. The env is seeded once, at the
+first reset (config seed, the EnvRunner's index and the row), so runs repeat.
+Callbacks: `on_sample_end` and `on_episode_end` (the others are per step and
+are not called here). Weight syncs go through RLlib's `set_state` (the module
+drops its caches there).
+
+`StockTokenEnvRunner` (`env_runners.runner: stock`) is RLlib's own
+`SingleAgentEnvRunner` over the single-row env, kept for comparison and for
+DQN (which samples n-step fragments, not whole episodes). With
+`batch_mode: complete_episodes` RLlib 2.60 resets every vector env at the start
+of each `sample()` call with the same seed, so every call would replay the same
+`num_envs_per_env_runner` prompts; the k-th seeded reset of an EnvRunner uses
+`seed + k * SEED_STRIDE` instead.
 """
 from __future__ import annotations
 
+import math
+import time
+
+import numpy as np
+import torch
+
+from ray.rllib.callbacks.utils import make_callback
+from ray.rllib.core import DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
+from ray.rllib.core.columns import Columns
 from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
+from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
+from ray.rllib.utils import force_list
+from ray.rllib.utils.metrics import (
+    EPISODE_DURATION_SEC_MEAN,
+    EPISODE_LEN_MAX,
+    EPISODE_LEN_MEAN,
+    EPISODE_LEN_MIN,
+    EPISODE_RETURN_MAX,
+    EPISODE_RETURN_MEAN,
+    EPISODE_RETURN_MIN,
+    NUM_AGENT_STEPS_SAMPLED,
+    NUM_AGENT_STEPS_SAMPLED_LIFETIME,
+    NUM_ENV_STEPS_SAMPLED,
+    NUM_ENV_STEPS_SAMPLED_LIFETIME,
+    NUM_EPISODES,
+    NUM_EPISODES_LIFETIME,
+    NUM_MODULE_STEPS_SAMPLED,
+    NUM_MODULE_STEPS_SAMPLED_LIFETIME,
+    SAMPLE_TIMER,
+)
+
+from agents.modules.kv_cache import ROW_CONTINUES
+from env.text_env import TokenGenerationEnv
+from env.vector_env import TokenGenerationVectorEnv
 
 SEED_STRIDE = 1_000_003  # far apart from the per-sub-env (+i) and per-EnvRunner (+index) offsets
+TOKEN_ENV = "token_generation"  # the name `make_token_env` is registered under (ray.tune.register_env)
 
 
-class TokenEnvRunner(SingleAgentEnvRunner):
+def make_token_env(config):
+    """RLlib's env creator: one row (`TokenGenerationEnv`, or the `repeat_prompt` env of
+    REINFORCE) or, when RLlib's vector entry point asks for `num_envs`, the vector env of
+    such rows."""
+    cfg = dict(config or {})
+    row_cls = TokenGenerationEnv
+    if "repeat_prompt" in cfg:
+        from agents.algorithms.reinforce import RepeatedPromptEnv
+
+        row_cls = RepeatedPromptEnv
+    if "num_envs" in cfg:
+        return TokenGenerationVectorEnv(cfg, row_env_cls=row_cls)
+    cfg.pop("autoreset_mode", None)
+    return row_cls(cfg)
+
+
+def row_info(infos: dict, i: int) -> dict:
+    """Row i's info dict out of Gymnasium's vector-info layout."""
+    return {k: v[i] for k, v in infos.items() if not k.startswith("_") and infos["_" + k][i]}
+
+
+class FastTokenEnvRunner(SingleAgentEnvRunner):
+    def __init__(self, *, config, **kwargs):
+        super().__init__(config=config, **kwargs)
+        self._episode_callbacks = [cls() for cls in force_list(self.config.callbacks_class)]
+        self._env_seeded = False
+
+    def _vector_env(self) -> TokenGenerationVectorEnv:
+        env = self.env.unwrapped
+        if not isinstance(env, TokenGenerationVectorEnv):
+            raise TypeError(f"FastTokenEnvRunner needs a TokenGenerationVectorEnv, got {type(env).__name__} "
+                            "(set env_runners.runner: stock for other envs)")
+        return env
+
+    def _first_seed(self):
+        if self._env_seeded or self.config.seed is None:
+            return None
+        self._env_seeded = True
+        index = (self.worker_index or 0) + (1_000 if self.config.in_evaluation else 0)
+        return int(self.config.seed) + index * self.config.num_envs_per_env_runner
+
+    def sample(self, *, num_timesteps=None, num_episodes=None, explore=None, random_actions=False,
+               force_reset=False):
+        """Complete episodes: at least `num_episodes` of them, or at least `num_timesteps` steps
+        (default: this EnvRunner's share of the train batch). `force_reset` changes nothing:
+        every call starts new episodes."""
+        if self.env is None:
+            raise ValueError(f"{self} doesn't have an env! Can't call `sample()` on it.")
+        if num_timesteps is not None and num_episodes is not None:
+            raise ValueError("sample(): give num_timesteps or num_episodes, not both")
+        explore = self.config.explore if explore is None else explore
+        if num_timesteps is None and num_episodes is None:
+            num_timesteps = math.ceil(self.config.total_train_batch_size / max(1, self.config.num_env_runners))
+        with self.metrics.log_time(SAMPLE_TIMER):
+            episodes, steps = self._sample_episodes(num_timesteps, num_episodes, explore, random_actions)
+            make_callback("on_sample_end", callbacks_objects=self._episode_callbacks,
+                          callbacks_functions=self.config.callbacks_on_sample_end,
+                          kwargs=dict(env_runner=self, metrics_logger=self.metrics, samples=episodes))
+        self._log_sampled(steps, episodes)
+        return episodes
+
+    @torch.no_grad()
+    def _sample_episodes(self, num_timesteps, num_episodes, explore, random_actions):
+        env = self._vector_env()
+        B = env.num_envs
+        module = self.module
+        device = next(module.parameters()).device if module is not None else torch.device("cpu")
+        refill_at = max(1, B // 4)
+        started = steps = 0
+
+        def wanted(free: int) -> int:
+            """How many new episodes to start on `free` idle rows."""
+            if num_episodes is not None:
+                return min(free, num_episodes - started)
+            return free if steps < num_timesteps else 0
+
+        active = np.zeros(B, dtype=bool)
+        ever_started = np.zeros(B, dtype=bool)
+        row_start = np.zeros(B, dtype=np.int64)
+        start_time = np.zeros(B, dtype=np.float64)
+        reset_infos: list[dict] = [{} for _ in range(B)]
+        hist_obs, hist_act, hist_rew, hist_extra = [], [], [], {}
+        episodes = []
+
+        def start(rows: np.ndarray):
+            nonlocal started
+            mask = np.zeros(B, dtype=bool)
+            mask[rows] = True
+            new_obs, infos = env.reset(seed=self._first_seed(), options={"reset_mask": mask})
+            for i in rows:
+                reset_infos[i] = row_info(infos, i)
+            row_start[rows], start_time[rows], active[rows] = len(hist_act), time.perf_counter(), True
+            ever_started[rows] = True
+            started += len(rows)
+            return new_obs
+
+        n0 = wanted(B)
+        if n0 <= 0:
+            return [], 0
+        obs = start(np.arange(n0))
+        cont = np.zeros(B, dtype=bool)
+        t_global = self.num_env_steps_sampled_lifetime
+        while active.any():
+            hist_obs.append(obs)
+            if random_actions or module is None:
+                out = {Columns.ACTIONS: torch.randint(0, env.vocab_size, (B,)),
+                       Columns.ACTION_LOGP: torch.full((B,), -math.log(env.vocab_size))}
+            else:
+                if not ever_started.all():  # rows that never started run along on a one-token window
+                    obs = {**obs, "attention_mask": obs["attention_mask"].copy()}
+                    obs["attention_mask"][~ever_started, -1] = 1
+                batch = {Columns.OBS: {k: torch.from_numpy(v).to(device) for k, v in obs.items()},
+                         ROW_CONTINUES: torch.from_numpy(cont).to(device)}
+                if explore:
+                    out = module.forward_exploration(batch, t=t_global + steps)
+                else:
+                    logits = module.forward_inference(batch)[Columns.ACTION_DIST_INPUTS]
+                    actions = logits.argmax(-1)
+                    out = {Columns.ACTIONS: actions,
+                           Columns.ACTION_LOGP: torch.log_softmax(logits.float(), -1).gather(-1, actions[:, None])[:, 0]}
+            out = {k: v.cpu().numpy() for k, v in out.items() if k != Columns.ACTION_DIST_INPUTS}
+            actions = out.pop(Columns.ACTIONS)
+            obs, rewards, terminated, _, infos = env.step(actions)
+            hist_act.append(actions)
+            hist_rew.append(rewards)
+            for k, v in out.items():
+                hist_extra.setdefault(k, []).append(v)
+            steps += int(active.sum())
+            for i in np.flatnonzero(terminated & active):
+                episodes.append(self._episode(i, int(row_start[i]), obs, reset_infos[i], row_info(infos, i),
+                                              hist_obs, hist_act, hist_rew, hist_extra, start_time[i]))
+                active[i] = False
+            cont[:] = True  # idle rows run along (their outputs are ignored) until they restart
+            free = np.flatnonzero(~active)
+            if len(free) >= refill_at or (len(free) and not active.any()):
+                n = wanted(len(free))
+                if n > 0:
+                    rows = free[:n]
+                    obs = start(rows)
+                    cont[rows] = False
+        return episodes, steps
+
+    def _episode(self, i, s, final_obs, reset_info, final_info, hist_obs, hist_act, hist_rew, hist_extra, t0):
+        """Row i's episode from step s to the last step as an RLlib episode, built from arrays."""
+        obs = {k: np.stack([h[k][i] for h in hist_obs[s:]] + [final_obs[k][i]]) for k in final_obs}
+        T = len(hist_act) - s
+        actions = np.fromiter((a[i] for a in hist_act[s:]), dtype=np.int64, count=T)
+        rewards = np.fromiter((r[i] for r in hist_rew[s:]), dtype=np.float64, count=T)
+        extras = {k: InfiniteLookbackBuffer(data=np.stack([x[i] for x in v[s:]]), lookback=0)
+                  for k, v in hist_extra.items()}
+        episode = SingleAgentEpisode(
+            observations=InfiniteLookbackBuffer(data=obs, lookback=0, space=self.env.single_observation_space),
+            infos=[reset_info] + [{} for _ in range(T - 1)] + [final_info],
+            actions=InfiniteLookbackBuffer(data=actions, lookback=0, space=self.env.single_action_space),
+            rewards=InfiniteLookbackBuffer(data=rewards, lookback=0),
+            extra_model_outputs=extras, terminated=True, len_lookback_buffer=0,
+            observation_space=self.env.single_observation_space, action_space=self.env.single_action_space)
+        make_callback("on_episode_end", callbacks_objects=self._episode_callbacks,
+                      callbacks_functions=self.config.callbacks_on_episode_end,
+                      kwargs=dict(episode=episode, env_runner=self, metrics_logger=self.metrics,
+                                  env=self.env.unwrapped, rl_module=self.module, env_index=int(i),
+                                  prev_episode_chunks=[]))
+        self._log_episode(T, float(rewards.sum()), time.perf_counter() - t0)
+        return episode
+
+    def _log_episode(self, length: int, ret: float, seconds: float) -> None:
+        """The episode metrics RLlib's EnvRunners report (same keys and windows)."""
+        win = max(1, math.ceil(self.config.metrics_num_episodes_for_smoothing / (self.config.num_env_runners or 1)))
+        log = self.metrics.log_value
+        log(EPISODE_LEN_MEAN, length, window=win)
+        log(EPISODE_RETURN_MEAN, ret, window=win)
+        log(EPISODE_DURATION_SEC_MEAN, seconds, window=win)
+        log(("agent_episode_return_mean", DEFAULT_AGENT_ID), ret, window=win)
+        log(("module_episode_return_mean", DEFAULT_MODULE_ID), ret, window=win)
+        log(EPISODE_LEN_MIN, length, reduce="min", window=win)
+        log(EPISODE_RETURN_MIN, ret, reduce="min", window=win)
+        log(EPISODE_LEN_MAX, length, reduce="max", window=win)
+        log(EPISODE_RETURN_MAX, ret, reduce="max", window=win)
+
+    def _log_sampled(self, steps: int, episodes: list) -> None:
+        self.num_env_steps_sampled_lifetime += steps
+        log = self.metrics.log_value
+        log(NUM_ENV_STEPS_SAMPLED, steps, reduce="sum")
+        log((NUM_AGENT_STEPS_SAMPLED, DEFAULT_AGENT_ID), steps, reduce="sum")
+        log((NUM_MODULE_STEPS_SAMPLED, DEFAULT_MODULE_ID), steps, reduce="sum")
+        log(NUM_EPISODES, len(episodes), reduce="sum")
+        log(NUM_ENV_STEPS_SAMPLED_LIFETIME, steps, reduce="lifetime_sum", with_throughput=True)
+        log((NUM_AGENT_STEPS_SAMPLED_LIFETIME, DEFAULT_AGENT_ID), steps, reduce="lifetime_sum")
+        log((NUM_MODULE_STEPS_SAMPLED_LIFETIME, DEFAULT_MODULE_ID), steps, reduce="lifetime_sum")
+        log(NUM_EPISODES_LIFETIME, len(episodes), reduce="lifetime_sum")
+
+
+class StockTokenEnvRunner(SingleAgentEnvRunner):
     def _try_env_reset(self, *, seed=None, options=None):
         if seed is not None:
             self._seeded_resets = getattr(self, "_seeded_resets", 0)

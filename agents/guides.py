@@ -36,7 +36,7 @@ import random
 import numpy as np
 import torch
 
-from agents.modules.kv_cache import WindowKVCache, continuing_rows
+from agents.modules.kv_cache import WindowKVCache, rows_that_continue
 
 GUIDE_ROLE = "guide_role"  # per-step column: POLICY, GUIDE or DEVIATION
 POLICY, GUIDE, DEVIATION = 0, 1, 2
@@ -65,12 +65,12 @@ class LMGuide:
         self.generator = torch.Generator().manual_seed(seed)
 
     @torch.no_grad()
-    def next_tokens(self, obs: dict, rows: torch.Tensor) -> torch.Tensor:
+    def next_tokens(self, obs: dict, rows: torch.Tensor, cont=None) -> torch.Tensor:
         if self.lm.device != obs["input_ids"].device:  # follow the policy onto its EnvRunner's device
             self.lm.to(obs["input_ids"].device)
         # Every row goes through the guide (not just `rows`), so its KV cache keeps continuing
         # rows and each step costs one incremental forward.
-        hidden = self.cache.hidden_at_last_token(self.lm.base_model, obs)
+        hidden = self.cache.hidden_at_last_token(self.lm.base_model, obs, cont)
         logits = self.lm.get_output_embeddings()(hidden[rows]).float()
         if self.greedy:
             return logits.argmax(-1)
@@ -111,9 +111,9 @@ class CallableGuide:
             result.append(ids)
         return result
 
-    def next_tokens(self, obs: dict, rows: torch.Tensor) -> torch.Tensor:
+    def next_tokens(self, obs: dict, rows: torch.Tensor, cont=None) -> torch.Tensor:
         ids, mask = obs["input_ids"], obs["attention_mask"]
-        cont = continuing_rows(self.prev_ids, self.prev_mask, ids, mask)
+        cont = rows_that_continue(self.prev_ids, self.prev_mask, ids, mask, cont)
         plans = {}
         for r in range(ids.shape[0]):  # a plan stays valid while its row appended the planned token
             plan = self.plans.get(r)
@@ -219,11 +219,13 @@ class GuidedRollout:
             kind, limit = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         return kind, limit
 
-    def __call__(self, obs: dict, policy_actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The actions to take (guide tokens where the plan says so) and each row's role."""
+    def __call__(self, obs: dict, policy_actions: torch.Tensor, cont=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The actions to take (guide tokens where the plan says so) and each row's role.
+        `cont`: which rows continue the previous call's episode, when the caller knows."""
         ids, mask = obs["input_ids"], obs["attention_mask"]
         n = ids.shape[0]
-        cont = continuing_rows(self.prev_ids, self.prev_mask, ids, mask).cpu().numpy()
+        cont_rows = rows_that_continue(self.prev_ids, self.prev_mask, ids, mask, cont)
+        cont = cont_rows.cpu().numpy()
         t = np.zeros(n, dtype=np.int64)
         kind, limit = self._new_plans(n)
         if cont.any():
@@ -245,7 +247,7 @@ class GuidedRollout:
         actions = policy_actions.clone()
         rows = torch.as_tensor(np.flatnonzero(use_guide), device=ids.device)
         if len(rows):
-            actions[rows] = self.guide.next_tokens(obs, rows).to(actions.dtype)
+            actions[rows] = self.guide.next_tokens(obs, rows, cont_rows).to(actions.dtype)
         elif isinstance(self.guide, LMGuide):
             self.guide.cache.invalidate()  # no forward this step: its cache no longer continues
         return actions, torch.as_tensor(roles, device=ids.device)

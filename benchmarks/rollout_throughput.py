@@ -1,16 +1,20 @@
 """Rollout throughput: the token env in RLlib vs batched generate(), same run, same weights.
 
-    python benchmarks/rollout_throughput.py [--model tiny-gpt2] [--batch 16] [--prompt 64] [--new 48]
+    python benchmarks/rollout_throughput.py [--model tiny-gpt2] [--batch 16] [--prompt 64] [--new 48] [--device cuda]
 
 Measures tokens/s of
-  (a) `model.generate()` with its KV cache (sampling, exactly --new tokens),
-  (b) RLlib's SingleAgentEnvRunner stepping TokenGenerationEnv, KV-cached module,
-  (c) the same with the cache off (every step recomputes the whole window),
-and prints b/a, c/a and the bytes RLlib stores per sampled step. With
---profile, it also splits the cached path's time by area (cProfile).
+  (a)  `model.generate()` with its KV cache, sampling exactly --new tokens per row,
+  (a') the same stopping at EOS, counting only tokens up to each row's EOS (the env's work),
+  (b)  RLlib's stock SingleAgentEnvRunner stepping TokenGenerationEnv rows, KV-cached module,
+  (c)  the same with the cache off (--uncached; every step recomputes the whole window),
+  (d)  the fast EnvRunner (agents/env_runner.py) stepping the vector env,
+and prints each EnvRunner's ratio to (a) and (a') and the bytes stored per sampled step.
+Repetitions run round-robin over the paths, so all see the same machine state.
+With --profile, it also splits the stock cached path's time by area (cProfile).
 The vocabulary is --vocab tokens (the synthetic task's number tokens plus pad
-and EOS); weights are random (no download). EOS can end an env episode early,
-which costs the env path an extra prefill and never helps it.
+and EOS); weights are random (no download). At a small vocabulary EOS ends
+many env episodes early: a row then waits or restarts (a prefill) where (a)
+keeps generating tokens that count.
 """
 from __future__ import annotations
 
@@ -30,34 +34,54 @@ from agents.config import algorithm_config, validate  # noqa: E402
 from agents.models import build_causal_lm, build_tokenizer  # noqa: E402
 
 
-def make_cfg(args, kv_cache: bool) -> dict:
+def make_cfg(args, kv_cache: bool, runner: str = "stock") -> dict:
     return validate({
         "task": {"name": "increasing_numbers", "num_numbers": args.vocab - 2, "prompt_len": args.prompt},
         "model": {"name_or_path": args.model, "kv_cache": kv_cache},
         "env": {"max_prompt_len": args.prompt, "max_new_tokens": args.new},
-        "env_runners": {"num_env_runners": 0, "num_envs_per_env_runner": args.batch},
+        "env_runners": {"num_env_runners": 0, "num_envs_per_env_runner": args.batch, "runner": runner},
         "training": {"train_batch_size": args.batch * args.new, "minibatch_size": args.batch},
         "seed": 0,
     })
 
 
-def bench_generate(args) -> float:
+def generate_path(args, *, stop_at_eos: bool):
+    """One rep of batched generate(): (tokens, seconds). Forced to --new tokens, or stopping at EOS
+    (then only tokens up to and including each row's EOS count, as the env counts them)."""
     cfg = make_cfg(args, True)
     from agents.config import env_config
     tok = build_tokenizer(env_config(cfg))
     model = build_causal_lm(cfg["model"], tok, seed=0, max_positions=args.prompt + args.new).eval()
-    prompt = torch.full((args.batch, args.prompt), tok.pad_token_id)
+    device = torch.device(args.device)
+    model.to(device)
+    prompt = torch.full((args.batch, args.prompt), tok.pad_token_id, device=device)
     mask = torch.ones_like(prompt)
-    kw = dict(attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=args.new, min_new_tokens=args.new,
-              use_cache=True, pad_token_id=tok.pad_token_id)
-    with torch.no_grad():
-        model.generate(prompt, **kw)  # warm-up
+    kw = dict(attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=args.new, use_cache=True,
+              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    if not stop_at_eos:
+        kw["min_new_tokens"] = args.new
+
+    @torch.no_grad()
+    def rep():
+        sync(device)
         start = time.perf_counter()
-        for _ in range(args.reps):
-            out = model.generate(prompt, **kw)
+        out = model.generate(prompt, **kw)
+        sync(device)
         elapsed = time.perf_counter() - start
-    assert out.shape[1] == args.prompt + args.new
-    return args.batch * args.new * args.reps / elapsed
+        new = out[:, args.prompt:]
+        if not stop_at_eos:
+            assert new.shape[1] == args.new
+            return new.numel(), elapsed
+        is_eos = (new == tok.eos_token_id).int()
+        before_eos = is_eos.cumsum(1) - is_eos == 0  # tokens up to and including the first EOS
+        return int(before_eos.sum()), elapsed
+
+    return rep
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def stored_bytes_per_step(episodes) -> float:
@@ -70,19 +94,26 @@ def stored_bytes_per_step(episodes) -> float:
     return total / max(steps, 1)
 
 
-def bench_env_runner(args, kv_cache: bool, reps: int):
-    from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
-
-    runner = SingleAgentEnvRunner(config=algorithm_config(make_cfg(args, kv_cache)))
+def env_runner_path(args, *, kv_cache: bool, runner: str, stored: list):
+    """One rep of an EnvRunner's sample(): (env steps, seconds). `runner`: fast or stock."""
+    config = algorithm_config(make_cfg(args, kv_cache, runner))
+    if args.device == "cuda":  # RLlib places only remote EnvRunners (index >= 1) on a GPU
+        config.env_runners(num_gpus_per_env_runner=1)
+        env_runner = config.env_runner_cls(config=config, worker_index=1)
+    else:
+        env_runner = config.env_runner_cls(config=config)
     steps = args.batch * args.new
-    runner.sample(num_timesteps=steps, random_actions=False)  # warm-up (builds the first cache)
-    start = time.perf_counter()
-    episodes = []
-    for _ in range(reps):
-        episodes += runner.sample(num_timesteps=steps, random_actions=False)
-    elapsed = time.perf_counter() - start
-    sampled = sum(len(e) for e in episodes)
-    return sampled / elapsed, stored_bytes_per_step(episodes)
+    device = torch.device(args.device)
+
+    def rep():
+        start = time.perf_counter()
+        episodes = env_runner.sample(num_timesteps=steps, random_actions=False)
+        sync(device)
+        elapsed = time.perf_counter() - start
+        stored.append(stored_bytes_per_step(episodes))
+        return sum(len(e) for e in episodes), elapsed
+
+    return rep
 
 
 PROFILE_PARTS = (  # (label, file suffix, function): inclusive time of these calls
@@ -98,9 +129,8 @@ def profile_env_runner(args) -> None:
     import cProfile
     import pstats
 
-    from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
-
-    runner = SingleAgentEnvRunner(config=algorithm_config(make_cfg(args, True)))
+    config = algorithm_config(make_cfg(args, True, "stock"))
+    runner = config.env_runner_cls(config=config)
     steps = args.batch * args.new
     runner.sample(num_timesteps=steps, random_actions=False)
     prof = cProfile.Profile()
@@ -128,19 +158,42 @@ def main():
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=48)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--uncached-reps", type=int, default=1)
-    p.add_argument("--profile", action="store_true", help="also profile the cached path, by area")
+    p.add_argument("--uncached", action="store_true", help="also run the stock EnvRunner with the cache off")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (model, cache and rollouts on that device)")
+    p.add_argument("--profile", action="store_true", help="also profile the stock cached path, by area")
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"model={args.model} vocab={args.vocab} batch={args.batch} prompt={args.prompt} new={args.new} "
-          f"threads={torch.get_num_threads()}", flush=True)
-    a = bench_generate(args)
-    print(f"(a) generate() with KV cache     {a:10.1f} tokens/s", flush=True)
-    b, b_bytes = bench_env_runner(args, True, args.reps)
-    print(f"(b) RLlib + env, cached module   {b:10.1f} tokens/s   b/a = {b / a:.2f}   "
-          f"stored {b_bytes:,.0f} B/step", flush=True)
-    c, _ = bench_env_runner(args, False, args.uncached_reps)
-    print(f"(c) RLlib + env, no cache        {c:10.1f} tokens/s   c/a = {c / a:.2f}", flush=True)
+          f"threads={torch.get_num_threads()} device={args.device}", flush=True)
+    stored_stock, stored_fast = [], []
+    paths = {  # label -> one-rep callable; reps run round-robin so every path sees the same machine state
+        "a": ("(a) generate(), forced to --new tokens", generate_path(args, stop_at_eos=False)),
+        "a_eos": ("(a') generate(), stopping at EOS", generate_path(args, stop_at_eos=True)),
+        "b": ("(b) stock RLlib EnvRunner + env, cached", env_runner_path(args, kv_cache=True, runner="stock",
+                                                                         stored=stored_stock)),
+        "d": ("(d) fast EnvRunner + vector env", env_runner_path(args, kv_cache=True, runner="fast",
+                                                                  stored=stored_fast)),
+    }
+    if args.uncached:
+        paths["c"] = ("(c) stock RLlib EnvRunner, no cache", env_runner_path(args, kv_cache=False, runner="stock",
+                                                                             stored=[]))
+    for _, rep in paths.values():
+        rep()  # warm-up (first cache, lazy initialisation)
+    tokens = {k: 0 for k in paths}
+    seconds = {k: 0.0 for k in paths}
+    for _ in range(args.reps):
+        for k, (_, rep) in paths.items():
+            n, s = rep()
+            tokens[k] += n
+            seconds[k] += s
+    rate = {k: tokens[k] / seconds[k] for k in paths}
+    for k, (label, _) in paths.items():
+        extra = ""
+        if k not in ("a", "a_eos"):
+            extra = f"   /a = {rate[k] / rate['a']:.2f}   /a' = {rate[k] / rate['a_eos']:.2f}"
+        print(f"{label:42s} {rate[k]:10.1f} tokens/s{extra}", flush=True)
+    print(f"stored per step: stock {np.mean(stored_stock):,.0f} B, fast {np.mean(stored_fast):,.0f} B")
+    print(f"fast / stock = {rate['d'] / rate['b']:.2f}")
     if args.profile:
         profile_env_runner(args)
 

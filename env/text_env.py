@@ -88,6 +88,7 @@ class TokenGenerationEnv(gym.Env):
         self._prompt_ids: list[int] = []
         self._generated: list[int] = []
         self._example: dict = {}
+        self._score = True
         self._done = True
 
     # -- MDP -------------------------------------------------------------------------
@@ -172,6 +173,16 @@ class TokenGenerationEnv(gym.Env):
 
     def generated_text(self) -> str:
         return self.tokenizer.decode(self._generated, skip_special_tokens=True)
+
+    @property
+    def example(self) -> dict:
+        """The episode's example: its prompt text and the task metadata for the reward."""
+        return self._example
+
+    @property
+    def scored(self) -> bool:
+        """Whether this episode's text is scored (reset option `score`)."""
+        return self._score
 
     @property
     def generated_ids(self) -> list[int]:

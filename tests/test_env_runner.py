@@ -1,28 +1,117 @@
-"""The EnvRunner draws new prompts on every sample() of whole episodes, reproducibly per seed."""
+"""EnvRunners: new prompts on every sample() of whole episodes, reproducibly per seed; the fast
+runner's episodes, cache use and metrics."""
+import numpy as np
+import pytest
+import torch
+
 from agents.config import algorithm_config, validate
-from agents.env_runner import TokenEnvRunner
+from agents.env_runner import FastTokenEnvRunner, StockTokenEnvRunner
+
+SEQ2SEQ = {"task": {"name": "sort_numbers"}, "model": {"name_or_path": "tiny-t5"},
+           "env": {"max_prompt_len": 5, "max_new_tokens": 3},
+           "training": {"train_batch_size": 64, "minibatch_size": 32},
+           "env_runners": {"num_envs_per_env_runner": 4}}
+CAUSAL = {"task": {"name": "increasing_numbers", "num_numbers": 20}, "model": {"name_or_path": "tiny-gpt2"},
+          "env": {"max_prompt_len": 5, "max_new_tokens": 6},
+          "training": {"train_batch_size": 96, "minibatch_size": 32},
+          "env_runners": {"num_envs_per_env_runner": 8}}
+
+
+def with_runner(raw: dict, runner: str) -> dict:
+    return validate({**raw, "env_runners": {**raw["env_runners"], "runner": runner}})
 
 
 def first_prompts(runner, calls=2):
     out = []
     for _ in range(calls):
-        episodes = runner.sample()  # complete_episodes: one whole episode per vector-env row
+        episodes = runner.sample(num_episodes=4)
         out.append(sorted(tuple(e.get_observations(0)["encoder_input_ids"].tolist()) for e in episodes))
     return out
 
 
-def test_each_sample_call_draws_new_prompts_and_a_seed_repeats_them():
-    cfg = validate({"task": {"name": "sort_numbers"}, "model": {"name_or_path": "tiny-t5"},
-                    "env": {"max_prompt_len": 5, "max_new_tokens": 3},
-                    "training": {"train_batch_size": 64, "minibatch_size": 32},
-                    "env_runners": {"num_envs_per_env_runner": 4}})
-    config = algorithm_config(cfg)
-    assert config.env_runner_cls is TokenEnvRunner
-    runner = TokenEnvRunner(config=config)
+@pytest.mark.parametrize("kind,cls", [("fast", FastTokenEnvRunner), ("stock", StockTokenEnvRunner)])
+def test_each_sample_call_draws_new_prompts_and_a_seed_repeats_them(kind, cls):
+    config = algorithm_config(with_runner(SEQ2SEQ, kind))
+    assert config.env_runner_cls is cls
+    runner = cls(config=config)
     first, second = first_prompts(runner)
     # RLlib reseeds the vector env with the same seed before every such call; without the
-    # shifted seed both calls would hold the same four prompts.
+    # shifted seed (stock) or the single seeding (fast) both calls would hold the same four prompts.
     assert len(set(first) & set(second)) == 0
-    again = first_prompts(TokenEnvRunner(config=config))
+    again = first_prompts(cls(config=config))
     assert again == [first, second]  # same seed, same prompts
+    runner.stop()
+
+
+def test_default_runner_is_fast_except_dqn():
+    assert algorithm_config(validate(CAUSAL)).env_runner_cls is FastTokenEnvRunner
+    dqn = validate({**CAUSAL, "algorithm": "dqn", "training": {"train_batch_size": 32}})
+    assert algorithm_config(dqn).env_runner_cls is StockTokenEnvRunner
+
+
+def test_fast_runner_episodes_are_complete_and_consistent():
+    config = algorithm_config(validate(CAUSAL))
+    runner = FastTokenEnvRunner(config=config)
+    episodes = runner.sample()  # no arguments: this EnvRunner's share of the train batch
+    steps = sum(len(e) for e in episodes)
+    assert steps >= 96
+    env = runner.env.unwrapped
+    for e in episodes:
+        assert e.is_done and e.is_numpy and e.is_terminated
+        obs, actions = e.get_observations(), e.get_actions()
+        ids, mask = obs["input_ids"], obs["attention_mask"]
+        assert ids.shape == (len(e) + 1, env.seq_len)
+        # the transition: every observation is the previous one shifted by the action taken
+        assert (ids[1:, -1] == actions).all() and (ids[1:, :-1] == ids[:-1, 1:]).all()
+        assert (mask[1:, -1] == 1).all()
+        # it ends on EOS or at the horizon, and only there
+        assert actions[-1] == env.eos_id or len(e) == env.max_new_tokens
+        assert (actions[:-1] != env.eos_id).all()
+        rewards = e.get_rewards()
+        assert (rewards[:-1] == 0).all()  # sparse reward
+        info = e.get_infos(-1)
+        assert info["num_generated"] == len(e)
+        assert rewards[-1] == pytest.approx(env.rows[0].score([info["prompt"]], [info["generation"]], [{}])[0])
+        logp = e.get_extra_model_outputs("action_logp")
+        assert logp.shape == (len(e),) and (logp <= 0).all()
+    metrics = runner.get_metrics()
+    assert float(metrics["num_env_steps_sampled"]) == steps
+    assert float(metrics["num_episodes"]) == len(episodes)
+    returns = [e.get_return() for e in episodes]
+    assert float(metrics["episode_return_mean"]) == pytest.approx(np.mean(returns[-100:]))
+    runner.stop()
+
+
+def test_fast_runner_prefills_only_rows_that_start_and_logp_matches_a_full_pass():
+    config = algorithm_config(validate(CAUSAL))
+    runner = FastTokenEnvRunner(config=config)
+    module = runner.module
+    episodes = runner.sample(num_timesteps=200)
+    stats = module.kv_cache.stats
+    # each episode's first step is its row's one prefill; every other module step is one cached token
+    assert stats["prefill_rows"] == len(episodes)
+    # the stored log-prob of each action equals an uncached forward over the window
+    e = episodes[0]
+    obs = {k: torch.as_tensor(v[:-1]) for k, v in e.get_observations().items()}
+    with torch.no_grad():
+        logits = module._logits(module.lm, module._hidden(module._trunk(module.lm), obs))
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.as_tensor(e.get_actions())[:, None])[:, 0]
+    assert np.allclose(logp.numpy(), e.get_extra_model_outputs("action_logp"), atol=1e-5)
+    # a weight sync drops the cache: the next call starts from prefills again
+    runner.set_state(runner.get_state())
+    assert module.kv_cache.layers is None
+    runner.stop()
+
+
+def test_fast_runner_greedy_evaluation_is_argmax():
+    config = algorithm_config(validate(CAUSAL))
+    runner = FastTokenEnvRunner(config=config)
+    episodes = runner.sample(num_episodes=5, explore=False)
+    assert len(episodes) == 5
+    module = runner.module
+    for e in episodes:
+        obs = {k: torch.as_tensor(v[:-1]) for k, v in e.get_observations().items()}
+        with torch.no_grad():
+            logits = module._logits(module.lm, module._hidden(module._trunk(module.lm), obs))
+        assert (logits.argmax(-1).numpy() == e.get_actions()).all()
     runner.stop()

@@ -203,7 +203,7 @@ def test_lm_guide_with_another_vocabulary_is_refused_and_a_matching_one_acts(tmp
 
 def test_rollout_with_mode_switch_keeps_started_episodes_plans():
     class FixedGuide:
-        def next_tokens(self, obs, rows):
+        def next_tokens(self, obs, rows, cont=None):
             return torch.full((len(rows),), 7)
 
     env = TokenGenerationEnv(ENV_CFG)

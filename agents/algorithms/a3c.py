@@ -49,7 +49,7 @@ POLL_S = 0.05  # how long one training_step waits for some EnvRunner to return
 
 def _sample(env_runner):
     """One batch from an EnvRunner, with its metrics (runs on the EnvRunner)."""
-    return env_runner.sample(), env_runner.get_metrics()
+    return env_runner.sample(num_episodes=env_runner.config.num_envs_per_env_runner), env_runner.get_metrics()
 
 
 class A3CTorchLearner(LMPPOTorchLearner):
@@ -121,7 +121,7 @@ class A3C(LMPPO):
     def training_step(self) -> None:
         group = self.env_runner_group
         if group.num_remote_workers() == 0:  # A2C: sample here, then learn
-            self._learn([(None, (self.env_runner.sample(), self.env_runner.get_metrics()))])
+            self._learn([(None, _sample(self.env_runner))])
             self.env_runner_group.sync_weights(from_worker_or_learner_group=self.learner_group, inference_only=True)
             return
         # Collect the EnvRunners that finished (a short wait, not "until all are back": that would

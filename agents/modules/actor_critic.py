@@ -42,7 +42,7 @@ from ray.rllib.core.rl_module.torch import TorchRLModule
 
 from agents.algorithms.sequence_batching import SEQ_ID
 from agents.models import build_causal_lm, build_tokenizer
-from agents.modules.kv_cache import WindowKVCache, continuing_rows, position_ids_for
+from agents.modules.kv_cache import ROW_CONTINUES, WindowKVCache, position_ids_for, rows_that_continue
 from agents.samplers import MASKED, Sampler
 
 SAMPLER_STATE = "sampler_state"  # per-step sampler state (mirostat's mu) used when acting
@@ -56,13 +56,13 @@ class RowSamplerState:
         self.sampler = sampler
         self.ids = self.mask = self.state = self.source = None
 
-    def __call__(self, obs: dict, source_logits: torch.Tensor) -> torch.Tensor:
+    def __call__(self, obs: dict, source_logits: torch.Tensor, cont=None) -> torch.Tensor:
         ids, mask = obs["input_ids"], obs["attention_mask"]
         state = self.sampler.initial_state(ids.shape[0], device=source_logits.device)
-        cont = continuing_rows(self.ids, self.mask, ids, mask)
+        cont = rows_that_continue(self.ids, self.mask, ids, mask, cont)
         if cont.any():  # the token each continuing row appended is its last column
             state[cont] = self.sampler.next_state(self.state[cont], self.source[cont], ids[cont, -1])
-        self.ids, self.mask, self.state, self.source = ids.clone(), mask.clone(), state, source_logits
+        self.ids, self.mask, self.state, self.source = ids, mask, state, source_logits
         return state
 
 
@@ -150,10 +150,11 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         """The part of an LM that gives hidden states (what `_hidden` and the value trunk take)."""
         return lm.base_model
 
-    def _hidden(self, trunk: nn.Module, obs: dict, seq_ids=None, cache=None) -> torch.Tensor:
-        """The trunk's final hidden state at each row's newest token, through `cache` when given."""
+    def _hidden(self, trunk: nn.Module, obs: dict, seq_ids=None, cache=None, cont=None) -> torch.Tensor:
+        """The trunk's final hidden state at each row's newest token, through `cache` when given
+        (`cont`: which rows continue the cache's previous call, when the caller knows)."""
         if cache is not None:
-            return cache.hidden_at_last_token(trunk, obs)
+            return cache.hidden_at_last_token(trunk, obs, cont)
         return hidden_at_last_token(trunk, obs, seq_ids)
 
     @staticmethod
@@ -162,30 +163,32 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
 
     # -- forward passes ----------------------------------------------------------------
 
-    def _next_token_logits(self, obs: dict) -> torch.Tensor:
-        return self._logits(self.lm, self._hidden(self._trunk(self.lm), obs, cache=self.kv_cache))
+    def _next_token_logits(self, obs: dict, cont=None) -> torch.Tensor:
+        return self._logits(self.lm, self._hidden(self._trunk(self.lm), obs, cache=self.kv_cache, cont=cont))
 
-    def _mask_lm_logits(self, obs: dict, seq_ids=None, cached: bool = False) -> torch.Tensor:
+    def _mask_lm_logits(self, obs: dict, seq_ids=None, cached: bool = False, cont=None) -> torch.Tensor:
         with torch.no_grad():
             cache = self.mask_kv_cache if cached else None
-            return self._logits(self.mask_lm, self._hidden(self._trunk(self.mask_lm), obs, seq_ids, cache)).float()
+            return self._logits(self.mask_lm,
+                                self._hidden(self._trunk(self.mask_lm), obs, seq_ids, cache, cont)).float()
 
-    def _acting_logits(self, obs: dict) -> tuple[torch.Tensor, dict]:
-        """Next-token logits with the sampler's mask applied, plus what to store with the step."""
-        logits = self._next_token_logits(obs).float()
+    def _acting_logits(self, obs: dict, cont=None) -> tuple[torch.Tensor, dict]:
+        """Next-token logits with the sampler's mask applied, plus what to store with the step.
+        `cont`: which rows continue the previous call's (the batch's ROW_CONTINUES), if known."""
+        logits = self._next_token_logits(obs, cont).float()
         if not self.sampler.active:
             return logits, {}
-        source = self._mask_lm_logits(obs, cached=True) if self.sampler.learned else logits
+        source = self._mask_lm_logits(obs, cached=True, cont=cont) if self.sampler.learned else logits
         extra = {}
         state = None
         if self.sampler.stateful:
-            state = self.row_sampler_state(obs, source)
+            state = self.row_sampler_state(obs, source, cont)
             extra[SAMPLER_STATE] = state
         keep = self.sampler.keep(source, state)
         return logits.masked_fill(~keep, MASKED), extra
 
     def _forward(self, batch, **kwargs):
-        return {Columns.ACTION_DIST_INPUTS: self._acting_logits(batch[Columns.OBS])[0]}
+        return {Columns.ACTION_DIST_INPUTS: self._acting_logits(batch[Columns.OBS], batch.get(ROW_CONTINUES))[0]}
 
     def forward_exploration(self, batch, **kwargs):
         # RLlib's wrapper flips the whole module to eval() and back to train()
@@ -203,13 +206,14 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         (V floats: 200 KB per token at a 50k vocabulary); the loss needs only
         the log-prob of the action taken.
         """
-        logits, extra = self._acting_logits(batch[Columns.OBS])
+        cont = batch.get(ROW_CONTINUES)
+        logits, extra = self._acting_logits(batch[Columns.OBS], cont)
         logp_all = torch.log_softmax(logits, -1)
         actions = torch.multinomial(logp_all.exp(), 1)[:, 0]  # masked tokens have probability exactly 0
         if self.guided is not None:  # the guide's tokens replace the policy's where its roll-in plan says so
             from agents.guides import GUIDE_ROLE
 
-            actions, extra[GUIDE_ROLE] = self.guided(batch[Columns.OBS], actions)
+            actions, extra[GUIDE_ROLE] = self.guided(batch[Columns.OBS], actions, cont)
         return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: logp_all.gather(-1, actions[:, None])[:, 0], **extra}
 
     def _forward_train(self, batch, **kwargs):
@@ -226,9 +230,13 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         return out
 
     def compute_values(self, batch, embeddings=None):
+        """V(s) per row. From the loss: from the training pass's `embeddings`, with gradients.
+        Without them (RLlib's GAE connector, before the update): one pass per sequence, no
+        gradient, so no autograd graph is recorded for a pass nothing differentiates."""
         if embeddings is None:
             trunk = self.value_trunk if hasattr(self, "value_trunk") else self._trunk(self.lm)
-            embeddings = self._hidden(trunk, batch[Columns.OBS], batch.get(SEQ_ID))
+            with torch.no_grad():
+                return self.value_head(self._hidden(trunk, batch[Columns.OBS], batch.get(SEQ_ID))).squeeze(-1)
         return self.value_head(embeddings).squeeze(-1)
 
     def reference_logp(self, batch) -> torch.Tensor:

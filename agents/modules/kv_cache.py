@@ -7,8 +7,10 @@ stores, per row, the keys/values of the last window it saw, in the same
 column layout, so a step that continues a row costs one incremental forward of
 one token; the shifted-out column is always padding.
 
-Whether a row continues is decided from the observations alone (new window
-minus its last column == old window minus its first column). So resets,
+Whether a row continues is told by the caller (`cont`, from the batch's
+`ROW_CONTINUES` column: the fast EnvRunner knows which rows it reset), or else
+decided from the observations alone (new window minus its last column == old
+window minus its first column). So with RLlib's stock EnvRunner, resets,
 restarts to an arbitrary state, partial auto-resets of a vector env, and even
 reordered rows simply fail the check and are re-prefilled: a stale cache can
 never be used. Weight updates make every cached key/value stale:
@@ -18,6 +20,11 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+
+
+# Batch column an EnvRunner may add: bool per row, True where the row's observation is the
+# previous call's same row plus one appended token (its cache and per-row state carry on).
+ROW_CONTINUES = "row_continues"
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -37,57 +44,70 @@ def continuing_rows(prev_ids, prev_mask, ids: torch.Tensor, mask: torch.Tensor) 
     )
 
 
+def rows_that_continue(prev_ids, prev_mask, ids: torch.Tensor, mask: torch.Tensor, cont=None) -> torch.Tensor:
+    """`cont` when the caller knows it (as a bool tensor on ids' device), else `continuing_rows`."""
+    if cont is None or prev_ids is None or prev_ids.shape != ids.shape:
+        return continuing_rows(prev_ids, prev_mask, ids, mask)
+    return torch.as_tensor(cont, dtype=torch.bool, device=ids.device)
+
+
 class WindowKVCache:
     def __init__(self):
         self.invalidate()
         self.stats = {"prefill_rows": 0, "incremental_rows": 0}
 
     def invalidate(self) -> None:
-        self.ids = self.mask = self.layers = None
+        self.ids = self.mask = self.past = None
+
+    @property
+    def layers(self):
+        """Per layer (keys, values) of the last window seen, or None."""
+        return None if self.past is None else [(layer.keys, layer.values) for layer in self.past.layers]
 
     @torch.no_grad()
-    def hidden_at_last_token(self, trunk, obs: dict) -> torch.Tensor:
-        """The trunk's final hidden state at each row's newest token, using and updating the cache."""
+    def hidden_at_last_token(self, trunk, obs: dict, cont=None) -> torch.Tensor:
+        """The trunk's final hidden state at each row's newest token, using and updating the cache.
+        `cont`: which rows continue (else decided from the observations)."""
         ids, mask = obs["input_ids"], obs["attention_mask"]
-        cont = continuing_rows(self.ids, self.mask, ids, mask)
-        rows = torch.arange(ids.shape[0], device=ids.device)
-        step_rows, fill_rows = rows[cont], rows[~cont]
-        hidden = None
-        new_layers = None
-        if len(step_rows):
-            # All rows continuing (the usual step): drop the shifted-out column as a view, no copy.
-            select = slice(None) if len(step_rows) == len(rows) else step_rows
-            past = DynamicCache(config=trunk.config)
-            for layer, (k, v) in zip(past.layers, self.layers):
-                k, v = k[select, :, 1:], v[select, :, 1:]
-                layer.lazy_initialization(k, v)
-                layer.keys, layer.values = k, v
-            m = mask[step_rows]
-            out = trunk(input_ids=ids[step_rows, -1:], attention_mask=m,
-                        position_ids=(m.sum(-1, keepdim=True) - 1), past_key_values=past, use_cache=True)
-            h_step = out.last_hidden_state[:, -1]
-            hidden = h_step.new_empty((ids.shape[0], h_step.shape[-1]))
-            hidden[step_rows] = h_step
-            new_layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        if len(fill_rows):
-            m = mask[fill_rows]
-            out = trunk(input_ids=ids[fill_rows], attention_mask=m, position_ids=position_ids_for(m), use_cache=True)
-            h_fill = out.last_hidden_state[:, -1]
-            if hidden is None:
-                hidden = h_fill.new_empty((ids.shape[0], h_fill.shape[-1]))
-            hidden[fill_rows] = h_fill
-            fill_layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-            if new_layers is None:
-                new_layers = fill_layers
-            else:  # merge step rows and prefilled rows back into batch order
-                merged = []
-                for (ks, vs), (kf, vf) in zip(new_layers, fill_layers):
-                    k = ks.new_empty((ids.shape[0],) + ks.shape[1:])
-                    v = vs.new_empty((ids.shape[0],) + vs.shape[1:])
-                    k[step_rows], v[step_rows], k[fill_rows], v[fill_rows] = ks, vs, kf, vf
-                    merged.append((k, v))
-                new_layers = merged
-        self.ids, self.mask, self.layers = ids.clone(), mask.clone(), new_layers
-        self.stats["prefill_rows"] += len(fill_rows)
-        self.stats["incremental_rows"] += len(step_rows)
+        cont = rows_that_continue(self.ids, self.mask, ids, mask, cont)
+        n = ids.shape[0]
+        n_step = int(cont.sum())
+        self.stats["prefill_rows"] += n - n_step
+        self.stats["incremental_rows"] += n_step
+        self.ids, self.mask = ids, mask  # callers never modify a batch in place
+        if n_step == n:  # the usual step: every row appends one token; the cache object carries on
+            return self._step(trunk, self.past, ids, mask)
+        if n_step == 0:
+            hidden, self.past = self._prefill(trunk, ids, mask)
+            return hidden
+        step_rows, fill_rows = torch.nonzero(cont)[:, 0], torch.nonzero(~cont)[:, 0]
+        past = DynamicCache(config=trunk.config)
+        for layer, (k, v) in zip(past.layers, self.layers):
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k[step_rows], v[step_rows]
+        h_step = self._step(trunk, past, ids[step_rows], mask[step_rows])
+        h_fill, filled = self._prefill(trunk, ids[fill_rows], mask[fill_rows])
+        hidden = h_step.new_empty((n, h_step.shape[-1]))
+        hidden[step_rows], hidden[fill_rows] = h_step, h_fill
+        for layer, fill in zip(past.layers, filled.layers):  # both parts back in batch order
+            for name in ("keys", "values"):
+                ks, kf = getattr(layer, name), getattr(fill, name)
+                merged = ks.new_empty((n,) + ks.shape[1:])
+                merged[step_rows], merged[fill_rows] = ks, kf
+                setattr(layer, name, merged)
+        self.past = past
         return hidden
+
+    @staticmethod
+    def _step(trunk, past, ids, mask) -> torch.Tensor:
+        """One cached token per row: drop the column shifted out of the window (padding, a view)."""
+        for layer in past.layers:
+            layer.keys, layer.values = layer.keys[:, :, 1:], layer.values[:, :, 1:]
+        out = trunk(input_ids=ids[:, -1:], attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
+                    past_key_values=past, use_cache=True)
+        return out.last_hidden_state[:, -1]
+
+    @staticmethod
+    def _prefill(trunk, ids, mask):
+        out = trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=True)
+        return out.last_hidden_state[:, -1], out.past_key_values

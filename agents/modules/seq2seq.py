@@ -40,7 +40,7 @@ from ray.rllib.core.columns import Columns
 from agents.algorithms.sequence_batching import SEQ_ID
 from agents.models import build_seq2seq_lm, decoder_start_id
 from agents.modules.actor_critic import CausalLMActorCritic
-from agents.modules.kv_cache import continuing_rows, position_ids_for
+from agents.modules.kv_cache import position_ids_for, rows_that_continue
 
 ENC_IDS, ENC_MASK = "encoder_input_ids", "encoder_attention_mask"
 
@@ -178,14 +178,14 @@ class EncoderDecoderKVCache:
         self.self_kv = self.cross_kv = None
 
     @torch.no_grad()
-    def hidden_at_last_token(self, model, obs: dict, start_id: int) -> torch.Tensor:
+    def hidden_at_last_token(self, model, obs: dict, start_id: int, cont=None) -> torch.Tensor:
         ids, mask = decoder_window(obs, start_id)
         enc_ids, enc_mask = obs[ENC_IDS], obs[ENC_MASK]
         rows = torch.arange(ids.shape[0], device=ids.device)
         same_source = torch.zeros(len(rows), dtype=torch.bool, device=ids.device)
         if self.enc_ids is not None and self.enc_ids.shape == enc_ids.shape:
             same_source = (enc_ids == self.enc_ids).all(-1) & (enc_mask == self.enc_mask).all(-1)
-        cont = continuing_rows(self.ids, self.mask, ids, mask) & same_source
+        cont = rows_that_continue(self.ids, self.mask, ids, mask, cont) & same_source
 
         # Encoder: once per new source in a row.
         new_src = rows[~same_source]
@@ -279,9 +279,9 @@ class Seq2SeqActorCritic(CausalLMActorCritic):
     def _trunk(lm: nn.Module) -> nn.Module:
         return lm  # encoder and decoder both: the decoder's hidden states need the encoder's output
 
-    def _hidden(self, trunk: nn.Module, obs: dict, seq_ids=None, cache=None) -> torch.Tensor:
+    def _hidden(self, trunk: nn.Module, obs: dict, seq_ids=None, cache=None, cont=None) -> torch.Tensor:
         if cache is not None:
-            return cache.hidden_at_last_token(trunk, obs, self.start_id)
+            return cache.hidden_at_last_token(trunk, obs, self.start_id, cont)
         return decoder_hidden(trunk, obs, self.start_id, seq_ids)
 
     @staticmethod
