@@ -67,7 +67,7 @@ from ray.rllib.utils.metrics import (
 
 from agents.modules.kv_cache import ROW_CONTINUES
 from env.text_env import TokenGenerationEnv
-from env.vector_env import TokenGenerationVectorEnv
+from env.vector_env import TokenGenerationVectorEnv, row_info
 
 SEED_STRIDE = 1_000_003  # far apart from the per-sub-env (+i) and per-EnvRunner (+index) offsets
 TOKEN_ENV = "token_generation"  # the name `make_token_env` is registered under (ray.tune.register_env)
@@ -87,11 +87,6 @@ def make_token_env(config):
         return TokenGenerationVectorEnv(cfg, row_env_cls=row_cls)
     cfg.pop("autoreset_mode", None)
     return row_cls(cfg)
-
-
-def row_info(infos: dict, i: int) -> dict:
-    """Row i's info dict out of Gymnasium's vector-info layout."""
-    return {k: v[i] for k, v in infos.items() if not k.startswith("_") and infos["_" + k][i]}
 
 
 class FastTokenEnvRunner(SingleAgentEnvRunner):

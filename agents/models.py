@@ -1,7 +1,7 @@
 """Builds policies and tokenizers from a model spec.
 
 `model.name_or_path` is one of:
-  * a config defined here (`tiny-gpt2`, `gpt2-small-shaped`, and the
+  * a config defined here (`tiny-gpt2`, `gpt2-small-shaped`, `gpt2-medium-shaped`, and the
     encoder-decoder `tiny-t5`, `tiny-bart`): randomly initialised, sized to the
     task's tokenizer, no download;
   * a local directory written by `save_pretrained`;
@@ -22,6 +22,7 @@ from env.tokenization import load_tokenizer
 BUILTIN_CONFIGS = {
     "tiny-gpt2": dict(n_layer=2, n_head=4, n_embd=64),
     "gpt2-small-shaped": dict(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium-shaped": dict(n_layer=24, n_head=16, n_embd=1024),
 }
 
 

@@ -41,6 +41,10 @@ from env.text_env import TokenGenerationEnv
 def add_row_info(infos: dict, row_info: dict, row: int, num_envs: int) -> dict:
     """Gymnasium's vector-info layout: `infos[k][row] = v` and `infos["_" + k][row] = True`."""
     for key, value in row_info.items():
+        if isinstance(value, dict):  # nested, as SyncVectorEnv does: a dict of per-row arrays
+            infos[key] = add_row_info(infos.get(key, {}), value, row, num_envs)
+            infos.setdefault("_" + key, np.zeros(num_envs, dtype=np.bool_))[row] = True
+            continue
         if key not in infos:
             if isinstance(value, (bool, np.bool_)):
                 infos[key] = np.zeros(num_envs, dtype=np.bool_)
@@ -54,6 +58,12 @@ def add_row_info(infos: dict, row_info: dict, row: int, num_envs: int) -> dict:
         infos[key][row] = value
         infos["_" + key][row] = True
     return infos
+
+
+def row_info(infos: dict, i: int) -> dict:
+    """Row i's info dict out of the vector-info layout (nested dicts too)."""
+    return {k: row_info(v, i) if isinstance(v, dict) else v[i]
+            for k, v in infos.items() if not k.startswith("_") and infos["_" + k][i]}
 
 
 class TokenGenerationVectorEnv(gym.vector.VectorEnv):
@@ -182,8 +192,7 @@ class TokenGenerationVectorEnv(gym.vector.VectorEnv):
             final_infos, infos = infos, {}
             for i in np.flatnonzero(finished):
                 i = int(i)
-                row_final = {k: final_infos[k][i] for k in final_infos if not k.startswith("_")
-                             and final_infos["_" + k][i]}
+                row_final = row_info(final_infos, i)
                 infos = add_row_info(infos, {"final_obs": {k: v[i] for k, v in final_obs.items()},
                                              "final_info": row_final}, i, B)
                 infos = add_row_info(infos, self._reset_row(i), i, B)
@@ -191,6 +200,8 @@ class TokenGenerationVectorEnv(gym.vector.VectorEnv):
             infos = add_row_info(infos, self._reset_row(int(i)), int(i), B)
         if mode == AutoresetMode.NEXT_STEP:
             self._autoreset = finished
+        elif mode == AutoresetMode.DISABLED:  # rows waiting for a reset stay terminated
+            terminated = self._done.copy()
         return self._observations(), rewards, terminated, np.zeros(B, dtype=bool), infos
 
     # -- helpers -------------------------------------------------------------------------
