@@ -14,11 +14,16 @@ module call and one batched env step:
   * an RLlib `SingleAgentEpisode` is built once per finished episode, from
     arrays, in the format RLlib's learner connectors consume.
 
-One `sample()` call with no arguments samples complete episodes until it holds
-the EnvRunner's share of the train batch (`train_batch_size / num_env_runners`
-env steps); episodes never straddle calls, so each is sampled by one set of
-weights and the next call draws new prompts. The env is seeded once, at the
-first reset (config seed, the EnvRunner's index and the row), so runs repeat.
+A training call (`sample()` with no arguments, or `num_timesteps`) returns
+complete episodes holding at least the EnvRunner's share of the train batch
+(`train_batch_size / num_env_runners` env steps) and carries the episodes
+still running over to the next call, so no call waits for its slowest rows. A
+carried episode may thus span a weight sync: its early steps keep the
+log-probs of the weights that sampled them (PPO's ratio is taken against
+those), and the module re-prefills its cache with the new weights. A count of
+episodes (`num_episodes`, e.g. evaluation) starts and finishes its own. The
+env is seeded once, at the first reset (config seed, the EnvRunner's index and
+the row), so runs repeat and every call draws new prompts.
 Callbacks: `on_sample_end` and `on_episode_end` (the others are per step and
 are not called here). Weight syncs go through RLlib's `set_state` (the module
 drops its caches there).
@@ -94,6 +99,7 @@ class FastTokenEnvRunner(SingleAgentEnvRunner):
         super().__init__(config=config, **kwargs)
         self._episode_callbacks = [cls() for cls in force_list(self.config.callbacks_class)]
         self._env_seeded = False
+        self._rollout = None  # unfinished episodes carried from one sample() call to the next
 
     def _vector_env(self) -> TokenGenerationVectorEnv:
         env = self.env.unwrapped
@@ -112,8 +118,8 @@ class FastTokenEnvRunner(SingleAgentEnvRunner):
     def sample(self, *, num_timesteps=None, num_episodes=None, explore=None, random_actions=False,
                force_reset=False):
         """Complete episodes: at least `num_episodes` of them, or at least `num_timesteps` steps
-        (default: this EnvRunner's share of the train batch). `force_reset` changes nothing:
-        every call starts new episodes."""
+        (default: this EnvRunner's share of the train batch; unfinished episodes go on in the
+        next such call). `force_reset` changes nothing."""
         if self.env is None:
             raise ValueError(f"{self} doesn't have an env! Can't call `sample()` on it.")
         if num_timesteps is not None and num_episodes is not None:
@@ -136,51 +142,49 @@ class FastTokenEnvRunner(SingleAgentEnvRunner):
         module = self.module
         device = next(module.parameters()).device if module is not None else torch.device("cpu")
         refill_at = max(1, B // 4)
-        started = steps = 0
+        by_steps = num_timesteps is not None
+        # Training calls (a number of steps) carry unfinished episodes over to the next call: no call
+        # waits for its slowest rows. A count of episodes (evaluation) starts and finishes its own.
+        st = self._rollout if by_steps and not random_actions else None
+        self._rollout = None
+        if st is None or st.explore != explore:
+            st = _Rollout(B, explore)
+        else:
+            st.trim()
+        episodes, returned, started, steps = [], 0, 0, 0
 
-        def wanted(free: int) -> int:
-            """How many new episodes to start on `free` idle rows."""
-            if num_episodes is not None:
-                return min(free, num_episodes - started)
-            return free if steps < num_timesteps else 0
-
-        active = np.zeros(B, dtype=bool)
-        ever_started = np.zeros(B, dtype=bool)
-        row_start = np.zeros(B, dtype=np.int64)
-        start_time = np.zeros(B, dtype=np.float64)
-        reset_infos: list[dict] = [{} for _ in range(B)]
-        hist_obs, hist_act, hist_rew, hist_extra = [], [], [], {}
-        episodes = []
-
-        def start(rows: np.ndarray):
+        def start(rows: np.ndarray) -> None:
             nonlocal started
             mask = np.zeros(B, dtype=bool)
             mask[rows] = True
-            new_obs, infos = env.reset(seed=self._first_seed(), options={"reset_mask": mask})
+            st.obs, infos = env.reset(seed=self._first_seed(), options={"reset_mask": mask})
             for i in rows:
-                reset_infos[i] = row_info(infos, i)
-            row_start[rows], start_time[rows], active[rows] = len(hist_act), time.perf_counter(), True
-            ever_started[rows] = True
+                st.reset_infos[i] = row_info(infos, i)
+            st.row_start[rows], st.start_time[rows] = len(st.hist_act), time.perf_counter()
+            st.active[rows] = st.ever_started[rows] = True
+            st.cont[rows] = False
             started += len(rows)
-            return new_obs
 
-        n0 = wanted(B)
-        if n0 <= 0:
-            return [], 0
-        obs = start(np.arange(n0))
-        cont = np.zeros(B, dtype=bool)
+        def refill(at_least: int) -> None:
+            free = np.flatnonzero(~st.active)
+            n = len(free) if by_steps else min(len(free), num_episodes - started)
+            if n > 0 and len(free) >= at_least:
+                start(free[:n])
+
+        refill(1)
         t_global = self.num_env_steps_sampled_lifetime
-        while active.any():
-            hist_obs.append(obs)
+        while (returned < num_timesteps) if by_steps else st.active.any():
+            obs = st.obs
+            st.hist_obs.append(obs)
             if random_actions or module is None:
                 out = {Columns.ACTIONS: torch.randint(0, env.vocab_size, (B,)),
                        Columns.ACTION_LOGP: torch.full((B,), -math.log(env.vocab_size))}
             else:
-                if not ever_started.all():  # rows that never started run along on a one-token window
+                if not st.ever_started.all():  # rows that never started run along on a one-token window
                     obs = {**obs, "attention_mask": obs["attention_mask"].copy()}
-                    obs["attention_mask"][~ever_started, -1] = 1
+                    obs["attention_mask"][~st.ever_started, -1] = 1
                 batch = {Columns.OBS: {k: torch.from_numpy(v).to(device) for k, v in obs.items()},
-                         ROW_CONTINUES: torch.from_numpy(cont).to(device)}
+                         ROW_CONTINUES: torch.from_numpy(st.cont).to(device)}
                 if explore:
                     out = module.forward_exploration(batch, t=t_global + steps)
                 else:
@@ -190,37 +194,34 @@ class FastTokenEnvRunner(SingleAgentEnvRunner):
                            Columns.ACTION_LOGP: torch.log_softmax(logits.float(), -1).gather(-1, actions[:, None])[:, 0]}
             out = {k: v.cpu().numpy() for k, v in out.items() if k != Columns.ACTION_DIST_INPUTS}
             actions = out.pop(Columns.ACTIONS)
-            obs, rewards, terminated, _, infos = env.step(actions)
-            hist_act.append(actions)
-            hist_rew.append(rewards)
+            st.obs, rewards, terminated, _, infos = env.step(actions)
+            st.hist_act.append(actions)
+            st.hist_rew.append(rewards)
             for k, v in out.items():
-                hist_extra.setdefault(k, []).append(v)
-            steps += int(active.sum())
-            for i in np.flatnonzero(terminated & active):
-                episodes.append(self._episode(i, int(row_start[i]), obs, reset_infos[i], row_info(infos, i),
-                                              hist_obs, hist_act, hist_rew, hist_extra, start_time[i]))
-                active[i] = False
-            cont[:] = True  # idle rows run along (their outputs are ignored) until they restart
-            free = np.flatnonzero(~active)
-            if len(free) >= refill_at or (len(free) and not active.any()):
-                n = wanted(len(free))
-                if n > 0:
-                    rows = free[:n]
-                    obs = start(rows)
-                    cont[rows] = False
+                st.hist_extra.setdefault(k, []).append(v)
+            steps += int(st.active.sum())
+            for i in np.flatnonzero(terminated & st.active):
+                episode = self._episode(i, int(st.row_start[i]), st, row_info(infos, i))
+                episodes.append(episode)
+                returned += len(episode)
+                st.active[i] = False
+            st.cont[:] = True  # idle rows run along (their outputs are ignored) until they restart
+            refill(refill_at if st.active.any() else 1)
+        if by_steps and not random_actions:
+            self._rollout = st
         return episodes, steps
 
-    def _episode(self, i, s, final_obs, reset_info, final_info, hist_obs, hist_act, hist_rew, hist_extra, t0):
+    def _episode(self, i, s, st, final_info):
         """Row i's episode from step s to the last step as an RLlib episode, built from arrays."""
-        obs = {k: np.stack([h[k][i] for h in hist_obs[s:]] + [final_obs[k][i]]) for k in final_obs}
-        T = len(hist_act) - s
-        actions = np.fromiter((a[i] for a in hist_act[s:]), dtype=np.int64, count=T)
-        rewards = np.fromiter((r[i] for r in hist_rew[s:]), dtype=np.float64, count=T)
+        obs = {k: np.stack([h[k][i] for h in st.hist_obs[s:]] + [st.obs[k][i]]) for k in st.obs}
+        T = len(st.hist_act) - s
+        actions = np.fromiter((a[i] for a in st.hist_act[s:]), dtype=np.int64, count=T)
+        rewards = np.fromiter((r[i] for r in st.hist_rew[s:]), dtype=np.float64, count=T)
         extras = {k: InfiniteLookbackBuffer(data=np.stack([x[i] for x in v[s:]]), lookback=0)
-                  for k, v in hist_extra.items()}
+                  for k, v in st.hist_extra.items()}
         episode = SingleAgentEpisode(
             observations=InfiniteLookbackBuffer(data=obs, lookback=0, space=self.env.single_observation_space),
-            infos=[reset_info] + [{} for _ in range(T - 1)] + [final_info],
+            infos=[st.reset_infos[i]] + [{} for _ in range(T - 1)] + [final_info],
             actions=InfiniteLookbackBuffer(data=actions, lookback=0, space=self.env.single_action_space),
             rewards=InfiniteLookbackBuffer(data=rewards, lookback=0),
             extra_model_outputs=extras, terminated=True, len_lookback_buffer=0,
@@ -230,7 +231,7 @@ class FastTokenEnvRunner(SingleAgentEnvRunner):
                       kwargs=dict(episode=episode, env_runner=self, metrics_logger=self.metrics,
                                   env=self.env.unwrapped, rl_module=self.module, env_index=int(i),
                                   prev_episode_chunks=[]))
-        self._log_episode(T, float(rewards.sum()), time.perf_counter() - t0)
+        self._log_episode(T, float(rewards.sum()), time.perf_counter() - st.start_time[i])
         return episode
 
     def _log_episode(self, length: int, ret: float, seconds: float) -> None:
@@ -258,6 +259,30 @@ class FastTokenEnvRunner(SingleAgentEnvRunner):
         log((NUM_AGENT_STEPS_SAMPLED_LIFETIME, DEFAULT_AGENT_ID), steps, reduce="lifetime_sum")
         log((NUM_MODULE_STEPS_SAMPLED_LIFETIME, DEFAULT_MODULE_ID), steps, reduce="lifetime_sum")
         log(NUM_EPISODES_LIFETIME, len(episodes), reduce="lifetime_sum")
+
+
+class _Rollout:
+    """The vector env's rows between module calls: which rows run an episode, where each
+    started, and the per-step arrays (B rows each) their episodes are cut from."""
+
+    def __init__(self, num_rows: int, explore: bool):
+        B = num_rows
+        self.explore = explore
+        self.obs = None
+        self.cont = np.zeros(B, dtype=bool)  # rows whose next module input continues the last one
+        self.active = np.zeros(B, dtype=bool)
+        self.ever_started = np.zeros(B, dtype=bool)
+        self.row_start = np.zeros(B, dtype=np.int64)
+        self.start_time = np.zeros(B, dtype=np.float64)
+        self.reset_infos: list[dict] = [{} for _ in range(B)]
+        self.hist_obs, self.hist_act, self.hist_rew, self.hist_extra = [], [], [], {}
+
+    def trim(self) -> None:
+        """Drops the steps before the oldest running episode's first."""
+        s0 = int(self.row_start[self.active].min()) if self.active.any() else len(self.hist_act)
+        self.hist_obs, self.hist_act, self.hist_rew = self.hist_obs[s0:], self.hist_act[s0:], self.hist_rew[s0:]
+        self.hist_extra = {k: v[s0:] for k, v in self.hist_extra.items()}
+        self.row_start -= s0
 
 
 class StockTokenEnvRunner(SingleAgentEnvRunner):

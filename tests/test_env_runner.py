@@ -75,8 +75,15 @@ def test_fast_runner_episodes_are_complete_and_consistent():
         logp = e.get_extra_model_outputs("action_logp")
         assert logp.shape == (len(e),) and (logp <= 0).all()
     metrics = runner.get_metrics()
-    assert float(metrics["num_env_steps_sampled"]) == steps
     assert float(metrics["num_episodes"]) == len(episodes)
+    # the steps taken are those returned plus those of the episodes still running, which the
+    # next call finishes (no call waits for its slowest rows)
+    st = runner._rollout
+    running = sum(len(st.hist_act) - st.row_start[i] for i in np.flatnonzero(st.active))
+    assert float(metrics["num_env_steps_sampled"]) == steps + running > steps
+    more = runner.sample()
+    assert float(runner.get_metrics()["num_env_steps_sampled"]) + running >= sum(len(e) for e in more)
+    assert {e.id_ for e in more}.isdisjoint(e.id_ for e in episodes)
     returns = [e.get_return() for e in episodes]
     assert float(metrics["episode_return_mean"]) == pytest.approx(np.mean(returns[-100:]))
     runner.stop()
@@ -88,8 +95,10 @@ def test_fast_runner_prefills_only_rows_that_start_and_logp_matches_a_full_pass(
     module = runner.module
     episodes = runner.sample(num_timesteps=200)
     stats = module.kv_cache.stats
-    # each episode's first step is its row's one prefill; every other module step is one cached token
-    assert stats["prefill_rows"] == len(episodes)
+    # each episode's first step is its row's one prefill (the returned ones and those still running
+    # that the module saw already); every other module step is one cached token
+    st = runner._rollout
+    assert stats["prefill_rows"] == len(episodes) + (st.active & st.cont).sum()
     # the stored log-prob of each action equals an uncached forward over the window
     e = episodes[0]
     obs = {k: torch.as_tensor(v[:-1]) for k, v in e.get_observations().items()}
