@@ -51,10 +51,38 @@ def rows_that_continue(prev_ids, prev_mask, ids: torch.Tensor, mask: torch.Tenso
     return torch.as_tensor(cont, dtype=torch.bool, device=ids.device)
 
 
+def step_attention_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive (rows, 1, 1, L) mask of a one-token step over an L-column window.
+
+    The new token is the window's last column, so causality adds nothing to the padding mask.
+    Given ready-made, the model skips building its general mask every step (the window's left
+    padding makes that the costliest part of a small model's step)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        mask == 0, torch.finfo(dtype).min)[:, None, None, :]
+
+
+@torch.no_grad()
+def _same_step_with_4d_mask(trunk, past, ids, mask) -> bool:
+    """Whether `trunk` gives the same step output with `step_attention_mask` as with the 2-D mask
+    (attention implementations that take no 4-D mask fail or differ: those keep the 2-D mask)."""
+    import copy
+
+    outs = []
+    for attention in (mask, step_attention_mask(mask, trunk.dtype)):
+        try:
+            out = trunk(input_ids=ids[:, -1:], attention_mask=attention, position_ids=mask.sum(-1, keepdim=True) - 1,
+                        past_key_values=copy.deepcopy(past), use_cache=True)
+        except (RuntimeError, ValueError, TypeError):
+            return False
+        outs.append(out.last_hidden_state[:, -1].float())
+    return bool(torch.allclose(outs[0], outs[1], atol=1e-4, rtol=1e-4))
+
+
 class WindowKVCache:
     def __init__(self):
         self.invalidate()
         self.stats = {"prefill_rows": 0, "incremental_rows": 0}
+        self.mask_4d = None  # whether one-token steps pass a ready 4-D mask (decided at the first step)
 
     def invalidate(self) -> None:
         self.ids = self.mask = self.past = None
@@ -98,12 +126,14 @@ class WindowKVCache:
         self.past = past
         return hidden
 
-    @staticmethod
-    def _step(trunk, past, ids, mask) -> torch.Tensor:
+    def _step(self, trunk, past, ids, mask) -> torch.Tensor:
         """One cached token per row: drop the column shifted out of the window (padding, a view)."""
         for layer in past.layers:
             layer.keys, layer.values = layer.keys[:, :, 1:], layer.values[:, :, 1:]
-        out = trunk(input_ids=ids[:, -1:], attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
+        if self.mask_4d is None:  # first step: check the cheap mask against the model's own (else keep 2-D)
+            self.mask_4d = _same_step_with_4d_mask(trunk, past, ids, mask)
+        attention = step_attention_mask(mask, trunk.dtype) if self.mask_4d else mask
+        out = trunk(input_ids=ids[:, -1:], attention_mask=attention, position_ids=mask.sum(-1, keepdim=True) - 1,
                     past_key_values=past, use_cache=True)
         return out.last_hidden_state[:, -1]
 
