@@ -1,0 +1,419 @@
+"""TRL's GRPOTrainer vs the project's PPO on the quickstart task: completion tokens/s and reward vs wall-clock.
+
+    python benchmarks/peer_trl.py [--seconds 120] [--trl-lr 1e-3 3e-3] [--trl-only | --project-only]
+                                  [--set key=value ...] [--threads 2] [--plot reward.png] [--target 0.8]
+                                  [--trl-num-generations 64]
+
+Needs the optional peers: `.venv/bin/python -m pip install -r benchmarks/requirements-peers.txt`
+(TRL 1.16.0; `--project-only` runs without it). Prints measured figures; it never passes or fails on a
+wall time. Both systems run one after the other in this process, on the same machine and
+`torch.set_num_threads(--threads)`, each for `--seconds` of training wall-clock.
+
+The task is the quickstart's (tune_configs/quickstart.yaml): the prompt is 5 pad tokens, 20 new
+tokens over a vocabulary of 50 number tokens + pad + EOS, reward = the fraction of the 19 adjacent
+pairs in ascending order, computed by the env's own `TokenGenerationEnv.score` (EOS and pad are
+sampled like any other token and decoded away; an early EOS forfeits the missing pairs).
+
+(a) TRL `GRPOTrainer` (public API only) on the same randomly initialised tiny GPT-2
+    (`agents.models.build_causal_lm({"name_or_path": "tiny-gpt2"}, tokenizer, seed=0,
+    max_positions=5 + 20)`, sized to the task's tokenizer; the task comes from --config without the
+    --set overrides, which are the project's). Settings:
+      * 64 completions per optimizer step: per_device_train_batch_size=64 and
+        num_generations=--trl-num-generations (default 64: every prompt is the same, so one group of
+        64 gives GRPO's group baseline the most samples; 8 gives 8 groups of 8);
+        steps_per_generation=1, num_iterations=1 (TRL's default: one gradient step per generation
+        batch, so every update is on-policy), beta=0.0 (TRL's default: no reference model, no KL
+        term), loss_type="dapo", scale_rewards="group", epsilon=0.2 (all TRL defaults);
+      * max_completion_length=20, temperature=1.0, top_k=0, top_p=1.0, min_p=None (no truncation);
+        generation through `model.generate()` with its KV cache;
+      * AdamW at --trl-lr with a constant schedule (no warm-up, no decay: the run is stopped on a
+        wall-clock budget, so a schedule over max_steps would be arbitrary), max_grad_norm=1.0,
+        fp32 (bf16=False; TRL defaults to bf16), gradient_checkpointing=False (TRL defaults to True),
+        use_cpu=True, report_to="none", save_strategy="no", no dropout (the project model has none);
+      * the dataset is an in-memory `datasets.Dataset` whose rows all hold the task's prompt text
+        "<pad> <pad> <pad> <pad> <pad>". TRL tokenizes a plain-text prompt with
+        `tokenizer(text=prompts)`; the project's word-level tokenizer adds no special tokens and
+        does not strip `<pad>`, so the ids are [0, 0, 0, 0, 0], and TRL builds the generation
+        attention mask from the prompt's length (not from the pad id), so the model sees the same
+        5-token, fully attended prompt the env gives the project's policy. The script checks both
+        before training and fails loudly if either ever changes.
+    Completion tokens are counted in the reward function from TRL's `completion_ids`: the tokens
+    sampled up to and including the first EOS (TRL cuts the rest off), i.e. the same unit as an env
+    step on the project side. TRL's own `num_tokens` log counts prompt + completion tokens; the
+    script cross-checks its count against `num_tokens - 5 * completions`.
+    GRPO learns nothing from a group whose rewards are all equal; on this task it often freezes on
+    one deterministic sequence (e.g. 16/19 = 0.842). The report counts such groups from the rewards
+    themselves: TRL's `frac_reward_zero_std` misses them (the float32 std of 64 equal rewards is
+    ~6e-8, above `torch.isclose`'s 1e-8, so they get uniform advantages of about +-6e-4 instead).
+
+(b) The project's PPO on the quickstart config (plus --set overrides), built with
+    `agents.config.algorithm_config(cfg).build_algo()` (no Tune), `algo.train()` until the budget is
+    spent. Tokens = env steps sampled (`num_env_steps_sampled_lifetime`), which includes EOS steps.
+
+For both: tokens/s INCLUDING learning = completion tokens generated after the warm-up (first)
+step / iteration, divided by the wall time after it (model construction, Ray start and the warm-up
+excluded). Reward vs wall-clock: seconds since the first train call started (warm-up included), and
+the mean reward of the last 100 episodes (RLlib's `episode_return_mean` uses a 100-episode window by
+default; for TRL the trailing 100 completions). The project's return is the task reward only (its
+per-token KL penalty, kl_coef 5e-4, and entropy bonus enter the learner's loss, not the return).
+Caveats: PPO and GRPO differ (PPO: value baseline, GAE, 4 epochs of minibatch updates on ~2,048 env
+steps per iteration; GRPO: group-mean baseline, one step on 64 completions); the budget is the same
+wall-clock, not the same number of samples or updates. TRL has an `entropy_coef` (0 by default,
+left at 0 here); the project's quickstart uses an entropy bonus of 0.005.
+
+Each run also reports the seconds to reach --target, and the CPU cores this process and the whole
+machine kept busy in the timed part: the figures only count when the two agree (nothing else
+running). Both collapse under contention: with other CPU-bound work on the 2 cores, TRL ran 20-50x
+and the project 3-10x slower than idle.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from agents.config import algorithm_config, env_config, load  # noqa: E402
+
+# transformers 5.23 renames gradient_checkpointing; TRL 1.16 still passes the old name.
+warnings.filterwarnings("ignore", message=".*deprecated and will be removed in v6.*", category=FutureWarning)
+
+WINDOW = 100  # episodes in a reward point (RLlib's default metrics_num_episodes_for_smoothing)
+
+
+def _fmt_curve(curve, every_s=10.0):
+    """About one (seconds, reward) point per `every_s` seconds, plus the last."""
+    out, next_t = [], 0.0
+    for i, (t, r) in enumerate(curve):
+        if t >= next_t or i == len(curve) - 1:
+            out.append(f"({t:.0f}s, {r:.3f})")
+            next_t = t + every_s
+    return " ".join(out)
+
+
+class Progress:
+    """One line about every 15 s while a run trains, with the machine's load average."""
+
+    def __init__(self, name: str, every_s: float = 15.0):
+        self.name, self.every_s, self.next_t = name, every_s, 0.0
+        print(f"  [{name}] start; load average {loadavg()}", flush=True)
+
+    def __call__(self, t: float, reward: float, tokens: int):
+        if t >= self.next_t:
+            print(f"  [{self.name}] {t:6.1f} s  reward {reward:.3f}  tokens {tokens:,}  load {loadavg()}", flush=True)
+            self.next_t = t + self.every_s
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """(wall s, this process's CPU s, the whole machine's busy CPU s) for a contention check."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    busy = math.nan
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle, iowait
+    except (OSError, ValueError, IndexError):
+        pass
+    return time.perf_counter(), ru.ru_utime + ru.ru_stime, busy
+
+
+def cpu_use(a, b) -> dict:
+    wall = b[0] - a[0]
+    return {"own": (b[1] - a[1]) / wall, "machine": (b[2] - a[2]) / wall}
+
+
+def loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+# -- (a) TRL ---------------------------------------------------------------------------
+
+def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads: int) -> dict:
+    import torch
+    import transformers
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from agents.models import build_causal_lm, build_tokenizer
+    from env.text_env import TokenGenerationEnv
+
+    transformers.logging.set_verbosity_error()
+    ecfg = env_config(cfg)
+    env = TokenGenerationEnv(ecfg)
+    tokenizer = build_tokenizer(ecfg)
+    prompt_len, new_tokens = ecfg["max_prompt_len"], ecfg["max_new_tokens"]
+    model = build_causal_lm({"name_or_path": "tiny-gpt2"}, tokenizer, seed=0,
+                            max_positions=prompt_len + new_tokens)
+    prompt_text = env.examples[0]["prompt"]
+    n_rows = 4096  # rows are all the same prompt; the trainer cycles epochs until stopped
+    dataset = Dataset.from_dict({"prompt": [prompt_text] * n_rows})
+
+    # Check the prompt TRL will feed the model: TRL calls tokenizer(text=prompts) for plain-text
+    # prompts and builds the generation attention mask from each prompt's length.
+    trl_ids = tokenizer(text=[prompt_text])["input_ids"][0]
+    env_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    if trl_ids != env_ids or len(trl_ids) != prompt_len:
+        raise RuntimeError(f"TRL's prompt ids {trl_ids} differ from the env's {env_ids}")
+
+    state = {"tokens": 0, "completions": 0, "recent": [], "seen_prompts": set(),
+             "trl_num_tokens": None, "lengths": [],
+             "zero_std": [], "distinct": 0}
+
+    def task_reward(prompts, completions, completion_ids, **kwargs):
+        scores = env.score(list(prompts), list(completions), [{} for _ in completions])
+        state["tokens"] += sum(len(ids) for ids in completion_ids)
+        state["completions"] += len(completion_ids)
+        state["lengths"].extend(len(ids) for ids in completion_ids)
+        state["recent"] = (state["recent"] + scores)[-WINDOW:]
+        state["seen_prompts"].update(prompts)
+        # Groups are consecutive runs of num_generations completions of one prompt. A group whose
+        # rewards are all equal has zero advantage: no policy gradient from it. (TRL's own
+        # frac_reward_zero_std misses most of these: its float32 std of 64 equal rewards is ~6e-8,
+        # above isclose's 1e-8 tolerance.)
+        groups = [scores[i:i + num_generations] for i in range(0, len(scores), num_generations)]
+        state["zero_std"].append(sum(len(set(g)) == 1 for g in groups) / len(groups))
+        state["distinct"] = len(set(completions))
+        return scores
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.t0 = None
+            self.cpu = []
+            self.points = []  # (seconds since train start, trailing-100 reward, cumulative tokens)
+
+        def on_step_end(self, args, st, control, **kwargs):
+            t = time.perf_counter() - self.t0
+            self.points.append((t, sum(state["recent"]) / len(state["recent"]), state["tokens"]))
+            self.cpu.append(cpu_snapshot())
+            del self.cpu[1:-1]  # keep the first (end of the warm-up step) and the latest
+            progress(t, *self.points[-1][1:])
+            if t >= seconds:
+                control.should_training_stop = True
+            return control
+
+        def on_log(self, args, st, control, logs=None, **kwargs):
+            if logs and "num_tokens" in logs:
+                state["trl_num_tokens"] = (logs["num_tokens"], state["completions"], state["tokens"])
+
+    clock = Clock()
+    progress = Progress(f"TRL lr={lr:g}")
+    out_dir = tempfile.mkdtemp(prefix="peer_trl_")
+    args = GRPOConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=64,
+        num_generations=num_generations,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=new_tokens,
+        temperature=1.0, top_k=0, top_p=1.0, min_p=None,
+        learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        max_steps=10**6,
+        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True,
+        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, log_level="error",
+        dataloader_num_workers=0, seed=0,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[clock])
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    gen = trainer.generation_config
+    assert gen.do_sample and gen.temperature == 1.0 and not gen.top_k and gen.top_p == 1.0, gen
+    assert gen.max_new_tokens == new_tokens, gen
+    torch.set_num_threads(threads)
+
+    clock.t0 = time.perf_counter()
+    trainer.train()
+    threads_seen = torch.get_num_threads()
+    print(f"  [TRL lr={lr:g}] done; load average {loadavg()}", flush=True)
+    pts = clock.points
+    if len(pts) < 2:
+        raise RuntimeError(f"TRL ran {len(pts)} step(s) in {seconds}s; raise --seconds")
+    (t1, _, k1), (tn, _, kn) = pts[0], pts[-1]
+    if state["seen_prompts"] != {prompt_text}:
+        raise RuntimeError(f"TRL passed prompts {state['seen_prompts']!r}")
+    res = {
+        "name": f"TRL GRPO lr={lr:g}", "lr": lr, "steps": len(pts), "tokens": kn, "completions": state["completions"],
+        "tok_s": (kn - k1) / (tn - t1), "wall": tn, "timed_wall": tn - t1,
+        "curve": [(t, r) for t, r, _ in pts], "final": pts[-1][1], "best": max(r for _, r, _ in pts),
+        "first": pts[0][1], "warmup": t1, "threads": threads_seen,
+        "mean_len": sum(state["lengths"]) / len(state["lengths"]), "cpu": cpu_use(clock.cpu[0], clock.cpu[-1]),
+        "zero_std": state["zero_std"], "distinct": state["distinct"],
+    }
+    if state["trl_num_tokens"] is not None:  # TRL counts prompt + completion tokens
+        num_tokens, n_done, ours = state["trl_num_tokens"]
+        res["trl_completion_tokens"] = (num_tokens - prompt_len * n_done, ours)
+    return res
+
+
+# -- (b) the project -------------------------------------------------------------------
+
+def run_project(cfg: dict, seconds: float, threads: int) -> dict:
+    import ray
+    import torch
+
+    progress = Progress("project")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        algo = algorithm_config(cfg).build_algo()
+        torch.set_num_threads(threads)
+        points = []  # (seconds since train start, episode_return_mean, env steps sampled)
+        cpu = []
+        t0 = time.perf_counter()
+        while True:
+            result = algo.train()
+            t = time.perf_counter() - t0
+            er = result["env_runners"]
+            points.append((t, er.get("episode_return_mean", math.nan), int(er["num_env_steps_sampled_lifetime"])))
+            cpu.append(cpu_snapshot())
+            progress(t, points[-1][1], points[-1][2])
+            if t >= seconds:
+                break
+        threads_seen = torch.get_num_threads()
+        print(f"  [project] done; load average {loadavg()}", flush=True)
+        algo.stop()
+    finally:
+        ray.shutdown()
+    if len(points) < 2:
+        raise RuntimeError(f"the project ran {len(points)} iteration(s) in {seconds}s; raise --seconds")
+    (t1, _, k1), (tn, _, kn) = points[0], points[-1]
+    rewards = [r for _, r, _ in points if not math.isnan(r)]
+    return {
+        "name": "project PPO", "steps": len(points), "tokens": kn, "tok_s": (kn - k1) / (tn - t1),
+        "wall": tn, "timed_wall": tn - t1, "curve": [(t, r) for t, r, _ in points],
+        "final": points[-1][1], "best": max(rewards), "first": points[0][1], "warmup": t1, "threads": threads_seen,
+        "cpu": cpu_use(cpu[0], cpu[-1]),
+    }
+
+
+# -- report ----------------------------------------------------------------------------
+
+def time_to(curve, target: float):
+    """Seconds until the reward curve first reaches `target`, or None."""
+    return next((t for t, r in curve if r >= target), None)
+
+
+def report(res: dict, unit: str, target: float):
+    print(f"\n== {res['name']}")
+    print(f"  {res['steps']} {unit}s in {res['wall']:.1f} s (warm-up {unit} {res['warmup']:.1f} s); "
+          f"{res['tokens']:,} completion tokens")
+    print(f"  completion tokens/s including learning (after the warm-up {unit}): {res['tok_s']:,.0f} "
+          f"({res['timed_wall']:.1f} s timed)")
+    print(f"  reward (mean of last {WINDOW} episodes): first {unit} {res['first']:.3f} -> final {res['final']:.3f}, "
+          f"best {res['best']:.3f}")
+    reached = time_to(res["curve"], target)
+    print(f"  mean reward {target:g} " + (f"first reached at {reached:.1f} s" if reached is not None else "not reached"))
+    if res.get("zero_std"):
+        z = res["zero_std"]
+        print(f"  share of groups whose rewards were all equal (zero advantage, no policy gradient): "
+              f"{sum(z) / len(z):.2f} over all steps, {sum(z[-10:]) / len(z[-10:]):.2f} over the last 10; "
+              f"distinct completions in the last step: {res['distinct']} of 64")
+    if "mean_len" in res:
+        print(f"  mean completion length {res['mean_len']:.2f} tokens over {res['completions']:,} completions")
+    if "trl_completion_tokens" in res:
+        theirs, ours = res["trl_completion_tokens"]
+        print(f"  cross-check at TRL's last log: its num_tokens - prompt tokens = {theirs:,.0f}, counted here {ours:,}")
+    c = res["cpu"]
+    print(f"  torch threads after the run: {res['threads']}; CPU cores busy in the timed part: this process "
+          f"{c['own']:.2f}, whole machine {c['machine']:.2f} of {os.cpu_count()} (the difference is other load"
+          f"{', Ray daemons included' if 'lr' not in res else ''})")
+    print(f"  reward vs wall-clock: {_fmt_curve(res['curve'])}")
+
+
+def plot(path: str, runs: list[dict]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for res in runs:
+        ts, rs = zip(*res["curve"])
+        ax.plot(ts, rs, label=f"{res['name']} ({res['tok_s']:,.0f} tok/s)")
+    ax.set_xlabel("training wall-clock (s)")
+    ax.set_ylabel(f"mean reward (last {WINDOW} episodes)")
+    ax.set_title("increasing-numbers task, tiny GPT-2, CPU")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"\nplot: {path}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="tune_configs/quickstart.yaml")
+    p.add_argument("--seconds", type=float, default=120.0, help="training wall-clock budget per run")
+    p.add_argument("--trl-lr", type=float, nargs="+", default=[1e-3])
+    p.add_argument("--trl-num-generations", type=int, default=64, help="completions per prompt group (divides 64)")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--trl-only", action="store_true")
+    only.add_argument("--project-only", action="store_true")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="project config override")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--plot", default=None, help="save a PNG of reward vs wall-clock here")
+    p.add_argument("--target", type=float, default=0.8, help="report the seconds each run took to reach this reward")
+    args = p.parse_args()
+    if 64 % args.trl_num_generations:
+        p.error("--trl-num-generations must divide 64")
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    base_cfg = load(args.config)  # TRL: the task as the config file gives it
+    cfg = load(args.config, args.overrides)  # the project: with --set overrides
+    print(f"config={args.config} overrides={args.overrides} threads={args.threads} seconds={args.seconds:g} "
+          f"torch={torch.__version__}")
+
+    trl_runs, project = [], None
+    if not args.project_only:
+        import trl
+
+        print(f"TRL {trl.__version__}: lr {args.trl_lr}, 64 completions per step, "
+              f"num_generations={args.trl_num_generations}")
+        for lr in args.trl_lr:
+            res = run_trl(base_cfg, lr, args.seconds, args.trl_num_generations, args.threads)
+            report(res, "step", args.target)
+            trl_runs.append(res)
+    if not args.trl_only:
+        project = run_project(cfg, args.seconds, args.threads)
+        report(project, "iteration", args.target)
+
+    print("\n== summary")
+    rows = trl_runs + ([project] if project else [])
+    print(f"  {'run':<24} {'tok/s':>8} {'final reward':>13} {'best':>6} {'s to ' + format(args.target, 'g'):>8} "
+          f"{'steps/iters':>12}")
+    for res in rows:
+        reached = time_to(res["curve"], args.target)
+        reached = "never" if reached is None else f"{reached:.1f}"
+        print(f"  {res['name']:<24} {res['tok_s']:>8,.0f} {res['final']:>13.3f} {res['best']:>6.3f} {reached:>8} "
+              f"{res['steps']:>12}")
+    if trl_runs:
+        # Ties on the final reward (GRPO often freezes on the same deterministic sequence) go to the
+        # run that reached it first.
+        by_reward = max(trl_runs, key=lambda r: (round(r["final"], 3), -time_to(r["curve"], r["final"])))
+        by_speed = max(trl_runs, key=lambda r: r["tok_s"])
+        print(f"  best TRL by final reward: {by_reward['name']} ({by_reward['final']:.3f}); "
+              f"by tokens/s: {by_speed['name']} ({by_speed['tok_s']:,.0f})")
+        if project:
+            print(f"  tokens/s ratio project / TRL: {project['tok_s'] / by_reward['tok_s']:.2f} "
+                  f"(vs the best-reward lr), {project['tok_s'] / by_speed['tok_s']:.2f} (vs the fastest lr)")
+            print(f"  final reward project {project['final']:.3f} vs TRL (best lr) {by_reward['final']:.3f} "
+                  f"after {args.seconds:g} s each")
+    if args.plot:
+        plot(args.plot, rows)
+
+
+if __name__ == "__main__":
+    main()
