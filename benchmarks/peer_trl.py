@@ -72,6 +72,7 @@ import argparse
 import math
 import os
 import sys
+import shutil
 import tempfile
 import time
 import warnings
@@ -234,7 +235,10 @@ def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads:
     torch.set_num_threads(threads)
 
     clock.t0 = time.perf_counter()
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)  # TRL's required output folder; nothing is saved in it
     threads_seen = torch.get_num_threads()
     print(f"  [TRL lr={lr:g}] done; load average {loadavg()}", flush=True)
     pts = clock.points
