@@ -73,8 +73,8 @@ class TokenGenerationVectorEnv(gym.vector.VectorEnv):
                  row_env_cls=TokenGenerationEnv):
         cfg = dict(config or {})
         num_envs = int(cfg.pop("num_envs", num_envs))
-        mode = autoreset_mode or cfg.pop("autoreset_mode", None) or AutoresetMode.NEXT_STEP
-        cfg.pop("autoreset_mode", None)
+        mode = cfg.pop("autoreset_mode", None)  # from the env config (RLlib passes only that), unless given here
+        mode = autoreset_mode or mode or AutoresetMode.NEXT_STEP
         self.autoreset_mode = mode if isinstance(mode, AutoresetMode) else AutoresetMode(mode)
         self.metadata = {**self.metadata, "autoreset_mode": self.autoreset_mode}
         if num_envs < 1:
