@@ -9,7 +9,9 @@ from ray.rllib.env.env_runner import EnvRunner
 
 
 def params(fn) -> list[str]:
-    return list(inspect.signature(fn).parameters)
+    # Ray's tracing adds a `_ray_trace_ctx` keyword to a class's methods in place once any
+    # test has turned the class into an actor; that is Ray's own, not part of the hook.
+    return [p for p in inspect.signature(fn).parameters if p != "_ray_trace_ctx"]
 
 
 def test_env_runner_reset_hook_used_by_the_stock_token_env_runner():
