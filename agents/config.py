@@ -9,70 +9,24 @@ like a plain value.
 from __future__ import annotations
 
 import copy
-import difflib
-import math
 import os
 
 import yaml
 
+from agents.algorithms.base import COMMON_TRAINING, candidates as _candidates, plain as _plain
+from env.validation import SEARCH_SPACES, ConfigError, Field, is_search_space as _is_search_space, unknown_key
 
-class ConfigError(ValueError):
-    """A config problem, reported as one line naming the field."""
-
-
-class Field:
-    def __init__(self, kind, default=None, *, lo=None, hi=None, lo_open=False, choices=None, optional=False):
-        self.kind, self.default = kind, default
-        self.lo, self.hi, self.lo_open, self.choices, self.optional = lo, hi, lo_open, choices, optional
-
-    def describe(self) -> str:
-        if self.choices:
-            return "one of " + ", ".join(repr(c) for c in self.choices)
-        name = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}[self.kind]
-        if self.lo is not None and self.hi is not None:
-            return f"{name} in {'(' if self.lo_open else '['}{self.lo}, {self.hi}]"
-        if self.lo is not None:
-            return f"{name} {'>' if self.lo_open else '>='} {self.lo}"
-        return name
-
-    def check(self, path: str, value):
-        if value is None and self.optional:
-            return None
-        if self.kind is float and isinstance(value, str):
-            try:  # YAML 1.1 reads "1e-3" (no dot) as a string
-                value = float(value)
-            except ValueError:
-                pass
-        ok_type = {
-            int: isinstance(value, int) and not isinstance(value, bool),
-            float: isinstance(value, (int, float)) and not isinstance(value, bool),
-            bool: isinstance(value, bool),
-            str: isinstance(value, str),
-            dict: isinstance(value, dict),
-        }[self.kind]
-        if self.kind is float and ok_type:
-            value = float(value)
-            ok_type = math.isfinite(value)
-        bad = not ok_type
-        if not bad and self.choices is not None and value not in self.choices:
-            bad = True
-        if not bad and self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo)):
-            bad = True
-        if not bad and self.hi is not None and value > self.hi:
-            bad = True
-        if bad:
-            raise ConfigError(f"{path}: expected {self.describe()}, got {value!r}")
-        return value
+__all__ = ["ConfigError", "Field", "algorithm_config", "algorithm_spec", "env_config", "load", "read_yaml",
+           "schema", "to_tune", "validate"]
 
 
 F = Field
 POS_INT, NONNEG_INT = dict(lo=1), dict(lo=0)
 
-SCHEMA: dict[str, dict[str, Field] | Field] = {
-    # ppo_pp, aggrevated, lols, dlols: guided RL (agents/algorithms/guided.py, `guide` section);
-    # reinforce, self_critical: sequence-level policy gradient (agents/algorithms/reinforce.py).
-    "algorithm": F(str, "ppo", choices=["ppo", "a3c", "dqn", "ppo_pp", "aggrevated", "lols", "dlols", "reinforce",
-                                        "self_critical"]),
+# The generic sections. `algorithm` takes the names of agents/algorithms/ (each algorithm's
+# module declares its own section, e.g. `dqn`, `guide`, `reinforce`); `schema()` adds them.
+GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
+    "algorithm": F(str, "ppo"),
     "seed": F(int, 0, **NONNEG_INT),
     "task": {  # extra keys are passed to the task; its constructor checks them
         "name": F(str, "increasing_numbers"),
@@ -113,7 +67,7 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         "kl_target": F(float, 6.0, lo=0.0, lo_open=True),
         "kl_horizon": F(int, 10000, **POS_INT),
     },
-    "training": {
+    "training": {  # each algorithm reads COMMON_TRAINING and its spec's training_keys; others are refused
         "lr": F(float, 1e-4, lo=0.0, lo_open=True),
         # Linear annealing (A3C anneals to 0): lr falls from `lr` to `lr_end` over `lr_decay_steps`
         # sampled env steps, then stays there; both null: constant lr.
@@ -133,53 +87,6 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
         # prompts (mle_batch_size pairs per loss computation); 0: pure RL.
         "mle_coef": F(float, 0.0, lo=0.0),
         "mle_batch_size": F(int, 16, **POS_INT),
-    },
-    "dqn": {  # algorithm: dqn only (agents/algorithms/dqn.py, agents/modules/q_network.py)
-        "head": F(str, "logits", choices=["logits", "mlp"]),
-        "mlp_hidden": F(int, 64, **POS_INT),
-        "dueling": F(bool, False),
-        "double_q": F(bool, True),
-        "n_step": F(int, 1, **POS_INT),
-        # With n_step_max, each replayed step draws n uniformly from n_step..n_step_max; steps closer
-        # to the episode's end than n are redrawn (RLlib), so the last steps get short returns.
-        "n_step_max": F(int, None, **POS_INT, optional=True),
-        # Target network sync period in sampled env steps, and the Polyak factor (1.0: hard copy).
-        "target_update_every": F(int, 500, **POS_INT),
-        "tau": F(float, 1.0, lo=0.0, hi=1.0, lo_open=True),
-        # Epsilon-greedy: linear from epsilon_start to epsilon_end over epsilon_steps env steps.
-        "epsilon_start": F(float, 1.0, lo=0.0, hi=1.0),
-        "epsilon_end": F(float, 0.05, lo=0.0, hi=1.0),
-        "epsilon_steps": F(int, 10000, **POS_INT),
-        # sequences: every step of whole stored episodes per update, one forward pass per sequence
-        # (uniform over episodes); steps: RLlib's step buffers, one pass per step (prioritized or not).
-        "replay": F(str, "sequences", choices=["sequences", "steps"]),
-        "replay_capacity": F(int, 50000, **POS_INT),  # stored env steps
-        "prioritized": F(bool, False),
-        "alpha": F(float, 0.6, lo=0.0),
-        "beta": F(float, 0.4, lo=0.0),
-        "learning_starts": F(int, 1000, **NONNEG_INT),
-        # Replayed / sampled steps; null: one update of train_batch_size per sample() call.
-        "training_intensity": F(float, None, lo=0.0, lo_open=True, optional=True),
-        "td_loss": F(str, "huber", choices=["huber", "mse"]),
-        # A training iteration (one progress line, one result row) samples at least this many env steps.
-        "steps_per_iteration": F(int, 1000, **POS_INT),
-        # agents.generate without --greedy samples softmax(Q / sample_temperature).
-        "sample_temperature": F(float, 1.0, lo=0.0, lo_open=True),
-    },
-    "guide": {  # guided algorithms only (ppo_pp, aggrevated, lols, dlols); agents/guides.py
-        "name_or_path": F(str, None, optional=True),  # a causal LM sharing the policy's vocabulary
-        "callable": F(str, None, optional=True),  # 'module:function': prefix texts -> continuations
-        "greedy": F(bool, False),  # an LM guide takes its argmax token instead of sampling
-        "beta": F(float, 0.2, lo=0.0, hi=1.0),  # PPO++: probability an episode starts with a guide roll-in
-        "mix": F(float, 0.8, lo=0.0, hi=1.0),  # AggreVaTeD: probability a roll-in token is the guide's
-        "lols_prob": F(float, 0.2, lo=0.0, hi=1.0),  # LOLS: probability an iteration is AggreVaTeD
-        # DLOLS: AggreVaTeD for this many iterations, or this fraction of stop.training_iteration; then PPO++.
-        "switch_iteration": F(int, None, **NONNEG_INT, optional=True),
-        "switch_fraction": F(float, 0.2, lo=0.0, hi=1.0),
-    },
-    "reinforce": {  # reinforce and self_critical only (agents/algorithms/reinforce.py)
-        # reinforce: each prompt is drawn for this many episodes in a row; baseline = their mean reward.
-        "num_samples": F(int, 4, lo=2),
     },
     "evaluation": {  # greedy (explore off) evaluation episodes every `interval` iterations; 0: none
         "interval": F(int, 0, **NONNEG_INT),
@@ -238,16 +145,35 @@ SCHEMA: dict[str, dict[str, Field] | Field] = {
     },
 }
 OPEN_SECTIONS = {"task"}  # sections that accept keys beyond the schema
-SEARCH_SPACES = ("grid_search", "choice", "uniform", "loguniform", "randint")
+_SCHEMA: dict = {}
 
 
-def _unknown(path: str, key: str, known) -> ConfigError:
-    hint = difflib.get_close_matches(key, list(known), n=1)
-    suffix = f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(sorted(known))})"
-    return ConfigError(f"{path + '.' if path else ''}{key}: unknown key{suffix}")
+def schema() -> dict:
+    """The whole schema: the generic sections and every registered algorithm's own section."""
+    if not _SCHEMA:
+        from agents.algorithms import specs
+
+        sections = {}
+        for spec in dict.fromkeys(specs().values()):
+            if spec.section:
+                sections[spec.section] = spec.schema
+        _SCHEMA.update(GENERIC_SCHEMA)
+        _SCHEMA["algorithm"] = F(str, "ppo", choices=list(specs()))
+        for name, section in sections.items():
+            _SCHEMA[name] = section
+    return _SCHEMA
 
 
-SEARCHABLE_SECTIONS = ("training", "reward", "sampler", "seed", "dqn", "guide", "algorithm")  # others feed values that must agree across processes
+# Sections whose leaves may be Tune search spaces (others feed values that must agree across
+# processes), besides the algorithms' own sections that declare `section_searchable`.
+GENERIC_SEARCHABLE = ("training", "reward", "sampler", "seed", "algorithm")
+
+
+def searchable_sections() -> tuple:
+    from agents.algorithms import specs
+
+    return GENERIC_SEARCHABLE + tuple(dict.fromkeys(s.section for s in specs().values()
+                                                    if s.section and s.section_searchable))
 WHOLE_SECTION_SEARCH = ("sampler",)  # sections that may be one search space over whole mappings
 # The parameters each sampler needs (and the only ones it accepts), with their ranges where they
 # are narrower than the schema's.
@@ -258,14 +184,11 @@ SAMPLER_PARAMS = {
 SAMPLER_ONLY = ("k", "p", "epsilon", "eta", "tau")
 
 
-def _is_search_space(value) -> bool:
-    return isinstance(value, dict) and len(value) == 1 and next(iter(value)) in SEARCH_SPACES
-
-
 def _check_value(path: str, field: Field, value):
     if _is_search_space(value):
-        if path.split(".")[0] not in SEARCHABLE_SECTIONS:
-            raise ConfigError(f"{path}: search spaces are supported in the {' and '.join(SEARCHABLE_SECTIONS)} sections only")
+        if path.split(".")[0] not in searchable_sections():
+            raise ConfigError(f"{path}: search spaces are supported in the {' and '.join(searchable_sections())} "
+                              f"sections only")
         (kind, args), = value.items()
         if not isinstance(args, list) or not args:
             raise ConfigError(f"{path}.{kind}: expected a non-empty list")
@@ -282,11 +205,12 @@ def validate(raw: dict) -> dict:
     """Returns the config with defaults filled in, or raises ConfigError."""
     if not isinstance(raw, dict):
         raise ConfigError("config: the YAML file must hold a mapping at the top level")
+    full = schema()
     out = {}
     for key in raw:
-        if key not in SCHEMA:
-            raise _unknown("", key, SCHEMA)
-    for key, spec in SCHEMA.items():
+        if key not in full:
+            raise unknown_key("", key, full)
+    for key, spec in full.items():
         value = raw.get(key)
         if isinstance(spec, Field):
             out[key] = spec.default if value is None else _check_value(key, spec, value)
@@ -303,11 +227,31 @@ def validate(raw: dict) -> dict:
     if "training_iteration" not in raw_stop and any(
             raw_stop.get(k) is not None for k in ("time_total_s", "num_env_steps_sampled_lifetime")):
         out["stop"]["training_iteration"] = None  # a budget given in time or steps is not cut at 100 iterations
+    spec = algorithm_spec(out)
     _check_model_kind(out, None)  # first: an unsupported policy kind makes the other checks moot
-    _check_algorithm_fields(raw, out)
-    _check_guided_fields(raw, out)
-    _check_cross_fields(out)
+    _check_algorithm_fields(raw, out, spec)
+    spec.check(raw, out)
+    _check_cross_fields(out, spec)
     return out
+
+
+def algorithm_spec(cfg: dict):
+    """The `AlgorithmSpec` serving the config's algorithm (a search over algorithm names must stay
+    within one spec and the names it may be searched with)."""
+    from agents.algorithms import specs
+
+    algo, known = cfg["algorithm"], specs()
+    if not _is_search_space(algo):
+        return known[algo]
+    if next(iter(algo)) not in ("grid_search", "choice"):
+        raise ConfigError("algorithm: search over algorithm names with grid_search or choice")
+    names = _candidates(algo)
+    for spec in dict.fromkeys(known[a] for a in names):
+        if all(a in spec.names + spec.search_with for a in names):
+            return spec
+    groups = sorted({", ".join(s.search_with + s.names) for s in known.values() if s.search_with})
+    raise ConfigError(f"algorithm: a search over algorithms may list the algorithms of one family only "
+                      f"({'; '.join(groups)}), got {names}; run others as separate experiments")
 
 
 def _check_section(path: str, key: str, spec: dict, value) -> dict:
@@ -318,7 +262,7 @@ def _check_section(path: str, key: str, spec: dict, value) -> dict:
     section = {}
     for sub in value:
         if sub not in spec and key not in OPEN_SECTIONS:
-            raise _unknown(path, sub, spec)
+            raise unknown_key(path, sub, spec)
     for sub, field in spec.items():
         v = value.get(sub, copy.deepcopy(field.default))
         section[sub] = _check_value(f"{path}.{sub}", field, v) if sub in value else v
@@ -328,10 +272,6 @@ def _check_section(path: str, key: str, spec: dict, value) -> dict:
     if key == "sampler":
         _check_sampler(path, section)
     return section
-
-
-def _candidates(value) -> list:
-    return next(iter(value.values())) if _is_search_space(value) else [value]
 
 
 def _check_sampler(path: str, s: dict) -> None:
@@ -356,120 +296,49 @@ def _check_sampler(path: str, s: dict) -> None:
                 raise ConfigError(f"{path}.{param}: expected a number in (0, 1), got {v!r}")
 
 
-def _plain(value):
-    """A representative plain value for cross-field checks (first candidate of a search space)."""
-    if _is_search_space(value):
-        return next(iter(value.values()))[0]
-    return value
+def _or(names) -> str:
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
-# Training keys only the actor-critic algorithms read (DQN takes lr, train_batch_size, gamma, grad_clip).
-ACTOR_CRITIC_ONLY = ("minibatch_size", "num_epochs", "lambda", "clip_param", "vf_loss_coeff", "vf_clip_param",
-                     "entropy_coeff", "mle_coef", "mle_batch_size")
+def _check_algorithm_fields(raw: dict, cfg: dict, spec) -> None:
+    """Refuses options the chosen algorithm does not read, naming the option."""
+    from agents.algorithms import specs
 
-
-def _check_algorithm_fields(raw: dict, cfg: dict) -> None:
-    """Refuses options the chosen algorithm cannot use, naming the option."""
     algo = cfg["algorithm"]
-    if algo != "dqn":
-        if raw.get("dqn") is not None:
-            raise ConfigError(f"dqn: only used with algorithm: dqn (this config's algorithm is {algo!r})")
-        return
-    for key in ACTOR_CRITIC_ONLY:
-        if key in (raw.get("training") or {}):
-            raise ConfigError(f"training.{key}: not used by DQN (a PPO/A3C option); remove it")
+    for other in dict.fromkeys(specs().values()):
+        if other.section and other is not spec and raw.get(other.section) is not None:
+            raise ConfigError(f"{other.section}: only used by algorithm {_or(other.names)} (this config's "
+                              f"algorithm is {algo!r})")
+    reads = COMMON_TRAINING + spec.training_keys
+    for key in raw.get("training") or {}:
+        if key in schema()["training"] and key not in reads:
+            raise ConfigError(f"training.{key}: not used by algorithm {algo!r} (it reads "
+                              f"{', '.join(k for k in schema()['training'] if k in reads)}); remove it")
     sampler = cfg["sampler"]
     names = [c["name"] for c in _candidates(sampler)] if _is_search_space(sampler) else [sampler["name"]]
-    if any(n != "none" for n in names):
-        raise ConfigError("sampler.name: DQN acts epsilon-greedy on its Q-values; truncation samplers and their "
-                          "masking (current or learned) apply to ppo and a3c only")
-    rw, dqn = cfg["reward"], cfg["dqn"]
-    if rw["kl_adaptive"]:
-        raise ConfigError("reward.kl_adaptive: DQN's per-token reference term has a fixed coefficient")
-    if dqn["replay"] == "sequences" and dqn["prioritized"]:
-        raise ConfigError("dqn.prioritized: prioritized replay draws single steps; set dqn.replay: steps with it")
-    if dqn["n_step_max"] is not None and _plain(dqn["n_step_max"]) < _plain(dqn["n_step"]):
-        raise ConfigError(f"dqn.n_step_max: {_plain(dqn['n_step_max'])} is smaller than dqn.n_step={_plain(dqn['n_step'])}")
-    if _plain(rw["kl_coef"]) > 0 and (max(_candidates(dqn["n_step"])) > 1 or dqn["n_step_max"] not in (None, 1)):
-        raise ConfigError("reward.kl_coef: DQN's per-token reference term needs dqn.n_step: 1 (n-step returns "
-                          "are summed in the replay buffer, before the learner adds the term)")
+    if spec.sampler_refusal and any(n != "none" for n in names):
+        raise ConfigError(f"sampler.name: {spec.sampler_refusal}")
+    if not spec.kl_adaptive and cfg["reward"]["kl_adaptive"]:
+        raise ConfigError(f"reward.kl_adaptive: {algo!r}'s per-token reference term has a fixed coefficient")
 
 
-GUIDED_ALGORITHMS = ("ppo_pp", "aggrevated", "lols", "dlols")
-SEQUENCE_PG_ALGORITHMS = ("reinforce", "self_critical")
-
-
-def algorithm_family(cfg: dict) -> str:
-    """'guided' for the guided algorithms (and any search over algorithms, which may only mix ppo
-    with them: they are one RLlib algorithm), 'reinforce' for sequence-level policy gradient, else the name."""
-    algo = cfg["algorithm"]
-    if _is_search_space(algo) or algo in GUIDED_ALGORITHMS:
-        return "guided"
-    return "reinforce" if algo in SEQUENCE_PG_ALGORITHMS else algo
-
-
-def dlols_switch_iteration(cfg: dict) -> int | None:
-    g = cfg["guide"]
-    if g["switch_iteration"] is not None:
-        return g["switch_iteration"]
-    total = cfg["stop"]["training_iteration"]
-    return None if total is None else int(round(_plain(g["switch_fraction"]) * total))
-
-
-def _check_guided_fields(raw: dict, cfg: dict) -> None:
-    """Guide and REINFORCE options: only with the algorithms that read them, and complete."""
-    algos = _candidates(cfg["algorithm"])
-    if _is_search_space(cfg["algorithm"]):
-        if next(iter(cfg["algorithm"])) not in ("grid_search", "choice"):
-            raise ConfigError("algorithm: search over algorithm names with grid_search or choice")
-        if any(a not in GUIDED_ALGORITHMS + ("ppo",) for a in algos):
-            raise ConfigError(f"algorithm: a search over algorithms may list ppo and the guided ones "
-                              f"({', '.join(GUIDED_ALGORITHMS)}) only, got {algos}; run others as separate experiments")
-    guided = any(a in GUIDED_ALGORITHMS for a in algos)
-    if raw.get("guide") is not None and not guided:
-        raise ConfigError(f"guide: only used by the guided algorithms ({', '.join(GUIDED_ALGORITHMS)}); this "
-                          f"config's algorithm is {cfg['algorithm']!r}")
-    if raw.get("reinforce") is not None and not any(a in SEQUENCE_PG_ALGORITHMS for a in algos):
-        raise ConfigError(f"reinforce: only used by algorithm reinforce or self_critical (this config's algorithm "
-                          f"is {cfg['algorithm']!r})")
-    if not guided:
-        return
-    g = cfg["guide"]
-    if _is_search_space(g["name_or_path"]) or _is_search_space(g["callable"]):
-        raise ConfigError("guide.name_or_path: the guide itself cannot be searched; sweep beta, mix, lols_prob or "
-                          "switch_fraction")
-    if bool(g["name_or_path"]) == bool(g["callable"]):
-        raise ConfigError("guide: give exactly one of guide.name_or_path (a causal LM with the policy's vocabulary) "
-                          "and guide.callable ('module:function')")
-    spec = g["callable"]
-    if spec and (spec.count(":") != 1 or not all(spec.split(":"))):
-        raise ConfigError(f"guide.callable: expected 'module:function', got {spec!r}")
-    if "dlols" in algos and dlols_switch_iteration(cfg) is None:
-        raise ConfigError("guide.switch_fraction: DLOLS takes it of stop.training_iteration, which is not set; "
-                          "set stop.training_iteration or guide.switch_iteration")
-
-
-def _check_cross_fields(cfg: dict):
+def _check_cross_fields(cfg: dict, spec):
     t = cfg["training"]
-    if cfg["algorithm"] != "dqn" and _plain(t["minibatch_size"]) > _plain(t["train_batch_size"]):
-        raise ConfigError(
-            f"training.minibatch_size: {_plain(t['minibatch_size'])} is larger than "
-            f"training.train_batch_size={_plain(t['train_batch_size'])}"
-        )
     if (t["lr_end"] is None) != (t["lr_decay_steps"] is None):
         given, missing = ("lr_end", "lr_decay_steps") if t["lr_end"] is not None else ("lr_decay_steps", "lr_end")
         raise ConfigError(f"training.{given}: needs training.{missing} too (lr falls linearly from training.lr to "
                           f"training.lr_end over training.lr_decay_steps env steps)")
     if cfg["reward"]["kl_adaptive"] and _plain(cfg["reward"]["kl_coef"]) == 0.0:
         raise ConfigError("reward.kl_adaptive: needs reward.kl_coef > 0 to adapt from")
-    if max(_candidates(t["mle_coef"])) > 0:
+    if "mle_coef" in spec.training_keys and max(_candidates(t["mle_coef"])) > 0:
         task = cfg["task"]
         if task.get("name") == "increasing_numbers" or (task.get("name") == "text" and not task.get("reference_field")):
             raise ConfigError(f"training.mle_coef: task {task.get('name')!r} has no reference texts to learn from "
                               f"(imdb, commongen, dialogue, summarization, or text with reference_field have them)")
-    if cfg["algorithm"] == "dqn" and cfg["env_runners"]["runner"] == "fast":
-        raise ConfigError("env_runners.runner: 'fast' samples whole episodes; DQN samples n-step fragments "
-                          "(batch_mode truncate_episodes) for its replay buffer: use 'stock' or 'auto'")
+    if not spec.whole_episodes and cfg["env_runners"]["runner"] == "fast":
+        raise ConfigError(f"env_runners.runner: 'fast' samples whole episodes; {cfg['algorithm']!r} samples n-step "
+                          "fragments (batch_mode truncate_episodes) for its replay buffer: use 'stock' or 'auto'")
     stop = cfg["stop"]
     if all(v is None for v in stop.values()):
         raise ConfigError("stop: give at least one of " + ", ".join(stop))
@@ -534,12 +403,10 @@ def to_tune(value):
     return value
 
 
-SEQ2SEQ_ALGORITHMS = ("ppo", "a3c")  # algorithms whose modules have an encoder-decoder version
-
-
 def _check_model_kind(cfg: dict, kind: str | None) -> str | None:
     """Refuses what encoder-decoder policies do not support yet, in one line; returns the kind
     (None when it cannot be known without loading the model's config)."""
+    from agents.algorithms import specs
     from agents.models import declared_kind
 
     if kind is None:
@@ -550,9 +417,10 @@ def _check_model_kind(cfg: dict, kind: str | None) -> str | None:
     if kind != "seq2seq":
         return kind
     algo = cfg["algorithm"]
-    if algo not in SEQ2SEQ_ALGORITHMS:
+    if not algorithm_spec(cfg).seq2seq:
+        supported = ", ".join(a for a, s in specs().items() if s.seq2seq)
         raise ConfigError(f"model.kind: seq2seq policies are not supported by algorithm {algo!r} yet (supported: "
-                          f"{', '.join(SEQ2SEQ_ALGORITHMS)}; its module wraps causal LMs only)")
+                          f"{supported}; its module wraps causal LMs only)")
     if max(_candidates(cfg["training"]["mle_coef"])) > 0:
         raise ConfigError("training.mle_coef: the supervised term is implemented for causal LMs only; "
                           "warm-start a seq2seq policy with agents.pretrain instead")
@@ -585,10 +453,6 @@ def _builtin_names():
     return {**BUILTIN_CONFIGS, **SEQ2SEQ_CONFIGS}
 
 
-def _same_seed(spec) -> int:
-    return spec.config["seed"]
-
-
 def learner_cpus(cfg: dict):
     """RLlib's num_cpus_per_learner. RLlib reserves max(this, the main process's CPUs) for a
     trial whose learner runs in its own process (num_learners 0), so there the trial's share
@@ -601,148 +465,86 @@ def learner_cpus(cfg: dict):
     return "auto"
 
 
-def _config_class(family: str):
-    from agents.algorithms.a3c import A3CConfig
-    from agents.algorithms.dqn import LMDQNConfig
-    from agents.algorithms.ppo import LMPPOConfig
+def _absolute_if_local(value):
+    if isinstance(value, str) and os.path.exists(os.path.expanduser(value)):
+        return os.path.abspath(os.path.expanduser(value))
+    return value
 
-    if family == "guided":
-        from agents.algorithms.guided import GuidedPPOConfig
-        return GuidedPPOConfig
-    if family == "reinforce":
-        from agents.algorithms.reinforce import ReinforceConfig
-        return ReinforceConfig
-    return {"ppo": LMPPOConfig, "a3c": A3CConfig, "dqn": LMDQNConfig}[family]
+
+def with_absolute_paths(cfg: dict) -> dict:
+    """The config with its local model directory and task data files as absolute paths: Tune
+    trials run in their own directory, where a relative path finds nothing."""
+    model = {**cfg["model"], "name_or_path": _absolute_if_local(cfg["model"]["name_or_path"])}
+    task, data = dict(cfg["task"]), cfg["task"].get("dataset")
+    if isinstance(data, dict) and not _is_search_space(data):
+        task["dataset"] = {split: _absolute_if_local(path) for split, path in data.items()}
+    elif data is not None:
+        task["dataset"] = _absolute_if_local(data)
+    return {**cfg, "model": model, "task": task}
 
 
 def env_runner_kind(cfg: dict) -> str:
-    """'fast' or 'stock' (agents/env_runner.py): `env_runners.runner`, where auto is fast except for DQN."""
+    """'fast' or 'stock' (agents/env_runner.py): `env_runners.runner`, where auto is fast for the
+    algorithms that sample whole episodes."""
     kind = cfg["env_runners"]["runner"]
     if kind == "auto":
-        return "stock" if cfg["algorithm"] == "dqn" else "fast"
+        return "fast" if algorithm_spec(cfg).whole_episodes else "stock"
     return kind
 
 
 def algorithm_config(cfg: dict):
-    """The RLlib AlgorithmConfig for a validated config (search spaces as Tune objects)."""
-    from ray import tune
+    """The RLlib AlgorithmConfig for a validated config (search spaces as Tune objects): the
+    generic sections here, the algorithm's own part from its spec (agents/algorithms/)."""
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
-
-    from agents.env_runner import TOKEN_ENV, FastTokenEnvRunner, StockTokenEnvRunner, make_token_env
-    from agents.modules import CausalLMActorCritic
-    from agents.modules.q_network import CausalLMQNetwork as QNetwork
-    from agents.modules.seq2seq import Seq2SeqActorCritic
-
-    if os.path.isdir(cfg["model"]["name_or_path"]):  # trials run in their own directory: a local model goes absolute
-        cfg = {**cfg, "model": {**cfg["model"], "name_or_path": os.path.abspath(cfg["model"]["name_or_path"])}}
-    c = to_tune(cfg)
-    t, er, lr, rw = c["training"], c["env_runners"], c["learners"], c["reward"]
-    env_cfg = to_tune(env_config(cfg))
-    use_ref = _plain(cfg["reward"]["kl_coef"]) > 0
-    # The module's config goes in the AlgorithmConfig's own model_config (not inside the
-    # RLModuleSpec object), so that Tune resolves search spaces in it (the sampler section).
-    # A searched seed is drawn once (the algorithm's) and the module's init seed follows it.
-    module_seed = tune.sample_from(_same_seed) if _is_search_space(cfg["seed"]) else c["seed"]
-    model_config = {"model": c["model"], "env": env_cfg, "seed": module_seed, "reference_model": use_ref,
-                    "sampler": c["sampler"]}
-    algo = cfg["algorithm"]
-    dqn = c["dqn"]
-    if algo == "dqn":
-        model_config["dqn"] = {k: dqn[k] for k in ("head", "mlp_hidden", "sample_temperature")}
-    family = algorithm_family(cfg)
-    env_runner_env_cfg = env_cfg
-    if family == "guided":  # the guide acts on the EnvRunners; GuidedPPO sets each iteration's roll-in mode
-        model_config["guide"] = {**{k: c["guide"][k] for k in ("name_or_path", "callable", "greedy", "beta", "mix")},
-                                 "mode": "none"}
-        path = cfg["guide"]["name_or_path"]
-        if path and os.path.isdir(path):  # a Tune trial does not run in this directory
-            model_config["guide"]["name_or_path"] = os.path.abspath(path)
-    elif family == "reinforce":  # each prompt num_samples times in a row, for the per-prompt baseline
-        env_runner_env_cfg = {**env_cfg, "repeat_prompt": c["reinforce"]["num_samples"] if algo == "reinforce" else 1}
     from ray.tune.registry import register_env
 
+    from agents.algorithms.base import module_seed
+    from agents.env_runner import TOKEN_ENV, FastTokenEnvRunner, StockTokenEnvRunner, make_token_env
+
+    cfg = with_absolute_paths(cfg)
+    spec = algorithm_spec(cfg)
+    c = to_tune(cfg)
+    t, er, lr = c["training"], c["env_runners"], c["learners"]
+    env_cfg = to_tune(env_config(cfg))
+    # The module's config goes in the AlgorithmConfig's own model_config (not inside the
+    # RLModuleSpec object), so that Tune resolves search spaces in it (the sampler section).
+    model_config = {"model": c["model"], "env": env_cfg, "seed": module_seed(cfg, c),
+                    "reference_model": _plain(cfg["reward"]["kl_coef"]) > 0, "sampler": c["sampler"],
+                    **spec.module_config(cfg, c)}
+    runner_env_cfg = spec.env_config(cfg, c, env_cfg)
     register_env(TOKEN_ENV, make_token_env)  # RLlib builds one row, or the vector env through its entry point
     fast = env_runner_kind(cfg) == "fast"
     if fast:  # the vector env, built through RLlib's vector entry point; the runner resets its rows
-        env_runner_env_cfg = {**env_runner_env_cfg, "autoreset_mode": "Disabled"}
+        runner_env_cfg = {**runner_env_cfg, "autoreset_mode": "Disabled"}
     config = (
-        _config_class(family)()
-        .environment(TOKEN_ENV, env_config=env_runner_env_cfg)
+        spec.config_class()()
+        .environment(TOKEN_ENV, env_config=runner_env_cfg)
         .env_runners(
             num_env_runners=er["num_env_runners"],
             num_envs_per_env_runner=er["num_envs_per_env_runner"],
             num_cpus_per_env_runner=er["num_cpus_per_env_runner"],
             num_gpus_per_env_runner=er["num_gpus_per_env_runner"],
-            # Actor-critic losses take whole generations (exact per-sequence KL, one forward per
-            # sequence); DQN stores steps in its replay buffer and samples n_step steps per env per call.
-            batch_mode="truncate_episodes" if algo == "dqn" else "complete_episodes",
+            # Whole generations (exact per-sequence KL, one forward per sequence), or n-step fragments
+            # for a replay buffer.
+            batch_mode="complete_episodes" if spec.whole_episodes else "truncate_episodes",
             env_runner_cls=FastTokenEnvRunner if fast else StockTokenEnvRunner,
             gym_env_vectorize_mode="vector_entry_point" if fast else "sync",
         )
-        .fault_tolerance(
-            restart_failed_env_runners=True, max_num_env_runner_restarts=er["max_restarts"]
-        )
+        .fault_tolerance(restart_failed_env_runners=True, max_num_env_runner_restarts=er["max_restarts"])
         .learners(
             num_learners=lr["num_learners"],
             num_cpus_per_learner=learner_cpus(cfg),
             num_gpus_per_learner=lr["num_gpus_per_learner"],
-            learner_config_dict={"kl": {
-                "coef": rw["kl_coef"], "adaptive": rw["kl_adaptive"],
-                "target": rw["kl_target"], "horizon": rw["kl_horizon"],
-            }, **({"mle": {"coef": t["mle_coef"], "batch_size": t["mle_batch_size"], "env": env_cfg}}
-                  if algo != "dqn" else {})},
         )
-        .rl_module(rl_module_spec=RLModuleSpec(module_class=QNetwork if algo == "dqn" else
-                                               Seq2SeqActorCritic if env_cfg["encoder_decoder"] else CausalLMActorCritic),
+        .rl_module(rl_module_spec=RLModuleSpec(module_class=spec.module_class(env_cfg["encoder_decoder"])),
                    model_config=model_config)
         .debugging(seed=c["seed"])
     )
-    if family == "guided":
-        from agents.algorithms.guided import log_policy_return
-
-        config.callbacks(on_episode_end=log_policy_return)
-        config.learner_config_dict["guided"] = {
-            "algorithm": c["algorithm"], "switch_iteration": dlols_switch_iteration(cfg),
-            "lols_prob": c["guide"]["lols_prob"], "seed": module_seed}
-    elif family == "reinforce":
-        config.learner_config_dict["reinforce"] = {"baseline": "greedy" if algo == "self_critical" else "mean",
-                                                   "num_samples": c["reinforce"]["num_samples"]}
     # RLlib's lr schedule: [[env steps, lr], ...], linear in between, the last value after.
     lr = t["lr"] if t["lr_decay_steps"] is None else [[0, t["lr"]], [t["lr_decay_steps"], t["lr_end"]]]
-    common = dict(lr=lr, train_batch_size=t["train_batch_size"], gamma=t["gamma"], grad_clip=t["grad_clip"])
-    if algo == "dqn":
-        eps = [[0, dqn["epsilon_start"]], [dqn["epsilon_steps"], dqn["epsilon_end"]]]
-        config.training(
-            **common,
-            double_q=dqn["double_q"],
-            dueling=dqn["dueling"],
-            n_step=dqn["n_step"] if dqn["n_step_max"] is None else (dqn["n_step"], dqn["n_step_max"] + 1),
-            target_network_update_freq=dqn["target_update_every"],
-            tau=dqn["tau"],
-            epsilon=eps,
-            num_steps_sampled_before_learning_starts=dqn["learning_starts"],
-            training_intensity=dqn["training_intensity"],
-            td_error_loss_fn=dqn["td_loss"],
-            replay_buffer_config={
-                "type": "WholeEpisodeReplayBuffer" if cfg["dqn"]["replay"] == "sequences" else
-                "PrioritizedEpisodeReplayBuffer" if cfg["dqn"]["prioritized"] else "EpisodeReplayBuffer",
-                "capacity": dqn["replay_capacity"],
-                **({"alpha": dqn["alpha"], "beta": dqn["beta"]} if cfg["dqn"]["prioritized"] else {}),
-            },
-        )
-        config.reporting(min_sample_timesteps_per_iteration=dqn["steps_per_iteration"])
-    else:
-        config.training(
-            **common,
-            minibatch_size=t["minibatch_size"],
-            num_epochs=t["num_epochs"],
-            lambda_=t["lambda"],
-            clip_param=t["clip_param"],
-            vf_loss_coeff=t["vf_loss_coeff"],
-            vf_clip_param=t["vf_clip_param"],
-            entropy_coeff=t["entropy_coeff"],
-            use_kl_loss=False,
-        )
+    config.training(lr=lr, train_batch_size=t["train_batch_size"], gamma=t["gamma"], grad_clip=t["grad_clip"],
+                    **spec.training(cfg, c))
+    spec.configure(config, cfg, c)
     ev = cfg["evaluation"]
     if ev["interval"]:
         config.evaluation(

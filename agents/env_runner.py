@@ -186,9 +186,9 @@ class FastTokenEnvRunner(SingleAgentEnvRunner):
                 batch = {Columns.OBS: {k: torch.from_numpy(v).to(device) for k, v in obs.items()},
                          ROW_CONTINUES: torch.from_numpy(st.cont).to(device)}
                 if explore:
-                    out = module.forward_exploration(batch, t=t_global + steps)
+                    out = module.act(batch, t=t_global + steps)
                 else:
-                    logits = module.forward_inference(batch)[Columns.ACTION_DIST_INPUTS]
+                    logits = module.act(batch, explore=False)[Columns.ACTION_DIST_INPUTS]
                     actions = logits.argmax(-1)
                     out = {Columns.ACTIONS: actions,
                            Columns.ACTION_LOGP: torch.log_softmax(logits.float(), -1).gather(-1, actions[:, None])[:, 0]}

@@ -13,8 +13,11 @@ import sys
 
 import numpy as np
 import torch
+from ray.rllib.core import (COMPONENT_LEARNER, COMPONENT_LEARNER_GROUP, COMPONENT_RL_MODULE,
+                            DEFAULT_MODULE_ID)
 
-MODULE_SUBDIR = os.path.join("learner_group", "learner", "rl_module", "default_policy")
+# Where an Algorithm checkpoint keeps the trained policy (RLlib's component names).
+MODULE_SUBDIR = os.path.join(COMPONENT_LEARNER_GROUP, COMPONENT_LEARNER, COMPONENT_RL_MODULE, DEFAULT_MODULE_ID)
 
 
 def find_module_dir(path: str) -> str:

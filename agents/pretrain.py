@@ -35,7 +35,8 @@ import time
 
 import torch
 
-from agents.config import ConfigError, Field as F, read_yaml, _unknown
+from agents.config import read_yaml
+from env.validation import ConfigError, Field as F, unknown_key
 from env.tasks.data import DATA_OPTIONS, DataError, DataSpec, load_rows
 
 SCHEMA = {
@@ -80,7 +81,7 @@ def validate(raw) -> dict:
         raise ConfigError("config: the YAML file must hold a mapping at the top level")
     for key in raw:
         if key not in SCHEMA:
-            raise _unknown("", key, SCHEMA)
+            raise unknown_key("", key, SCHEMA)
     cfg = {}
     for key, spec in SCHEMA.items():
         value = raw.get(key)
@@ -93,7 +94,7 @@ def validate(raw) -> dict:
         extra = DATA_OPTIONS if key == "data" else {}
         for sub in value:
             if sub not in spec and sub not in extra:
-                raise _unknown(key, sub, {**spec, **extra})
+                raise unknown_key(key, sub, {**spec, **extra})
         cfg[key] = {sub: f.check(f"{key}.{sub}", value[sub]) if sub in value else f.default
                     for sub, f in spec.items()}
         cfg[key].update({sub: value.get(sub, default) for sub, default in extra.items()})

@@ -31,7 +31,7 @@ def _fail(message: str) -> int:
 def preflight(cfg: dict) -> None:
     """Builds the env (task, tokenizer, data) and checks the model spec in this process,
     so that bad input fails here with one line instead of inside a Ray worker."""
-    from agents.config import algorithm_family, env_config
+    from agents.config import algorithm_spec, env_config
     from agents.models import is_builtin
     from env.text_env import TokenGenerationEnv
 
@@ -46,7 +46,7 @@ def preflight(cfg: dict) -> None:
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(f"model.name_or_path: cannot load {name!r}: {first}") from None
-    if cfg.get("guide") and algorithm_family(cfg) == "guided":
+    if cfg.get("guide") and algorithm_spec(cfg).section == "guide":
         preflight_guide(cfg, env)
 
 
@@ -259,7 +259,7 @@ def make_wandb_callback(cfg: dict, name: str):
             super().log_trial_start(trial)
 
     return TrialDirWandb(project=os.environ.get("WANDB_PROJECT", cfg["tune"]["wandb_project"]), group=name,
-                         mode=mode, excludes=["_model_config", "env_config", "learner_config_dict"])
+                         mode=mode, excludes=["_model_config", "env_config"])
 
 
 def trial_resources(cfg: dict) -> dict:
@@ -421,7 +421,7 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float) -> int:
 
 def _searched_training_keys(cfg: dict) -> list[tuple[str, str]]:
     """(section, key) of the training/reward values the config searches over."""
-    from agents.config import _is_search_space
+    from env.validation import is_search_space as _is_search_space
 
     return [(sec, k) for sec in ("training", "reward") for k, v in cfg[sec].items() if _is_search_space(v)]
 
@@ -439,13 +439,10 @@ def _trial_row(cfg: dict, result, progress) -> dict:
         "params": " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()),
         "masking": sampler.get("masking", "-") if sampler.get("name", "none") != "none" else "-",
     }
-    guided = (config.get("learner_config_dict") or {}).get("guided")
-    if guided:  # guided runs (possibly a sweep over algorithm names): one setting per algorithm
-        row = {"algorithm": guided["algorithm"], **row}
-    kl_keys = {"kl_coef": "coef", "kl_adaptive": "adaptive", "kl_target": "target", "kl_horizon": "horizon"}
-    for sec, key in _searched_training_keys(cfg):
-        value = config.get(key) if sec == "training" else (config.get("learner_config_dict") or {}).get("kl", {}).get(kl_keys[key])
-        row[key] = value
+    if config.get("guided_algorithm"):  # guided runs (possibly a sweep over algorithm names): one setting each
+        row = {"algorithm": config["guided_algorithm"], **row}
+    for sec, key in _searched_training_keys(cfg):  # reward.kl_* are the config class's ref_kl_*
+        row[key] = config.get(key if sec == "training" else f"ref_{key}")
     trial_id = row["trial"]
     last = progress.last.get(trial_id)
     masks = progress.mask.get(trial_id)

@@ -9,16 +9,24 @@ import torch
 from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 
-from agents.config import algorithm_config, env_config, load
+from agents.config import algorithm_config, env_config, load, read_yaml, validate
 from tests.conftest import QUICKSTART
 
 SMALL = ["algorithm=a3c", "training.train_batch_size=512", "env_runners.num_envs_per_env_runner=8"]
 
 
+def a2c_quickstart(overrides=()):
+    """The quickstart's config as A3C: its PPO-only keys (minibatch_size, num_epochs) removed."""
+    raw = read_yaml(QUICKSTART, list(SMALL) + list(overrides))
+    for key in ("minibatch_size", "num_epochs"):
+        raw["training"].pop(key, None)
+    return validate(raw)
+
+
 def test_a3c_loss_is_the_advantage_actor_critic_loss_by_hand():
     from env.text_env import TokenGenerationEnv
 
-    cfg = load(QUICKSTART, SMALL + ["training.vf_loss_coeff=0.7", "training.entropy_coeff=0.03"])
+    cfg = a2c_quickstart(["training.vf_loss_coeff=0.7", "training.entropy_coeff=0.03"])
     learner = algorithm_config(cfg).build_learner(env=TokenGenerationEnv(env_config(cfg)))
     module = learner.module["default_policy"].unwrapped()
 
@@ -74,7 +82,7 @@ def _slow_down(runner, seconds):
 
 @pytest.mark.slow
 def test_a3c_keeps_learning_while_one_env_runner_is_slow(ray_local):
-    cfg = load(QUICKSTART, SMALL + ["env_runners.num_env_runners=2", "env_runners.num_cpus_per_env_runner=0.25"])
+    cfg = a2c_quickstart(["env_runners.num_env_runners=2", "env_runners.num_cpus_per_env_runner=0.25"])
     algo = algorithm_config(cfg).build_algo()
     try:
         group = algo.env_runner_group
@@ -94,7 +102,7 @@ def test_a3c_keeps_learning_while_one_env_runner_is_slow(ray_local):
 
 @pytest.mark.slow
 def test_a3c_raises_the_reward_and_its_checkpoint_restores_and_keeps_training(ray_local, tmp_path):
-    cfg = load(QUICKSTART, SMALL)  # num_env_runners 0: A2C in the trial's own process
+    cfg = a2c_quickstart()  # num_env_runners 0: A2C in the trial's own process
     algo = algorithm_config(cfg).build_algo()
     try:
         returns = [algo.train()["env_runners"]["episode_return_mean"] for _ in range(40)]
@@ -125,7 +133,7 @@ def test_lr_anneals_linearly_over_env_steps_and_half_a_schedule_is_refused():
     from agents.config import ConfigError
     from env.text_env import TokenGenerationEnv
 
-    cfg = load(QUICKSTART, SMALL + ["training.lr=1e-3", "training.lr_end=0", "training.lr_decay_steps=1000"])
+    cfg = a2c_quickstart(["training.lr=1e-3", "training.lr_end=0", "training.lr_decay_steps=1000"])
     learner = algorithm_config(cfg).build_learner(env=TokenGenerationEnv(env_config(cfg)))
     optimizer = next(iter(learner._named_optimizers.values()))
     for steps, expected in ((0, 1e-3), (250, 7.5e-4), (1000, 0.0), (5000, 0.0)):

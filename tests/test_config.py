@@ -10,7 +10,7 @@ def test_quickstart_config_is_valid_and_builds_an_rllib_config():
     assert cfg["training"]["lr"] == pytest.approx(1e-3)
     algo = algorithm_config(cfg)
     assert algo.num_envs_per_env_runner == 16
-    assert algo.learner_config_dict["kl"]["coef"] == cfg["reward"]["kl_coef"]
+    assert algo.ref_kl_coef == cfg["reward"]["kl_coef"]
 
 
 @pytest.mark.parametrize(
@@ -123,3 +123,92 @@ def test_a_time_or_step_budget_is_not_cut_at_the_default_100_iterations():
     with pytest.raises(ConfigError, match="guide.switch_fraction: DLOLS takes it of stop.training_iteration"):
         validate({"algorithm": "dlols", "stop": {"time_total_s": 60},
                   "guide": {"callable": "agents.guides:noisy_increasing_numbers"}})
+
+
+@pytest.mark.parametrize("algorithm, key, value", [
+    ("a3c", "clip_param", 0.1), ("a3c", "num_epochs", 2), ("reinforce", "lambda", 0.9),
+    ("self_critical", "vf_loss_coeff", 0.5), ("dqn", "entropy_coeff", 0.01)])
+def test_training_keys_an_algorithm_does_not_read_are_refused_in_one_line(algorithm, key, value):
+    with pytest.raises(ConfigError) as err:
+        validate({"algorithm": algorithm, "training": {key: value}})
+    assert str(err.value).startswith(f"training.{key}: not used by algorithm {algorithm!r} (it reads ")
+    assert "\n" not in str(err.value)
+
+
+def test_config_class_defaults_are_the_schema_defaults():
+    """The algorithms' typed hyperparameters default to what the YAML schema documents."""
+    from agents.algorithms.dqn import LMDQNConfig
+    from agents.algorithms.guided import GuidedPPOConfig
+    from agents.algorithms.ppo import LMPPOConfig
+    from agents.algorithms.reinforce import ReinforceConfig
+
+    cfg = validate({"algorithm": "reinforce"})
+    ppo, rw, t = LMPPOConfig(), cfg["reward"], cfg["training"]
+    assert (ppo.ref_kl_coef, ppo.ref_kl_adaptive, ppo.ref_kl_target, ppo.ref_kl_horizon) == (
+        rw["kl_coef"], rw["kl_adaptive"], rw["kl_target"], rw["kl_horizon"])
+    assert (ppo.mle_coef, ppo.mle_batch_size) == (t["mle_coef"], t["mle_batch_size"])
+    assert LMDQNConfig().ref_kl_coef == rw["kl_coef"]
+    assert ReinforceConfig().num_samples == cfg["reinforce"]["num_samples"]
+    assert GuidedPPOConfig().lols_prob == validate({"algorithm": "lols", "guide": {"callable": "a:b"}})["guide"]["lols_prob"]
+
+
+TOY_ALGORITHM = '''
+from agents.algorithms.ppo import LMPPOConfig, PPOSpec
+from env.validation import Field
+
+
+class ToyConfig(LMPPOConfig):
+    pass
+
+
+class ToySpec(PPOSpec):
+    names = ("toy",)
+    training_keys = ("minibatch_size", "num_epochs", "entropy_coeff")
+    section = "toy"
+    schema = {"temperature": Field(float, 1.0, lo=0.0, lo_open=True)}
+
+    def config_class(self):
+        return ToyConfig
+
+    def training(self, cfg, c):
+        return {**super().training(cfg, c), "entropy_coeff": c["toy"]["temperature"] * c["training"]["entropy_coeff"]}
+
+
+SPEC = ToySpec()
+'''
+
+
+def test_a_new_algorithm_is_its_module_plus_one_registration_line(tmp_path, monkeypatch):
+    import agents.algorithms as registry
+    import agents.config as config_module
+
+    (tmp_path / "toy_algorithm.py").write_text(TOY_ALGORITHM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "MODULES", registry.MODULES + ("toy_algorithm",))  # the one line
+    monkeypatch.setattr(registry, "_SPECS", {})
+    monkeypatch.setattr(config_module, "_SCHEMA", {})
+
+    cfg = validate({"algorithm": "toy", "toy": {"temperature": 2.0}, "training": {"entropy_coeff": 0.01}})
+    algo = algorithm_config(cfg)
+    assert type(algo).__name__ == "ToyConfig" and algo.entropy_coeff == pytest.approx(0.02)
+    with pytest.raises(ConfigError, match=r"^toy\.temperature: expected a number > 0"):
+        validate({"algorithm": "toy", "toy": {"temperature": 0}})
+    with pytest.raises(ConfigError, match=r"^toy: only used by algorithm toy \(this config's algorithm is 'ppo'\)"):
+        validate({"algorithm": "ppo", "toy": {"temperature": 2.0}})
+    with pytest.raises(ConfigError, match=r"^training\.clip_param: not used by algorithm 'toy'"):
+        validate({"algorithm": "toy", "training": {"clip_param": 0.1}})
+
+
+def test_relative_data_paths_reach_tune_trials_as_absolute_paths(tmp_path, monkeypatch):
+    """Tune trials run in their own directory: a task's local data files go absolute."""
+    (tmp_path / "data").mkdir()
+    for split in ("train", "validation"):
+        (tmp_path / "data" / f"{split}.jsonl").write_text('{"prompt": "a", "reference": "b"}\n')
+    monkeypatch.chdir(tmp_path)
+    raw = {"task": {"name": "text", "dataset": {"train": "data/train.jsonl", "validation": "data/validation.jsonl"},
+                    "prompt_field": "prompt", "reward": {"name": "bleu"}, "reference_field": "reference"}}
+    algo = algorithm_config(validate(raw))
+    assert algo.env_config["task"]["dataset"] == {"train": str(tmp_path / "data" / "train.jsonl"),
+                                                  "validation": str(tmp_path / "data" / "validation.jsonl")}
+    single = algorithm_config(validate({"task": {**raw["task"], "dataset": "data/train.jsonl"}}))
+    assert single.env_config["task"]["dataset"] == str(tmp_path / "data" / "train.jsonl")

@@ -143,7 +143,7 @@ def test_logits_head_starts_greedy_as_the_lm_argmax_and_mlp_head_does_not():
 @pytest.mark.parametrize("overrides, message", [
     (["sampler.name=top_p", "sampler.p=0.9", "sampler.masking=learned"],
      "sampler.name: DQN acts epsilon-greedy on its Q-values"),
-    (["training.clip_param=0.2"], "training.clip_param: not used by DQN"),
+    (["training.clip_param=0.2"], "training.clip_param: not used by algorithm 'dqn'"),
     (["reward.kl_coef=0.01", "dqn.n_step=3"], "reward.kl_coef: DQN's per-token reference term needs dqn.n_step: 1"),
     (["dqn.head=linear"], "dqn.head: expected one of 'logits', 'mlp', got 'linear'"),
     (["dqn.tau=0"], "dqn.tau: expected a number in (0.0, 1.0], got 0.0"),
@@ -156,7 +156,7 @@ def test_dqn_refuses_options_it_cannot_use_in_one_line(overrides, message):
 
 
 def test_dqn_section_with_another_algorithm_is_refused():
-    with pytest.raises(ConfigError, match=r"^dqn: only used with algorithm: dqn"):
+    with pytest.raises(ConfigError, match=r"^dqn: only used by algorithm dqn "):
         load(DQN_YAML, ["algorithm=ppo"])
 
 

@@ -142,7 +142,7 @@ def test_dlols_switches_at_the_configured_iteration_and_lols_mixes_per_iteration
     assert [guide_mode(dlols, i) for i in range(6)] == ["aggrevated"] * 3 + ["ppo_pp"] * 3
     cfg = validate({"algorithm": "dlols", "guide": {"callable": GUIDE_SPEC, "switch_fraction": 0.25},
                     "stop": {"training_iteration": 40}})
-    from agents.config import dlols_switch_iteration
+    from agents.algorithms.guided import dlols_switch_iteration
     assert dlols_switch_iteration(cfg) == 10
     lols = {"algorithm": "lols", "lols_prob": 0.3, "seed": 0}
     modes = [guide_mode(lols, i) for i in range(2000)]
@@ -221,13 +221,13 @@ def test_rollout_with_mode_switch_keeps_started_episodes_plans():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"algorithm": "ppo", "guide": {"beta": 0.3}}, r"^guide: only used by the guided algorithms"),
+    ({"algorithm": "ppo", "guide": {"beta": 0.3}}, r"^guide: only used by algorithm ppo_pp, aggrevated, lols or dlols"),
     ({"algorithm": "ppo_pp"}, r"^guide: give exactly one of guide\.name_or_path"),
     ({"algorithm": "ppo_pp", "guide": {"callable": "a:b", "name_or_path": "x"}}, r"^guide: give exactly one"),
     ({"algorithm": "ppo_pp", "guide": {"callable": "no_colon"}}, r"^guide\.callable: expected 'module:function'"),
     ({"algorithm": "ppo_pp", "guide": {"callable": "a:b", "beta": 1.5}}, r"^guide\.beta: expected a number in"),
     ({"algorithm": {"grid_search": ["ppo_pp", "dqn"]}, "guide": {"callable": "a:b"}},
-     r"^algorithm: a search over algorithms may list ppo and the guided ones"),
+     r"^algorithm: a search over algorithms may list the algorithms of one family only \(ppo, ppo_pp"),
     ({"algorithm": "dlols", "guide": {"callable": "a:b"}, "stop": {"training_iteration": None, "time_total_s": 60}},
      r"^guide\.switch_fraction: DLOLS takes it of stop\.training_iteration"),
     ({"algorithm": "ppo_pp", "guide": {"callable": "a:b"}, "reinforce": {"num_samples": 4}},
@@ -245,8 +245,8 @@ def test_a_sweep_over_guided_algorithms_is_one_rllib_algorithm():
     cfg = validate({"algorithm": {"grid_search": ["ppo", "ppo_pp", "dlols"]}, "guide": {"callable": GUIDE_SPEC}})
     config = algorithm_config(cfg)
     assert config.algo_class is GuidedPPO
-    assert config.learner_config_dict["guided"]["algorithm"] == {"grid_search": ["ppo", "ppo_pp", "dlols"]}
-    assert config.learner_config_dict["guided"]["switch_iteration"] == 20  # 0.2 x the default 100 iterations
+    assert config.guided_algorithm == {"grid_search": ["ppo", "ppo_pp", "dlols"]}
+    assert config.switch_iteration == 20  # 0.2 x the default 100 iterations
 
 
 def test_dlols_run_switches_modes_and_masks_guide_steps(ray_local):

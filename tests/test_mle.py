@@ -116,5 +116,5 @@ def test_mle_term_lowers_the_references_nll_against_pure_rl(tmp_path, ray_local)
 def test_mle_coef_where_it_cannot_apply_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="training.mle_coef: task 'text' has no reference texts to learn from"):
         dialogue_config(tmp_path, "training.mle_coef=0.5", "task.name=text", "task.reward={name: vader}")
-    with pytest.raises(ConfigError, match="training.mle_coef: not used by DQN"):
+    with pytest.raises(ConfigError, match="training.mle_coef: not used by algorithm 'dqn'"):
         dialogue_config(tmp_path, algorithm="dqn", training="{mle_coef: 0.5}")

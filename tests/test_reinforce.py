@@ -119,9 +119,9 @@ def test_self_critical_baseline_is_the_reward_of_the_greedy_decode():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"algorithm": "ppo", "reinforce": {"num_samples": 4}}, r"^reinforce: only used by algorithm reinforce"),
+    ({"algorithm": "ppo", "reinforce": {"num_samples": 4}}, r"^reinforce: only used by algorithm reinforce or self_critical"),
     ({"algorithm": "reinforce", "reinforce": {"num_samples": 1}}, r"^reinforce\.num_samples: expected an integer >= 2"),
-    ({"algorithm": "self_critical", "guide": {"callable": "a:b"}}, r"^guide: only used by the guided algorithms"),
+    ({"algorithm": "self_critical", "guide": {"callable": "a:b"}}, r"^guide: only used by algorithm ppo_pp, aggrevated, lols or dlols"),
 ])
 def test_bad_sequence_level_configs_name_the_field(raw, message):
     with pytest.raises(ConfigError, match=message):

@@ -40,7 +40,7 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, LEARNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME
 from ray.rllib.utils.torch_utils import explained_variance
 
-from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner
+from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner, PPOSpec
 from agents.modules.actor_critic import MASK_SIZE
 
 SAMPLE_TAG = "a3c_sample"
@@ -94,7 +94,6 @@ class A3CConfig(LMPPOConfig):
 
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or A3C)
-        self._learner_class = A3CTorchLearner
         self.num_epochs = 1
         self.minibatch_size = None
         self.max_requests_in_flight_per_env_runner = 1
@@ -151,3 +150,16 @@ class A3C(LMPPO):
                     from_worker_or_learner_group=self.learner_group, to_worker_indices=[runner_id],
                     inference_only=True, timeout_seconds=0)
 
+
+
+class A3CSpec(PPOSpec):
+    names = ("a3c",)
+    summary = "A3C (asynchronous actor-critic; A2C with num_env_runners 0): one gradient step per batch"
+    # One step per arriving batch: no minibatches, epochs, ratio clipping or value clipping.
+    training_keys = ("lambda", "vf_loss_coeff", "entropy_coeff", "mle_coef", "mle_batch_size")
+
+    def config_class(self):
+        return A3CConfig
+
+
+SPEC = A3CSpec()

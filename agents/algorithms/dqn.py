@@ -30,14 +30,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from ray.rllib.algorithms.algorithm_config import NotProvided
 from ray.rllib.algorithms.dqn import DQN, DQNConfig
 from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
 from ray.rllib.core.columns import Columns
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 
+from agents.algorithms.base import AlgorithmSpec, candidates, plain
 from agents.algorithms.sequence_batching import SEQ_ID
 from agents.modules.actor_critic import reference_logp
+from env.validation import ConfigError, Field
 
 REF_LOGP_MEAN = "ref_logp_mean"
 
@@ -58,7 +61,7 @@ class WholeEpisodeReplayBuffer(EpisodeReplayBuffer):
             if steps == 0:
                 continue
             rewards = np.asarray(episode.get_rewards(), dtype=np.float64)
-            seq = position + self._num_episodes_evicted  # unique while the episode is stored
+            seq = int(episode.id_[:15], 16)  # the stored episode's own id (a uuid4 hex) as a 60-bit integer
             for t in range(steps):
                 n = min(int(self.rng.integers(n_lo, n_hi)), steps - t)
                 end = t + n
@@ -80,7 +83,7 @@ class WholeEpisodeReplayBuffer(EpisodeReplayBuffer):
 class LMDQNTorchLearner(DQNTorchLearner):
     def build(self) -> None:
         super().build()
-        self.ref_coef = float(self.config.learner_config_dict.get("kl", {}).get("coef", 0.0))
+        self.ref_coef = float(self.config.ref_kl_coef)
 
     def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
         if self.ref_coef > 0.0:
@@ -93,7 +96,14 @@ class LMDQNTorchLearner(DQNTorchLearner):
 class LMDQNConfig(DQNConfig):
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or LMDQN)
-        self._learner_class = LMDQNTorchLearner
+        # Every step's reward gains ref_kl_coef * log p_ref(a_t | s_t) under the frozen initial LM.
+        self.ref_kl_coef: float = 0.0
+
+    def training(self, *, ref_kl_coef=NotProvided, **kwargs):
+        super().training(**kwargs)
+        if ref_kl_coef is not NotProvided:
+            self.ref_kl_coef = ref_kl_coef
+        return self
 
     def get_default_learner_class(self):
         return LMDQNTorchLearner
@@ -105,10 +115,106 @@ class LMDQN(DQN):
         return LMDQNConfig()
 
     def _create_local_replay_buffer_if_necessary(self, config):
-        # RLlib builds buffers from a type name it looks up in its own package.
+        # RLlib builds buffers from a type name it looks up in its own package. A dotted type
+        # ("agents.algorithms.dqn.WholeEpisodeReplayBuffer") is not a way out: under Tune,
+        # AlgorithmConfig.update_from_dict turns it into a class and RLlib's own
+        # `"EpisodeReplayBuffer" in type` check then raises TypeError. Pinned in
+        # tests/test_rllib_contract.py.
         buffer_cfg = dict(config.get("replay_buffer_config") or {})
         if buffer_cfg.get("type") != WholeEpisodeReplayBuffer.__name__:
             return super()._create_local_replay_buffer_if_necessary(config)
         del buffer_cfg["type"]
         return WholeEpisodeReplayBuffer(**buffer_cfg, metrics_num_episodes_for_smoothing=(
             self.config.metrics_num_episodes_for_smoothing))
+
+
+class DQNSpec(AlgorithmSpec):
+    names = ("dqn",)
+    summary = "DQN on the token MDP: Q-values from the LM's logits (or an MLP head), double/dueling/n-step"
+    section = "dqn"
+    schema = {
+        "head": Field(str, "logits", choices=["logits", "mlp"]),
+        "mlp_hidden": Field(int, 64, lo=1),
+        "dueling": Field(bool, False),
+        "double_q": Field(bool, True),
+        "n_step": Field(int, 1, lo=1),
+        # With n_step_max, each replayed step draws n uniformly from n_step..n_step_max; steps closer
+        # to the episode's end than n are redrawn (RLlib), so the last steps get short returns.
+        "n_step_max": Field(int, None, lo=1, optional=True),
+        # Target network sync period in sampled env steps, and the Polyak factor (1.0: hard copy).
+        "target_update_every": Field(int, 500, lo=1),
+        "tau": Field(float, 1.0, lo=0.0, hi=1.0, lo_open=True),
+        # Epsilon-greedy: linear from epsilon_start to epsilon_end over epsilon_steps env steps.
+        "epsilon_start": Field(float, 1.0, lo=0.0, hi=1.0),
+        "epsilon_end": Field(float, 0.05, lo=0.0, hi=1.0),
+        "epsilon_steps": Field(int, 10000, lo=1),
+        # sequences: every step of whole stored episodes per update, one forward pass per sequence
+        # (uniform over episodes); steps: RLlib's step buffers, one pass per step (prioritized or not).
+        "replay": Field(str, "sequences", choices=["sequences", "steps"]),
+        "replay_capacity": Field(int, 50000, lo=1),  # stored env steps
+        "prioritized": Field(bool, False),
+        "alpha": Field(float, 0.6, lo=0.0),
+        "beta": Field(float, 0.4, lo=0.0),
+        "learning_starts": Field(int, 1000, lo=0),
+        # Replayed / sampled steps; null: one update of train_batch_size per sample() call.
+        "training_intensity": Field(float, None, lo=0.0, lo_open=True, optional=True),
+        "td_loss": Field(str, "huber", choices=["huber", "mse"]),
+        # A training iteration (one progress line, one result row) samples at least this many env steps.
+        "steps_per_iteration": Field(int, 1000, lo=1),
+        # agents.generate without --greedy samples softmax(Q / sample_temperature).
+        "sample_temperature": Field(float, 1.0, lo=0.0, lo_open=True),
+    }
+    whole_episodes = False  # n-step fragments (batch_mode truncate_episodes) for the replay buffer
+    sampler_refusal = ("DQN acts epsilon-greedy on its Q-values; truncation samplers and their masking (current or "
+                       "learned) apply to the policy-gradient algorithms")
+    kl_adaptive = False  # the per-token reference term has a fixed coefficient
+
+    def config_class(self):
+        return LMDQNConfig
+
+    def module_class(self, encoder_decoder: bool):
+        from agents.modules.q_network import CausalLMQNetwork
+
+        return CausalLMQNetwork
+
+    def check(self, raw: dict, cfg: dict) -> None:
+        rw, dqn = cfg["reward"], cfg["dqn"]
+        if dqn["replay"] == "sequences" and dqn["prioritized"]:
+            raise ConfigError("dqn.prioritized: prioritized replay draws single steps; set dqn.replay: steps with it")
+        if dqn["n_step_max"] is not None and plain(dqn["n_step_max"]) < plain(dqn["n_step"]):
+            raise ConfigError(f"dqn.n_step_max: {plain(dqn['n_step_max'])} is smaller than "
+                              f"dqn.n_step={plain(dqn['n_step'])}")
+        if plain(rw["kl_coef"]) > 0 and (max(candidates(dqn["n_step"])) > 1 or dqn["n_step_max"] not in (None, 1)):
+            raise ConfigError("reward.kl_coef: DQN's per-token reference term needs dqn.n_step: 1 (n-step returns "
+                              "are summed in the replay buffer, before the learner adds the term)")
+
+    def module_config(self, cfg: dict, c: dict) -> dict:
+        return {"dqn": {k: c["dqn"][k] for k in ("head", "mlp_hidden", "sample_temperature")}}
+
+    def training(self, cfg: dict, c: dict) -> dict:
+        dqn = c["dqn"]
+        prioritized = cfg["dqn"]["prioritized"]
+        return dict(
+            double_q=dqn["double_q"],
+            dueling=dqn["dueling"],
+            n_step=dqn["n_step"] if dqn["n_step_max"] is None else (dqn["n_step"], dqn["n_step_max"] + 1),
+            target_network_update_freq=dqn["target_update_every"],
+            tau=dqn["tau"],
+            epsilon=[[0, dqn["epsilon_start"]], [dqn["epsilon_steps"], dqn["epsilon_end"]]],
+            num_steps_sampled_before_learning_starts=dqn["learning_starts"],
+            training_intensity=dqn["training_intensity"],
+            td_error_loss_fn=dqn["td_loss"],
+            replay_buffer_config={
+                "type": WholeEpisodeReplayBuffer.__name__ if cfg["dqn"]["replay"] == "sequences" else
+                "PrioritizedEpisodeReplayBuffer" if prioritized else "EpisodeReplayBuffer",
+                "capacity": dqn["replay_capacity"],
+                **({"alpha": dqn["alpha"], "beta": dqn["beta"]} if prioritized else {}),
+            },
+            ref_kl_coef=c["reward"]["kl_coef"],
+        )
+
+    def configure(self, config, cfg: dict, c: dict) -> None:
+        config.reporting(min_sample_timesteps_per_iteration=c["dqn"]["steps_per_iteration"])
+
+
+SPEC = DQNSpec()

@@ -26,18 +26,23 @@ advantages are standardised over the loss steps only.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
+from ray.rllib.algorithms.algorithm_config import NotProvided
 from ray.rllib.connectors.connector_v2 import ConnectorV2
 from ray.rllib.connectors.learner import GeneralAdvantageEstimation
 from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.postprocessing.value_predictions import compute_value_targets
 
-from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner
+from agents.algorithms.base import candidates, module_seed, plain
+from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner, PPOSpec
 from agents.algorithms.sequence_batching import AddSequenceIds
 from agents.guides import DEVIATION, GUIDE, GUIDE_ROLE, POLICY
+from env.validation import ConfigError, Field, is_search_space
 
 
 def guide_mode(guided: dict, iteration: int) -> str:
@@ -138,7 +143,23 @@ class GuidedPPOTorchLearner(LMPPOTorchLearner):
 class GuidedPPOConfig(LMPPOConfig):
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or GuidedPPO)
-        self._learner_class = GuidedPPOTorchLearner
+        # Which of ppo_pp, aggrevated, lols, dlols (or ppo: no guide) decides each iteration's roll-ins.
+        self.guided_algorithm: str = "ppo_pp"
+        # DLOLS: AggreVaTeD for iterations [0, switch_iteration), PPO++ after.
+        self.switch_iteration: int | None = None
+        # LOLS: the probability an iteration is AggreVaTeD (a coin seeded by guide_seed and the iteration).
+        self.lols_prob: float = 0.2
+        self.guide_seed: int = 0
+
+    def training(self, *, guided_algorithm=NotProvided, switch_iteration=NotProvided, lols_prob=NotProvided,
+                 guide_seed=NotProvided, **kwargs):
+        super().training(**kwargs)
+        given = dict(guided_algorithm=guided_algorithm, switch_iteration=switch_iteration, lols_prob=lols_prob,
+                     guide_seed=guide_seed)
+        for name, value in given.items():
+            if value is not NotProvided:
+                setattr(self, name, value)
+        return self
 
     def get_default_learner_class(self):
         return GuidedPPOTorchLearner
@@ -168,7 +189,74 @@ class GuidedPPO(LMPPO):
 
     def training_step(self) -> None:
         # Pushed every iteration (a few bytes), so restarted EnvRunners get it too.
-        mode = guide_mode(self.config.learner_config_dict["guided"], self.iteration)
+        c = self.config
+        mode = guide_mode({"algorithm": c.guided_algorithm, "switch_iteration": c.switch_iteration,
+                           "lols_prob": c.lols_prob, "seed": c.guide_seed}, self.iteration)
         self.env_runner_group.foreach_env_runner(lambda er: _set_guide_mode(er, mode))
         self.metrics.log_value("guide_mode_aggrevated", float(mode == "aggrevated"), window=1)
         return super().training_step()
+
+
+def dlols_switch_iteration(cfg: dict) -> int | None:
+    g = cfg["guide"]
+    if g["switch_iteration"] is not None:
+        return g["switch_iteration"]
+    total = cfg["stop"]["training_iteration"]
+    return None if total is None else int(round(plain(g["switch_fraction"]) * total))
+
+
+class GuidedSpec(PPOSpec):
+    names = ("ppo_pp", "aggrevated", "lols", "dlols")
+    summary = "PPO with guide roll-ins: PPO++, AggreVaTeD, LOLS, DLOLS (a guide LM or a function)"
+    search_with = ("ppo",)  # one RLlib algorithm: a sweep over `algorithm` may include the PPO baseline
+    section = "guide"
+    schema = {
+        "name_or_path": Field(str, None, optional=True),  # a causal LM sharing the policy's vocabulary
+        "callable": Field(str, None, optional=True),  # 'module:function': prefix texts -> continuations
+        "greedy": Field(bool, False),  # an LM guide takes its argmax token instead of sampling
+        "beta": Field(float, 0.2, lo=0.0, hi=1.0),  # PPO++: probability an episode starts with a guide roll-in
+        "mix": Field(float, 0.8, lo=0.0, hi=1.0),  # AggreVaTeD: probability a roll-in token is the guide's
+        "lols_prob": Field(float, 0.2, lo=0.0, hi=1.0),  # LOLS: probability an iteration is AggreVaTeD
+        # DLOLS: AggreVaTeD for this many iterations, or this fraction of stop.training_iteration; then PPO++.
+        "switch_iteration": Field(int, None, lo=0, optional=True),
+        "switch_fraction": Field(float, 0.2, lo=0.0, hi=1.0),
+    }
+    seq2seq = False
+
+    def config_class(self):
+        return GuidedPPOConfig
+
+    def check(self, raw: dict, cfg: dict) -> None:
+        super().check(raw, cfg)
+        g = cfg["guide"]
+        if is_search_space(g["name_or_path"]) or is_search_space(g["callable"]):
+            raise ConfigError("guide.name_or_path: the guide itself cannot be searched; sweep beta, mix, lols_prob "
+                              "or switch_fraction")
+        if bool(g["name_or_path"]) == bool(g["callable"]):
+            raise ConfigError("guide: give exactly one of guide.name_or_path (a causal LM with the policy's "
+                              "vocabulary) and guide.callable ('module:function')")
+        spec = g["callable"]
+        if spec and (spec.count(":") != 1 or not all(spec.split(":"))):
+            raise ConfigError(f"guide.callable: expected 'module:function', got {spec!r}")
+        if "dlols" in candidates(cfg["algorithm"]) and dlols_switch_iteration(cfg) is None:
+            raise ConfigError("guide.switch_fraction: DLOLS takes it of stop.training_iteration, which is not set; "
+                              "set stop.training_iteration or guide.switch_iteration")
+
+    def module_config(self, cfg: dict, c: dict) -> dict:
+        # The guide acts on the EnvRunners; GuidedPPO sets each iteration's roll-in mode.
+        guide = {**{k: c["guide"][k] for k in ("name_or_path", "callable", "greedy", "beta", "mix")}, "mode": "none"}
+        path = cfg["guide"]["name_or_path"]
+        if path and os.path.isdir(path):  # a Tune trial does not run in this directory
+            guide["name_or_path"] = os.path.abspath(path)
+        return {"guide": guide}
+
+    def training(self, cfg: dict, c: dict) -> dict:
+        return {**super().training(cfg, c), "guided_algorithm": c["algorithm"],
+                "switch_iteration": dlols_switch_iteration(cfg), "lols_prob": c["guide"]["lols_prob"],
+                "guide_seed": module_seed(cfg, c)}
+
+    def configure(self, config, cfg: dict, c: dict) -> None:
+        config.callbacks(on_episode_end=log_policy_return)
+
+
+SPEC = GuidedSpec()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ray.rllib.algorithms.algorithm_config import NotProvided
 from ray.rllib.algorithms.ppo import PPO, PPOConfig
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.connectors.learner import GeneralAdvantageEstimation
@@ -27,10 +28,12 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.torch_utils import explained_variance
 
+from agents.algorithms.base import AlgorithmSpec, plain
 from agents.algorithms.kl_control import AdaptiveKLController, ReferenceKLPenalty
 from agents.algorithms.mle import ReferencePairs, reference_nll
 from agents.algorithms.sequence_batching import AddSequenceIds, sequence_minibatches
 from agents.modules.actor_critic import MASK_SIZE
+from env.validation import ConfigError
 
 
 def all_learners_kl(measured: dict) -> dict:
@@ -51,12 +54,11 @@ def all_learners_kl(measured: dict) -> dict:
 class LMPPOTorchLearner(PPOTorchLearner):
     def build(self) -> None:
         super().build()
-        kl_cfg = self.config.learner_config_dict.get("kl", {})
+        cfg = self.config
         self.kl_penalty = None
-        if kl_cfg.get("coef", 0.0) > 0.0 and self._learner_connector is not None:
+        if cfg.ref_kl_coef > 0.0 and self._learner_connector is not None:
             controller = AdaptiveKLController(
-                kl_cfg["coef"], kl_cfg.get("target") if kl_cfg.get("adaptive") else None, kl_cfg.get("horizon", 10000)
-            )
+                cfg.ref_kl_coef, cfg.ref_kl_target if cfg.ref_kl_adaptive else None, cfg.ref_kl_horizon)
             self.kl_penalty = ReferenceKLPenalty(controller=controller)
             self._learner_connector.insert_before(GeneralAdvantageEstimation, self.kl_penalty)
         if self._learner_connector is not None:
@@ -64,11 +66,10 @@ class LMPPOTorchLearner(PPOTorchLearner):
                 ReferenceKLPenalty if self.kl_penalty is not None else GeneralAdvantageEstimation, AddSequenceIds()
             )
         self._minibatch_rng = np.random.default_rng(self.config.seed)
-        mle = self.config.learner_config_dict.get("mle") or {}
         self.mle_pairs = None
-        if mle.get("coef", 0.0) > 0.0:  # the supervised term of the mixed objective (agents/algorithms/mle.py)
+        if cfg.mle_coef > 0.0:  # the supervised term of the mixed objective (agents/algorithms/mle.py)
             tokenizer = next(iter(self.module.values())).unwrapped().tokenizer
-            self.mle_pairs = ReferencePairs(mle["env"], tokenizer, seed=self.config.seed or 0)
+            self.mle_pairs = ReferencePairs(cfg.env_config, tokenizer, seed=cfg.seed or 0)
         self.num_updates = 0  # gradient-based updates so far (one per training iteration)
 
     def _create_iterator_if_necessary(self, *, training_data, num_epochs=1, minibatch_size=None,
@@ -90,7 +91,7 @@ class LMPPOTorchLearner(PPOTorchLearner):
                                     num_total_minibatches=num_total_minibatches)
 
     def configure_optimizers_for_module(self, module_id, config=None):
-        params = [p for p in self.get_parameters(self._module[module_id]) if p.requires_grad]
+        params = [p for p in self.get_parameters(self.module[module_id]) if p.requires_grad]
         self.register_optimizer(
             module_id=module_id, optimizer=torch.optim.Adam(params), params=params, lr_or_lr_schedule=config.lr
         )
@@ -145,11 +146,11 @@ class LMPPOTorchLearner(PPOTorchLearner):
         """total + mle_coef * NLL of a fresh draw of reference continuations (unchanged at coef 0)."""
         if self.mle_pairs is None:
             return total
-        mle = self.config.learner_config_dict["mle"]
+        coef = self.config.mle_coef
         lm = self.module[module_id].unwrapped().lm
-        nll = reference_nll(lm, *self.mle_pairs.batch(mle["batch_size"], device=next(lm.parameters()).device))
-        self.metrics.log_dict({"mle_nll": nll.detach(), "mle_coef": mle["coef"]}, key=module_id, window=1)
-        return total + mle["coef"] * nll
+        nll = reference_nll(lm, *self.mle_pairs.batch(self.config.mle_batch_size, device=next(lm.parameters()).device))
+        self.metrics.log_dict({"mle_nll": nll.detach(), "mle_coef": coef}, key=module_id, window=1)
+        return total + coef * nll
 
     def after_gradient_based_update(self, *, timesteps):
         super().after_gradient_based_update(timesteps=timesteps)
@@ -193,9 +194,31 @@ class LMPPOTorchLearner(PPOTorchLearner):
 
 
 class LMPPOConfig(PPOConfig):
+    """RLlib's PPOConfig plus the language-model options of this learner."""
+
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or LMPPO)
-        self._learner_class = LMPPOTorchLearner
+        # Per-token KL penalty against the frozen initial policy, folded into the rewards before
+        # GAE (kl_control.py): coefficient, and the adaptive controller's target KL per sequence
+        # and horizon in sequences (kl_adaptive false: the coefficient stays fixed).
+        self.ref_kl_coef: float = 0.0
+        self.ref_kl_adaptive: bool = False
+        self.ref_kl_target: float = 6.0
+        self.ref_kl_horizon: int = 10000
+        # Mixed objective: + mle_coef * NLL of the task's reference continuations given their
+        # prompts, mle_batch_size pairs per loss computation (mle.py); 0: pure RL.
+        self.mle_coef: float = 0.0
+        self.mle_batch_size: int = 16
+
+    def training(self, *, ref_kl_coef=NotProvided, ref_kl_adaptive=NotProvided, ref_kl_target=NotProvided,
+                 ref_kl_horizon=NotProvided, mle_coef=NotProvided, mle_batch_size=NotProvided, **kwargs):
+        super().training(**kwargs)
+        given = dict(ref_kl_coef=ref_kl_coef, ref_kl_adaptive=ref_kl_adaptive, ref_kl_target=ref_kl_target,
+                     ref_kl_horizon=ref_kl_horizon, mle_coef=mle_coef, mle_batch_size=mle_batch_size)
+        for name, value in given.items():
+            if value is not NotProvided:
+                setattr(self, name, value)
+        return self
 
     def get_default_learner_class(self):
         return LMPPOTorchLearner
@@ -205,3 +228,33 @@ class LMPPO(PPO):
     @classmethod
     def get_default_config(cls):
         return LMPPOConfig()
+
+
+class PPOSpec(AlgorithmSpec):
+    """PPO and what builds on its learner (A3C, REINFORCE, the guided algorithms)."""
+
+    names = ("ppo",)
+    summary = "PPO with a value head, GAE and a per-token KL penalty (RL4LMs' setup)"
+    training_keys = ("minibatch_size", "num_epochs", "lambda", "clip_param", "vf_loss_coeff", "vf_clip_param",
+                     "entropy_coeff", "mle_coef", "mle_batch_size")
+    seq2seq = True
+    # RLlib's name of each `training` key this family passes to its config class.
+    RLLIB_NAMES = {"lambda": "lambda_"}
+
+    def config_class(self):
+        return LMPPOConfig
+
+    def check(self, raw: dict, cfg: dict) -> None:
+        t = cfg["training"]
+        if "minibatch_size" in self.training_keys and plain(t["minibatch_size"]) > plain(t["train_batch_size"]):
+            raise ConfigError(f"training.minibatch_size: {plain(t['minibatch_size'])} is larger than "
+                              f"training.train_batch_size={plain(t['train_batch_size'])}")
+
+    def training(self, cfg: dict, c: dict) -> dict:
+        t, rw = c["training"], c["reward"]
+        out = {self.RLLIB_NAMES.get(k, k): t[k] for k in self.training_keys}
+        return {**out, "use_kl_loss": False, "ref_kl_coef": rw["kl_coef"], "ref_kl_adaptive": rw["kl_adaptive"],
+                "ref_kl_target": rw["kl_target"], "ref_kl_horizon": rw["kl_horizon"]}
+
+
+SPEC = PPOSpec()

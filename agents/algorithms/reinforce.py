@@ -24,15 +24,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ray.rllib.algorithms.algorithm_config import NotProvided
 from ray.rllib.connectors.connector_v2 import ConnectorV2
 from ray.rllib.connectors.learner import GeneralAdvantageEstimation
 from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 
-from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner
+from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner, PPOSpec
 from agents.algorithms.sequence_batching import SEQ_ID
 from agents.modules.kv_cache import WindowKVCache
 from env.text_env import TokenGenerationEnv
+from env.validation import Field
 
 
 class RepeatedPromptEnv(TokenGenerationEnv):
@@ -176,9 +178,8 @@ class SequenceLevelAdvantages(ConnectorV2):
 class ReinforceTorchLearner(LMPPOTorchLearner):
     def build(self) -> None:
         super().build()
-        cfg = self.config.learner_config_dict.get("reinforce") or {}
-        self.sequence_advantages = SequenceLevelAdvantages(baseline=cfg.get("baseline", "mean"),
-                                                           num_samples=cfg.get("num_samples", 4))
+        self.sequence_advantages = SequenceLevelAdvantages(baseline=self.config.baseline,
+                                                           num_samples=self.config.num_samples)
         if self._learner_connector is not None:
             self._learner_connector.insert_after(GeneralAdvantageEstimation, self.sequence_advantages)
             self._learner_connector.remove(GeneralAdvantageEstimation)
@@ -207,7 +208,19 @@ class ReinforceTorchLearner(LMPPOTorchLearner):
 class ReinforceConfig(LMPPOConfig):
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or Reinforce)
-        self._learner_class = ReinforceTorchLearner
+        # "mean": the mean return of the episodes of the same prompt (REINFORCE); "greedy": the
+        # reward of the policy's greedy decode of the prompt (self-critical).
+        self.baseline: str = "mean"
+        # Episodes per prompt in a row (the env repeats each prompt), the group of the mean baseline.
+        self.num_samples: int = 4
+
+    def training(self, *, baseline=NotProvided, num_samples=NotProvided, **kwargs):
+        super().training(**kwargs)
+        if baseline is not NotProvided:
+            self.baseline = baseline
+        if num_samples is not NotProvided:
+            self.num_samples = num_samples
+        return self
 
     def get_default_learner_class(self):
         return ReinforceTorchLearner
@@ -220,3 +233,30 @@ class Reinforce(LMPPO):
     @classmethod
     def get_default_config(cls):
         return ReinforceConfig()
+
+
+class ReinforceSpec(PPOSpec):
+    names = ("reinforce", "self_critical")
+    summary = "sequence-level policy gradient with a per-prompt mean (reinforce) or greedy (self_critical) baseline"
+    training_keys = ("minibatch_size", "num_epochs", "entropy_coeff", "mle_coef", "mle_batch_size")
+    section = "reinforce"
+    schema = {
+        # reinforce: each prompt is drawn for this many episodes in a row; baseline = their mean reward.
+        "num_samples": Field(int, 4, lo=2),
+    }
+    section_searchable = False  # the env repeats prompts by it: EnvRunners and learner must agree
+    seq2seq = False
+
+    def config_class(self):
+        return ReinforceConfig
+
+    def env_config(self, cfg: dict, c: dict, env_cfg: dict) -> dict:
+        # each prompt num_samples times in a row, for the per-prompt baseline
+        return {**env_cfg, "repeat_prompt": c["reinforce"]["num_samples"] if cfg["algorithm"] == "reinforce" else 1}
+
+    def training(self, cfg: dict, c: dict) -> dict:
+        return {**super().training(cfg, c), "baseline": "greedy" if cfg["algorithm"] == "self_critical" else "mean",
+                "num_samples": c["reinforce"]["num_samples"]}
+
+
+SPEC = ReinforceSpec()

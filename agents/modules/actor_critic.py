@@ -126,7 +126,7 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
                 max_new_tokens=env_cfg.get("max_new_tokens", 20), beta=g.get("beta", 0.2), mix=g.get("mix", 0.8),
                 seed=cfg.get("seed", 0) + os.getpid(), mode=g.get("mode", "ppo_pp"))
         if self.inference_only:
-            self.eval()  # rollouts only; see forward_exploration
+            self.eval()  # rollouts only; see act
             return
         hidden = self.lm.config.hidden_size
         if cfg["model"].get("value_model", "shared") == "separate":
@@ -190,13 +190,15 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
     def _forward(self, batch, **kwargs):
         return {Columns.ACTION_DIST_INPUTS: self._acting_logits(batch[Columns.OBS], batch.get(ROW_CONTINUES))[0]}
 
-    def forward_exploration(self, batch, **kwargs):
-        # RLlib's wrapper flips the whole module to eval() and back to train()
-        # on every call (thousands of submodule visits per step, ~8% of a tiny
-        # model's rollout time); dropout is off, so an eval-mode module skips it.
+    def act(self, batch, *, explore: bool = True, **kwargs) -> dict:
+        """One rollout step for the project's EnvRunner: exploration (a sampled action and its
+        log-prob) or inference (the logits). RLlib's forward_exploration/forward_inference wrap
+        the same methods in an eval()/train() flip of the whole module on every call (thousands
+        of submodule visits per token, ~8% of a tiny model's rollout); here the module is put
+        in eval mode once and stays there (dropout is off on the rollout side either way)."""
         if self.training:
-            return super().forward_exploration(batch, **kwargs)
-        return self._forward_exploration(batch, **kwargs)
+            self.eval()
+        return self._forward_exploration(batch, **kwargs) if explore else self._forward(batch, **kwargs)
 
     @torch.no_grad()
     def _forward_exploration(self, batch, **kwargs):

@@ -115,11 +115,6 @@ class CausalLMQNetwork(TorchRLModule, QNetAPI, TargetNetworkAPI, InferenceOnlyAP
     def _forward_inference(self, batch, **kwargs):
         return {Columns.ACTION_DIST_INPUTS: self._acting_q(batch[Columns.OBS]) / self.temperature}
 
-    def forward_exploration(self, batch, **kwargs):
-        if self.training:  # see CausalLMActorCritic.forward_exploration
-            return super().forward_exploration(batch, **kwargs)
-        return self._forward_exploration(batch, **kwargs)
-
     @torch.no_grad()
     def _forward_exploration(self, batch, t: int = 0, **kwargs):
         q = self._acting_q(batch[Columns.OBS])

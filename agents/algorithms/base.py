@@ -1,0 +1,87 @@
+"""What an algorithm declares to be usable by name from a YAML config.
+
+Each algorithm's module (agents/algorithms/<name>.py) holds its RLlib config class (typed,
+documented hyperparameters with defaults, as RLlib's own configs), its learner and loss, and
+one `AlgorithmSpec` subclass instance named `SPEC`: the names configs give it, the `training`
+keys it reads, its own YAML section, the checks that involve its options, and its part of the
+RLlib `AlgorithmConfig`. `agents/algorithms/__init__.py` lists the modules; agents/config.py
+reads, validates and builds the generic sections and asks the spec for the rest.
+"""
+from __future__ import annotations
+
+from env.validation import ConfigError, Field, is_search_space
+
+# `training` keys every algorithm reads (the learning rate and its schedule, the batch, the discount, clipping).
+COMMON_TRAINING = ("lr", "lr_end", "lr_decay_steps", "train_batch_size", "gamma", "grad_clip")
+
+
+def candidates(value) -> list:
+    """The values a config leaf may take: a search space's list, or the value itself."""
+    return next(iter(value.values())) if is_search_space(value) else [value]
+
+
+def plain(value):
+    """A representative plain value for cross-field checks (first candidate of a search space)."""
+    return candidates(value)[0]
+
+
+def _same_seed(spec) -> int:
+    return spec.config["seed"]
+
+
+def module_seed(cfg: dict, c: dict):
+    """The seed of the module's initialisation (and of the guided algorithms' LOLS coin): the
+    config's; a searched seed is drawn once (the algorithm's) and this one follows it."""
+    if is_search_space(cfg["seed"]):
+        from ray import tune
+
+        return tune.sample_from(_same_seed)
+    return c["seed"]
+
+
+class AlgorithmSpec:
+    names: tuple[str, ...] = ()  # the values of `algorithm:` this spec serves
+    summary: str = ""  # one line: what it is
+    # Algorithm names a Tune search over `algorithm` may mix with these (they run as this spec's
+    # RLlib algorithm, e.g. plain PPO inside a sweep over the guided algorithms).
+    search_with: tuple[str, ...] = ()
+    training_keys: tuple[str, ...] = ()  # the `training` keys it reads beyond COMMON_TRAINING
+    section: str | None = None  # its own YAML section (e.g. `dqn`), refused with other algorithms
+    schema: dict[str, Field] = {}  # that section's fields
+    section_searchable: bool = True  # its fields may be Tune search spaces
+    seq2seq: bool = False  # an encoder-decoder version of its module exists
+    # True: samples whole episodes (the fast EnvRunner can serve it); False: n-step fragments.
+    whole_episodes: bool = True
+    # Why truncation samplers (the `sampler` section) do not apply to it; None: they do.
+    sampler_refusal: str | None = None
+    kl_adaptive: bool = True  # reward.kl_adaptive applies
+
+    def config_class(self):
+        """The RLlib AlgorithmConfig subclass (imported on use)."""
+        raise NotImplementedError
+
+    def module_class(self, encoder_decoder: bool):
+        from agents.modules import CausalLMActorCritic
+        from agents.modules.seq2seq import Seq2SeqActorCritic
+
+        return Seq2SeqActorCritic if encoder_decoder else CausalLMActorCritic
+
+    def check(self, raw: dict, cfg: dict) -> None:
+        """Cross-field checks of its options (raise ConfigError naming the field)."""
+
+    def env_config(self, cfg: dict, c: dict, env_cfg: dict) -> dict:
+        """The EnvRunners' env config (e.g. prompts repeated for a per-prompt baseline)."""
+        return env_cfg
+
+    def module_config(self, cfg: dict, c: dict) -> dict:
+        """Entries of the RLModule's model_config beyond the generic ones."""
+        return {}
+
+    def training(self, cfg: dict, c: dict) -> dict:
+        """Keyword arguments of its config class's `training()` beyond COMMON_TRAINING
+        (c: the config with search spaces as Tune objects)."""
+        return {}
+
+    def configure(self, config, cfg: dict, c: dict) -> None:
+        """Anything else on the RLlib config (callbacks, reporting)."""
+
