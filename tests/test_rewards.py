@@ -384,3 +384,90 @@ def test_references_reach_the_reward_through_the_env(monkeypatch):
     for word in ("the", "cat", "sat"):
         _, reward, done, _, info = env.step(env.tokenizer.convert_tokens_to_ids(word))
     assert done and info["generation"] == "the cat sat" and reward == pytest.approx(1.0)
+
+
+# -- your own reward function by its import path ---------------------------------------------------
+
+CUSTOM_MODULE = '''
+NOT_A_FUNCTION = 3
+
+
+def keyword_reward(prompts, generations, metas, *, bonus: float = 1.0):
+    """bonus if the generation uses the row's keyword, else 0; minus 0.1 per word beyond 5."""
+    out = []
+    for text, meta in zip(generations, metas):
+        words = text.split()
+        out.append((bonus if meta["keyword"] in words else 0.0) - 0.1 * max(0, len(words) - 5))
+    return out
+
+
+def nan_reward(prompts, generations, metas):
+    return [float("nan")] * len(generations)
+'''
+
+
+@pytest.fixture
+def custom_module(tmp_path, monkeypatch):
+    """A module `user_rewards_<n>` on sys.path, as a user's own file would be."""
+    import sys
+
+    name = f"user_rewards_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(CUSTOM_MODULE)
+    (tmp_path / "broken_rewards.py").write_text("import numpyy_not_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    for mod in (name, "broken_rewards"):
+        sys.modules.pop(mod, None)
+
+
+def test_a_custom_reward_by_import_path_scores_as_written(custom_module):
+    gens = ["the cat sat", "a dog", "the cat sat on the mat today"]
+    metas = [{"keyword": "cat"}, {"keyword": "cat"}, {"keyword": "cat"}]
+    reward = make_reward({"name": f"{custom_module}:keyword_reward"}, path="task.reward")
+    assert isinstance(reward, CheckedReward)
+    assert reward(["p"] * 3, gens, metas) == approx([1.0, 0.0, 1.0 - 0.2])
+    # Keyword-only parameters are config fields, type-checked like a built-in reward's.
+    assert make_reward({"name": f"{custom_module}:keyword_reward", "bonus": 2})(["p"], ["cat"], [{"keyword": "cat"}]) \
+        == [2.0]
+    with pytest.raises(RewardConfigError, match=r"^task\.reward\.bonus: expected a finite number, got 'big'$"):
+        make_reward({"name": f"{custom_module}:keyword_reward", "bonus": "big"}, path="task.reward")
+    with pytest.raises(RewardConfigError, match=r"^reward\.bonsu: unknown field of reward '.*:keyword_reward' "
+                                                r"\(did you mean 'bonus'\?\)$"):
+        make_reward({"name": f"{custom_module}:keyword_reward", "bonsu": 2})
+    # The same guard as the built-in rewards: a NaN stops with the text, never reaches training.
+    with pytest.raises(RewardError, match=r"nan_reward' \(reward\): returned nan for generation 'x'"):
+        make_reward({"name": f"{custom_module}:nan_reward"})(["p"], ["x"], None)
+    # As a term of a sum.
+    total = make_reward({"sum": [{"name": f"{custom_module}:keyword_reward", "weight": 0.5},
+                                 {"name": "bleu", "weight": 0}]})
+    assert total(["p"], ["the cat"], [{"keyword": "cat", "reference": "x"}]) == approx([0.5])
+
+
+@pytest.mark.parametrize("name, message", [
+    ("no_such_module_xyz:f", r"^task\.reward\.name: cannot import module 'no_such_module_xyz' "
+                             r"\(not found on the Python path\)$"),
+    ("broken_rewards:f", r"^task\.reward\.name: cannot import module 'broken_rewards' \(ModuleNotFoundError: "
+                         r"No module named 'numpyy_not_installed'\)$"),
+    ("{mod}:no_such_function", r"^task\.reward\.name: module '{mod}' has no function 'no_such_function'$"),
+    ("{mod}:NOT_A_FUNCTION", r"^task\.reward\.name: '{mod}:NOT_A_FUNCTION' is not callable \(it is a int\)$"),
+    ("{mod}:", r"^task\.reward\.name: expected a registered reward or 'module:function', got '{mod}:'$"),
+    (":keyword_reward", r"^task\.reward\.name: expected a registered reward or 'module:function'"),
+    ("{mod}:keyword_reward:x", r"^task\.reward\.name: expected a registered reward or 'module:function'"),
+])
+def test_a_bad_import_path_is_one_line_naming_the_field(custom_module, name, message):
+    with pytest.raises(RewardConfigError, match=message.format(mod=custom_module)) as info:
+        make_reward({"name": name.format(mod=custom_module)}, path="task.reward")
+    assert "\n" not in str(info.value)
+
+
+def test_the_text_task_takes_a_custom_reward(custom_module, tmp_path):
+    from env.tasks.text_tasks import TextTask
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(f'{{"prompt": "write about the {w}", "keyword": "{w}"}}\n' for w in ("sea", "snow") * 5))
+    task = TextTask(dataset=str(data), meta_fields=["keyword"], reward={"name": f"{custom_module}:keyword_reward"})
+    ex = task.examples("train")
+    gens = [f"the {e['meta']['keyword']} is here" for e in ex]
+    assert task.reward([e["prompt"] for e in ex], gens, [e["meta"] for e in ex]) == [1.0] * len(ex)
+    with pytest.raises(ValueError, match=r"^task\.reward\.name: module '.*' has no function 'nope'$"):
+        TextTask(dataset=str(data), meta_fields=["keyword"], reward={"name": f"{custom_module}:nope"})

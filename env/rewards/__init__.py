@@ -6,6 +6,7 @@ Build one from a config mapping with `make_reward` (see env/rewards/base.py):
 
     reward: {name: bleu}
     reward: {sum: [{name: bleu, weight: 0.5}, {name: vader, weight: 0.5}]}
+    reward: {name: "my_rewards:keyword_reward"}     your own function, `module:function`
 
 Registered names and their modules (defaults in each class's docstring):
 

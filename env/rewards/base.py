@@ -10,6 +10,12 @@ Rewards that need a source other than the prompt (MMI) read `meta["source"]`.
     {name: bleu, tokenize: intl}                       one reward and its fields
     {sum: [{name: bleu, weight: 0.5},
            {name: vader, weight: 0.5}]}                a weighted sum (terms may be sums)
+    {name: "my_rewards:keyword_reward"}                your own function, by its import path
+
+A name with a colon is `module:function`: the module is imported (it must be on the
+Python path of every process that builds the reward) and the function is called as
+`function(prompts, generations, metas) -> list[float]`; its keyword-only parameters
+become config fields, as for `register_function`.
 
 Building checks the spec (names, fields, field types and values) and loads no
 model: models load on the first call (or on `.load()`), once per process.
@@ -21,6 +27,7 @@ generation (and prompt) that caused it.
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 import math
 
@@ -59,6 +66,11 @@ def register(name: str, factory=None):
 
 def register_function(name: str, fn):
     """Registers a plain reward function; its keyword-only parameters become its config fields."""
+    return register(name, _function_factory(name, fn))
+
+
+def _function_factory(name: str, fn):
+    """`factory(**fields) -> reward` for a plain function; its keyword-only parameters are the fields."""
     params = [p for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
 
     def factory(**fields):
@@ -66,7 +78,34 @@ def register_function(name: str, fn):
 
     factory.__signature__ = inspect.Signature(params)
     factory.__doc__ = fn.__doc__
-    return register(name, factory)
+    return factory
+
+
+def import_reward_function(spec: str, path: str = "reward"):
+    """The function named by `module:function`; RewardConfigError (one line naming `path.name`) if it is not there."""
+    where = f"{path}.name"
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr or ":" in attr:
+        raise RewardConfigError(f"{where}: expected a registered reward or 'module:function', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or whatever the module raises while it runs
+        if isinstance(e, ModuleNotFoundError) and e.name and (module_name + ".").startswith(e.name + "."):
+            detail = "not found on the Python path"
+        else:
+            detail = f"{type(e).__name__}: {_first_line(e)}"
+        raise RewardConfigError(f"{where}: cannot import module {module_name!r} ({detail})") from None
+    if not hasattr(module, attr):
+        raise RewardConfigError(f"{where}: module {module_name!r} has no function {attr!r}")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise RewardConfigError(f"{where}: {spec!r} is not callable (it is a {type(fn).__name__})")
+    return fn
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 class _BoundFunction:
@@ -283,13 +322,18 @@ def make_reward(spec, path: str = "reward") -> CheckedReward:
             built.append((weight, make_reward(rest, where)))
         return CheckedReward(WeightedSum(built), f"'sum' ({path})")
     if "name" not in spec:
-        raise RewardConfigError(f"{path}.name: missing (one of {', '.join(sorted(REWARDS))}, or give 'sum')")
+        raise RewardConfigError(f"{path}.name: missing (one of {', '.join(sorted(REWARDS))}, 'module:function', "
+                                f"or give 'sum')")
     name = spec["name"]
-    if name not in REWARDS:
+    if isinstance(name, str) and ":" in name:
+        factory = _function_factory(name, import_reward_function(name, path))
+    elif name not in REWARDS:
         hint = difflib.get_close_matches(str(name), list(REWARDS), n=1)
-        suffix = f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(sorted(REWARDS))})"
+        suffix = f" (did you mean {hint[0]!r}?)" if hint else \
+            f" (known: {', '.join(sorted(REWARDS))}; or your own function as 'module:function')"
         raise RewardConfigError(f"{path}.name: unknown reward {name!r}{suffix}")
-    factory = REWARDS[name]
+    else:
+        factory = REWARDS[name]
     aliases = getattr(factory, "FIELD_ALIASES", {})  # YAML key -> parameter (e.g. lambda -> lambda_)
     params = _fields(factory)
     back = {v: k for k, v in aliases.items()}
