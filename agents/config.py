@@ -14,7 +14,7 @@ import os
 import yaml
 
 from agents.algorithms.base import COMMON_TRAINING, candidates as _candidates, plain as _plain
-from env.validation import SEARCH_SPACES, ConfigError, Field, is_search_space as _is_search_space, unknown_key
+from env.validation import ConfigError, Field, is_search_space as _is_search_space, unknown_key
 
 __all__ = ["ConfigError", "Field", "algorithm_config", "algorithm_spec", "env_config", "load", "read_yaml",
            "schema", "to_tune", "validate"]

@@ -41,6 +41,8 @@ import sys
 import numpy as np
 import torch
 
+from env.validation import first_line
+
 SENTIMENT_REWARDS = ("sentiment", "vader")
 
 
@@ -123,7 +125,7 @@ class Model:
                 disable_dropout(self.lm)
                 self.policy = HFSeq2SeqPolicy(self.lm) if seq2seq else HFPolicy(self.lm)
             except (OSError, ValueError) as e:
-                raise EvalError(f"{path}: cannot load the model or its tokenizer: {_first_line(e)}") from None
+                raise EvalError(f"{path}: cannot load the model or its tokenizer: {first_line(e)}") from None
             self.env_config = None
             self.tokenizer_spec = self.path
         from agents.models import is_encoder_decoder
@@ -138,45 +140,17 @@ def _short_name(path: str) -> str:
     return parts[-1]
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 # -- generation -----------------------------------------------------------------------------
 
-@torch.no_grad()
 def rollout(policy, env_config: dict, examples: list[dict], *, greedy: bool, seed: int = 0,
             batch_size: int = 64) -> list[str]:
-    """One generation per example, through `TokenGenerationEnv` (the same prompt cut, EOS and
-    decoding as in training). Row i samples from a generator seeded with seed + i."""
-    from ray.rllib.core.columns import Columns
+    """One generation per example through agents.generate's decode loop (the same prompt cut,
+    EOS and decoding as in training; row i samples from a generator seeded with seed + i)."""
+    from agents.generate import generate
 
-    from env.text_env import TokenGenerationEnv
-
-    out = []
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start:start + batch_size]
-        envs = [TokenGenerationEnv(env_config) for _ in chunk]
-        obs = [env.reset(seed=seed + start + i, options={"prompt": ex["prompt"], "meta": ex["meta"]})[0]
-               for i, (env, ex) in enumerate(zip(envs, chunk))]
-        gens = [torch.Generator().manual_seed(seed + start + i) for i in range(len(chunk))]
-        done, texts = [False] * len(chunk), [None] * len(chunk)
-        while not all(done):  # finished rows repeat their last observation (see agents.generate)
-            batch = {Columns.OBS: {k: torch.as_tensor(np.stack([o[k] for o in obs])) for k in obs[0]}}
-            logits = policy.forward_inference(batch)[Columns.ACTION_DIST_INPUTS].float()
-            for i in range(len(chunk)):
-                if done[i]:
-                    continue
-                if greedy:
-                    action = int(logits[i].argmax())
-                else:
-                    action = int(torch.multinomial(torch.softmax(logits[i], -1), 1, generator=gens[i]))
-                obs[i], _, done[i], _, info = envs[i].step(action)
-                if done[i]:
-                    texts[i] = info["generation"]
-        out.extend(texts)
-    return out
+    results = generate(policy, env_config, [ex["prompt"] for ex in examples], metas=[ex["meta"] for ex in examples],
+                       greedy=greedy, seed=seed, score=False, batch_size=batch_size)
+    return [r["generation"] for r in results]
 
 
 # -- metrics --------------------------------------------------------------------------------
@@ -492,7 +466,7 @@ def main(argv=None) -> int:
             for path in plot_curves(args.curves, args.metric or ["episode_return_mean"], args.out):
                 print(f"wrote {path}")
     except (EvalError, ValueError, OSError) as e:
-        print(f"error: {_first_line(e)}", file=sys.stderr)
+        print(f"error: {first_line(e)}", file=sys.stderr)
         return 2
     return 0
 

@@ -56,13 +56,25 @@ def reward_needs_meta(task) -> bool:
 
 @torch.no_grad()
 def generate(module, env_config: dict, prompts: list[str | None], *, greedy: bool = False, seed: int = 0,
-             metas: list[dict] | None = None, score: bool = True):
-    """Runs the policy in one `TokenGenerationEnv` per prompt, all stepped together.
+             metas: list[dict] | None = None, score: bool = True, batch_size: int = 64) -> list[dict]:
+    """The decode loop of generation, evaluation, serving and the training summary: the policy
+    runs in one `TokenGenerationEnv` per prompt (the prompt cut, EOS and lengths of training),
+    up to `batch_size` rows stepped together.
 
-    A prompt of None draws one (with its metadata) from the task; a given prompt takes
-    `metas[i]` (default none). Returns `[{"prompt", "generation", "reward"}]`, the reward
-    being the task's, or None with `score=False` (given prompts only).
+    A prompt of None draws one (with its metadata) from the task, seeded with seed + i; a given
+    prompt takes `metas[i]` (default none). Row i samples from its own generator seeded with
+    seed + i. Returns `[{"prompt", "generation", "reward"}]`, the reward being the episode's
+    return (the task's reward, sparse or dense), or None with `score=False` (given prompts only).
     """
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        rows = range(start, min(start + batch_size, len(prompts)))
+        out.extend(_generate_rows(module, env_config, [prompts[i] for i in rows],
+                                  [metas[i] if metas else {} for i in rows], greedy, seed + start, score))
+    return out
+
+
+def _generate_rows(module, env_config, prompts, metas, greedy, seed, score) -> list[dict]:
     from ray.rllib.core.columns import Columns
 
     from env.text_env import TokenGenerationEnv
@@ -70,26 +82,25 @@ def generate(module, env_config: dict, prompts: list[str | None], *, greedy: boo
     envs = [TokenGenerationEnv(env_config) for _ in prompts]
     obs, results = [], [None] * len(prompts)
     for i, (env, prompt) in enumerate(zip(envs, prompts)):
-        options = None if prompt is None else {"prompt": prompt, "meta": metas[i] if metas else {}, "score": score}
-        o, _ = env.reset(seed=seed + i, options=options)
-        obs.append(o)
-    gen = torch.Generator().manual_seed(seed)
+        options = None if prompt is None else {"prompt": prompt, "meta": metas[i], "score": score}
+        obs.append(env.reset(seed=seed + i, options=options)[0])
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
     done = [False] * len(envs)
-    returns = [0.0] * len(envs)  # the episode's return: the task's reward, sparse or dense
+    returns = [0.0] * len(envs)
     # Every row stays in the batch until all are done, so row i is always env i: the module's
     # per-row KV cache and sampler state (mirostat) follow each episode. Finished rows repeat
     # their last observation and their actions are ignored.
     while not all(done):
         batch = {Columns.OBS: {k: torch.as_tensor(np.stack([o[k] for o in obs])) for k in obs[0]}}
         logits = module.forward_inference(batch)[Columns.ACTION_DIST_INPUTS].float()
-        if greedy:
-            actions = logits.argmax(-1)
-        else:
-            actions = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]
-        for i, a in enumerate(actions.tolist()):
+        for i in range(len(envs)):
             if done[i]:
                 continue
-            obs[i], reward, done[i], _, info = envs[i].step(a)
+            if greedy:
+                action = int(logits[i].argmax())
+            else:
+                action = int(torch.multinomial(torch.softmax(logits[i], -1), 1, generator=gens[i]))
+            obs[i], reward, done[i], _, info = envs[i].step(action)
             returns[i] += reward
             if done[i]:
                 scored = score or prompts[i] is None

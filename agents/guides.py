@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from agents.modules.kv_cache import WindowKVCache, rows_that_continue
+from env.validation import first_line
 
 GUIDE_ROLE = "guide_role"  # per-step column: POLICY, GUIDE or DEVIATION
 POLICY, GUIDE, DEVIATION = 0, 1, 2
@@ -59,7 +60,7 @@ class LMGuide:
             self.lm = build_causal_lm({"name_or_path": name_or_path}, tokenizer, seed=seed + 1,
                                       max_positions=max_positions).eval().requires_grad_(False)
         except (OSError, ValueError) as e:
-            raise GuideError(f"guide.name_or_path: cannot load {name_or_path!r}: {_first_line(e)}") from None
+            raise GuideError(f"guide.name_or_path: cannot load {name_or_path!r}: {first_line(e)}") from None
         self.greedy = greedy
         self.cache = WindowKVCache()
         self.generator = torch.Generator().manual_seed(seed)
@@ -128,11 +129,6 @@ class CallableGuide:
         return torch.tensor([plans[int(r)][0] for r in rows], dtype=torch.long, device=ids.device)
 
 
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def import_callable(spec: str):
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise GuideError(f"guide.callable: expected 'module:function', got {spec!r}")
@@ -140,7 +136,7 @@ def import_callable(spec: str):
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise GuideError(f"guide.callable: cannot import {spec!r}: {_first_line(e)}") from None
+        raise GuideError(f"guide.callable: cannot import {spec!r}: {first_line(e)}") from None
     if not callable(fn):
         raise GuideError(f"guide.callable: {spec!r} is not callable")
     return fn
@@ -158,7 +154,7 @@ def check_guide_vocabulary(name_or_path: str, tokenizer) -> None:
     except (OSError, ValueError) as e:
         where = "directory" if os.path.isdir(name_or_path) else "model"
         raise GuideError(f"guide.name_or_path: cannot load a tokenizer for {name_or_path!r} ({where}): "
-                         f"{_first_line(e)}") from None
+                         f"{first_line(e)}") from None
     if guide_tok.get_vocab() != tokenizer.get_vocab():
         raise GuideError(f"guide.name_or_path: {name_or_path!r} has a different vocabulary "
                          f"({len(guide_tok)} tokens) from the policy's ({len(tokenizer)} tokens); "

@@ -36,7 +36,7 @@ import time
 import torch
 
 from agents.config import read_yaml
-from env.validation import ConfigError, Field as F, unknown_key
+from env.validation import ConfigError, Field as F, first_line, unknown_key
 from env.tasks.data import DATA_OPTIONS, DataError, DataSpec, load_rows
 
 SCHEMA = {
@@ -162,12 +162,7 @@ def build_tokenizer(cfg: dict, texts: list[str]):
     try:
         return load_tokenizer(name)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{field}: cannot load a tokenizer from {name!r}: {_first_line(e)}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+        raise ValueError(f"{field}: cannot load a tokenizer from {name!r}: {first_line(e)}") from None
 
 
 def encode_example(tok, context: str, text: str, separator: str | None, max_len: int):
@@ -328,7 +323,7 @@ def pretrain(cfg: dict, log=print) -> dict:
             # Room for RL prompts + generations longer than the training texts (a built-in model only).
             model = build_causal_lm(cfg["model"], tok, seed=cfg["seed"], max_positions=max(t["max_len"], 1024))
     except OSError as e:
-        raise ValueError(f"model.name_or_path: cannot load {cfg['model']['name_or_path']!r}: {_first_line(e)}") from None
+        raise ValueError(f"model.name_or_path: cannot load {cfg['model']['name_or_path']!r}: {first_line(e)}") from None
     model.to(device)
     sep = cfg["data"]["separator"]
     if seq2seq:
@@ -416,7 +411,7 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.overrides)
         result = pretrain(cfg, log=lambda line: print(line, flush=True))
     except (ConfigError, DataError, ValueError, OSError) as e:
-        print(f"error: {_first_line(e)}", file=sys.stderr)
+        print(f"error: {first_line(e)}", file=sys.stderr)
         return 2
     print(f"saved model and tokenizer to {result['output_dir']}")
     return 0

@@ -66,7 +66,7 @@ POS_INT, NONNEG_INT = dict(lo=1), dict(lo=0)
 def unknown_key(path: str, key: str, known, error: type = ConfigError, what: str = "unknown key") -> Exception:
     """`path.key: unknown key (did you mean 'x'?)`, or the known keys when none is close."""
     hint = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
-    suffix = f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(sorted(map(str, known)))})"
+    suffix = f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(sorted(map(str, known))) or 'none'})"
     return error(f"{path + '.' if path else ''}{key}: {what}{suffix}")
 
 
@@ -76,3 +76,9 @@ SEARCH_SPACES = ("grid_search", "choice", "uniform", "loguniform", "randint")
 def is_search_space(value) -> bool:
     """A YAML Tune search space: `{grid_search: [..]}`, `{choice: [..]}`, `{uniform: [lo, hi]}`, ..."""
     return isinstance(value, dict) and len(value) == 1 and next(iter(value)) in SEARCH_SPACES
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message cut to its first line (its type's name if it has none), for one-line errors."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

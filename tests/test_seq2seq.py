@@ -179,6 +179,8 @@ def test_samplers_learned_masking_separate_value_model_and_a3c_build_and_update(
                          ("training.minibatch_size", 32), ("env_runners.num_envs_per_env_runner", 4))
     raw["sampler"] = {"name": "top_p", "p": 0.9, "masking": "learned", "sync_every": 1}
     raw["algorithm"] = algorithm
+    if algorithm == "a3c":  # one gradient step per batch: no minibatches
+        del raw["training"]["minibatch_size"]
     cfg = validate(raw)
     config = algorithm_config(cfg)
     assert isinstance(config, A3CConfig) == (algorithm == "a3c")

@@ -40,8 +40,7 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, LEARNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME
 from ray.rllib.utils.torch_utils import explained_variance
 
-from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner, PPOSpec
-from agents.modules.actor_critic import MASK_SIZE
+from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner, PPOSpec, loss_step_mean, policy_shift_metrics
 
 SAMPLE_TAG = "a3c_sample"
 POLL_S = 0.05  # how long one training_step waits for some EnvRunner to return
@@ -55,11 +54,7 @@ def _sample(env_runner):
 class A3CTorchLearner(LMPPOTorchLearner):
     def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
         module = self.module[module_id].unwrapped()
-        mask = batch.get(Columns.LOSS_MASK)
-
-        def masked_mean(x):
-            return x[mask].sum() / mask.sum() if mask is not None else x.mean()
-
+        masked_mean = loss_step_mean(batch)
         dist = module.get_train_action_dist_cls().from_logits(fwd_out[Columns.ACTION_DIST_INPUTS])
         logp = dist.logp(batch[Columns.ACTIONS])
         adv = batch[Postprocessing.ADVANTAGES]
@@ -70,18 +65,13 @@ class A3CTorchLearner(LMPPOTorchLearner):
         entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
         policy_loss = -logp * adv
         total = masked_mean(policy_loss + config.vf_loss_coeff * vf_loss - entropy_coeff * entropy)
-        # How stale the batch was: log-prob gap between the acting weights and these ones.
-        log_gap = (batch[Columns.ACTION_LOGP] - logp).detach()
-        outside = log_gap > 1e30  # an action outside the current mask (current masking)
         self.metrics.log_dict(
             {
                 "policy_loss": masked_mean(policy_loss),
                 "vf_loss": masked_mean(vf_loss),
                 "vf_explained_var": explained_variance(targets, values),
                 "entropy": masked_mean(entropy),
-                "mean_kl_loss": masked_mean(log_gap.masked_fill(outside, 0.0)),
-                **({"mask_size": masked_mean(fwd_out[MASK_SIZE]), "actions_outside_mask": masked_mean(outside.float())}
-                   if MASK_SIZE in fwd_out else {}),
+                **policy_shift_metrics(batch, logp, fwd_out, masked_mean),  # how stale the batch was
             },
             key=module_id,
             window=1,

@@ -9,7 +9,7 @@ reads, validates and builds the generic sections and asks the spec for the rest.
 """
 from __future__ import annotations
 
-from env.validation import ConfigError, Field, is_search_space
+from env.validation import Field, is_search_space
 
 # `training` keys every algorithm reads (the learning rate and its schedule, the batch, the discount, clipping).
 COMMON_TRAINING = ("lr", "lr_end", "lr_decay_steps", "train_batch_size", "gamma", "grad_clip")

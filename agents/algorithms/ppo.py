@@ -51,6 +51,28 @@ def all_learners_kl(measured: dict) -> dict:
     dist.all_reduce(totals)
     return {**measured, "ref_kl": float(totals[0] / totals[1]), "n_sequences": int(totals[1])}
 
+def loss_step_mean(batch):
+    """x -> the mean of x over the loss steps (Columns.LOSS_MASK; over every step without one)."""
+    if Columns.LOSS_MASK not in batch:
+        return torch.mean
+    mask = batch[Columns.LOSS_MASK]
+    num_valid = mask.sum()
+    return lambda x: x[mask].sum() / num_valid
+
+
+def policy_shift_metrics(batch, logp, fwd_out, mean) -> dict:
+    """How far this update moved the policy: the sampled-action estimate of KL(old || new), and
+    with a truncation sampler the mask size and the share of actions outside the current mask.
+    With `current` masking an action can fall outside the updated policy's mask (log-prob
+    ~ -3e38, ratio 0): such steps are counted apart instead of making the estimate infinite."""
+    log_gap = (batch[Columns.ACTION_LOGP] - logp).detach()
+    outside = (log_gap > 1e30).float()
+    out = {"mean_kl_loss": mean(torch.where(outside.bool(), 0.0, log_gap))}
+    if MASK_SIZE in fwd_out:
+        out.update(mask_size=mean(fwd_out[MASK_SIZE]), actions_outside_mask=mean(outside))
+    return out
+
+
 class LMPPOTorchLearner(PPOTorchLearner):
     def build(self) -> None:
         super().build()
@@ -98,15 +120,7 @@ class LMPPOTorchLearner(PPOTorchLearner):
 
     def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
         module = self.module[module_id].unwrapped()
-        if Columns.LOSS_MASK in batch:
-            mask = batch[Columns.LOSS_MASK]
-            num_valid = mask.sum()
-
-            def masked_mean(x):
-                return x[mask].sum() / num_valid
-        else:
-            masked_mean = torch.mean
-
+        masked_mean = loss_step_mean(batch)
         dist = module.get_train_action_dist_cls().from_logits(fwd_out[Columns.ACTION_DIST_INPUTS])
         logp = dist.logp(batch[Columns.ACTIONS])
         ratio = torch.exp(logp - batch[Columns.ACTION_LOGP])
@@ -120,22 +134,14 @@ class LMPPOTorchLearner(PPOTorchLearner):
         entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
 
         total = masked_mean(-surrogate + config.vf_loss_coeff * vf_loss_clipped - entropy_coeff * entropy)
-        # Sampled-action estimate of KL(old || new): how far this update moved the policy. With
-        # `current` masking an action can fall outside the updated policy's mask (log-prob ~ -3e38,
-        # ratio 0): such steps are counted apart instead of making the estimate infinite.
-        log_gap = (batch[Columns.ACTION_LOGP] - logp).detach()
-        outside = (log_gap > 1e30).float()
-        approx_kl = masked_mean(torch.where(outside.bool(), 0.0, log_gap))
         self.metrics.log_dict(
             {
                 "policy_loss": -masked_mean(surrogate),
                 "vf_loss": masked_mean(vf_loss_clipped),
                 "vf_explained_var": explained_variance(batch[Postprocessing.VALUE_TARGETS], values),
                 "entropy": masked_mean(entropy),
-                "mean_kl_loss": approx_kl,
                 "clip_fraction": masked_mean(((ratio - 1).abs() > config.clip_param).float()),
-                **({"mask_size": masked_mean(fwd_out[MASK_SIZE]), "actions_outside_mask": masked_mean(outside)}
-                   if MASK_SIZE in fwd_out else {}),
+                **policy_shift_metrics(batch, logp, fwd_out, masked_mean),
             },
             key=module_id,
             window=1,

@@ -30,7 +30,7 @@ from ray.rllib.connectors.learner import GeneralAdvantageEstimation
 from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 
-from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner, PPOSpec
+from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner, PPOSpec, loss_step_mean, policy_shift_metrics
 from agents.algorithms.sequence_batching import SEQ_ID
 from agents.modules.kv_cache import WindowKVCache
 from env.text_env import TokenGenerationEnv
@@ -194,12 +194,11 @@ class ReinforceTorchLearner(LMPPOTorchLearner):
         # Sum over each sequence's tokens, mean over sequences: the REINFORCE gradient of E[R].
         n_seq = torch.unique(batch[SEQ_ID][mask]).numel() if SEQ_ID in batch else int(mask.sum())
         policy_loss = -(logp * adv)[mask].sum() / max(n_seq, 1)
-        entropy = dist.entropy()[mask].mean()
+        masked_mean = loss_step_mean(batch)
+        entropy = masked_mean(dist.entropy())
         entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
-        log_gap = (batch[Columns.ACTION_LOGP] - logp).detach()[mask]
         self.metrics.log_dict(
-            {"policy_loss": policy_loss, "entropy": entropy,
-             "mean_kl_loss": torch.where(log_gap > 1e30, 0.0, log_gap).mean(),
+            {"policy_loss": policy_loss, "entropy": entropy, **policy_shift_metrics(batch, logp, fwd_out, masked_mean),
              **self.sequence_advantages.last.get(module_id, {})},
             key=module_id, window=1)
         return self.add_mle_term(module_id, policy_loss - entropy_coeff * entropy)

@@ -42,7 +42,8 @@ from ray.rllib.core.rl_module.torch import TorchRLModule
 
 from agents.algorithms.sequence_batching import SEQ_ID
 from agents.models import build_causal_lm, build_tokenizer
-from agents.modules.kv_cache import ROW_CONTINUES, WindowKVCache, position_ids_for, rows_that_continue
+from agents.modules.kv_cache import (ROW_CONTINUES, WindowKVCache, position_ids_for, rows_that_continue,
+                                     sequence_groups)
 from agents.samplers import MASKED, Sampler
 
 SAMPLER_STATE = "sampler_state"  # per-step sampler state (mirostat's mu) used when acting
@@ -74,20 +75,8 @@ def hidden_at_last_token(trunk: nn.Module, obs: dict, seq_ids: torch.Tensor | No
     state is read at the matching column of that row's pass.
     """
     ids, mask = obs["input_ids"], obs["attention_mask"]
-    if seq_ids is None:
-        out = trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False)
-        return out.last_hidden_state[:, -1]
-    n_real = mask.sum(-1)
-    groups, inverse = torch.unique(seq_ids, return_inverse=True)
-    longest = torch.zeros(len(groups), dtype=n_real.dtype, device=n_real.device).scatter_reduce(
-        0, inverse, n_real, reduce="amax", include_self=False
-    )
-    is_longest = n_real == longest[inverse]
-    rep = torch.empty(len(groups), dtype=torch.long, device=ids.device)
-    rep.scatter_(0, inverse[is_longest], torch.nonzero(is_longest)[:, 0])
-    full_mask = mask[rep]
-    out = trunk(input_ids=ids[rep], attention_mask=full_mask, position_ids=position_ids_for(full_mask), use_cache=False)
-    column = ids.shape[1] - longest[inverse] + n_real - 1
+    rep, inverse, column = sequence_groups(mask, seq_ids)
+    out = trunk(input_ids=ids[rep], attention_mask=mask[rep], position_ids=position_ids_for(mask[rep]), use_cache=False)
     return out.last_hidden_state[inverse, column]
 
 

@@ -32,6 +32,31 @@ def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
+def sequence_groups(mask: torch.Tensor, seq_ids: torch.Tensor | None):
+    """One forward pass per sequence: rows of one sequence (same `seq_id`) are prefixes of its
+    longest row. Returns (rep, inverse, column): rep[g] is the row holding group g's longest
+    window, inverse[r] the group of row r, column[r] where row r's newest token stands in its
+    representative's window. Without seq_ids every row is its own group."""
+    if seq_ids is None:
+        rows = torch.arange(mask.shape[0], device=mask.device)
+        return rows, rows, torch.full_like(rows, mask.shape[1] - 1)
+    n_real = mask.sum(-1)
+    groups, inverse = torch.unique(seq_ids, return_inverse=True)
+    longest = torch.zeros(len(groups), dtype=n_real.dtype, device=n_real.device).scatter_reduce(
+        0, inverse, n_real, reduce="amax", include_self=False)
+    is_longest = n_real == longest[inverse]
+    rep = torch.empty(len(groups), dtype=torch.long, device=mask.device)
+    rep.scatter_(0, inverse[is_longest], torch.nonzero(is_longest)[:, 0])
+    return rep, inverse, mask.shape[1] - longest[inverse] + n_real - 1
+
+
+def merge_rows(step: torch.Tensor, fill: torch.Tensor, step_rows: torch.Tensor, fill_rows: torch.Tensor):
+    """The rows computed in two parts (cached steps and prefills) back in batch order."""
+    out = step.new_empty((len(step_rows) + len(fill_rows),) + tuple(step.shape[1:]))
+    out[step_rows], out[fill_rows] = step, fill
+    return out
+
+
 def continuing_rows(prev_ids, prev_mask, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Which rows of (ids, mask) are row-for-row one appended token after (prev_ids, prev_mask)."""
     if prev_ids is None or prev_ids.shape != ids.shape:
@@ -115,16 +140,11 @@ class WindowKVCache:
             layer.keys, layer.values = k[step_rows], v[step_rows]
         h_step = self._step(trunk, past, ids[step_rows], mask[step_rows])
         h_fill, filled = self._prefill(trunk, ids[fill_rows], mask[fill_rows])
-        hidden = h_step.new_empty((n, h_step.shape[-1]))
-        hidden[step_rows], hidden[fill_rows] = h_step, h_fill
         for layer, fill in zip(past.layers, filled.layers):  # both parts back in batch order
-            for name in ("keys", "values"):
-                ks, kf = getattr(layer, name), getattr(fill, name)
-                merged = ks.new_empty((n,) + ks.shape[1:])
-                merged[step_rows], merged[fill_rows] = ks, kf
-                setattr(layer, name, merged)
+            layer.keys = merge_rows(layer.keys, fill.keys, step_rows, fill_rows)
+            layer.values = merge_rows(layer.values, fill.values, step_rows, fill_rows)
         self.past = past
-        return hidden
+        return merge_rows(h_step, h_fill, step_rows, fill_rows)
 
     def _step(self, trunk, past, ids, mask) -> torch.Tensor:
         """One cached token per row: drop the column shifted out of the window (padding, a view)."""

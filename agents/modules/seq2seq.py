@@ -40,7 +40,7 @@ from ray.rllib.core.columns import Columns
 from agents.algorithms.sequence_batching import SEQ_ID
 from agents.models import build_seq2seq_lm, decoder_start_id
 from agents.modules.actor_critic import CausalLMActorCritic
-from agents.modules.kv_cache import position_ids_for, rows_that_continue
+from agents.modules.kv_cache import merge_rows, position_ids_for, rows_that_continue, sequence_groups
 
 ENC_IDS, ENC_MASK = "encoder_input_ids", "encoder_attention_mask"
 
@@ -118,23 +118,11 @@ def decoder_hidden(model, obs: dict, start_id: int, seq_ids: torch.Tensor | None
     encoder and decoder run once per sequence when `seq_ids` groups rows of one episode."""
     ids, mask = decoder_window(obs, start_id)
     enc_ids, enc_mask = obs[ENC_IDS], obs[ENC_MASK]
-    n_real = mask.sum(-1)
-    if seq_ids is None:
-        rep = inverse = torch.arange(ids.shape[0], device=ids.device)
-        longest = n_real
-    else:  # each row is a prefix of its sequence's longest row: run that one, read the matching column
-        groups, inverse = torch.unique(seq_ids, return_inverse=True)
-        longest = torch.zeros(len(groups), dtype=n_real.dtype, device=n_real.device).scatter_reduce(
-            0, inverse, n_real, reduce="amax", include_self=False)
-        is_longest = n_real == longest[inverse]
-        rep = torch.empty(len(groups), dtype=torch.long, device=ids.device)
-        rep.scatter_(0, inverse[is_longest], torch.nonzero(is_longest)[:, 0])
-        longest = longest[inverse]
+    rep, inverse, column = sequence_groups(mask, seq_ids)
     enc = encode(model, enc_ids[rep], enc_mask[rep])
     with row_positions(model, position_ids_for(mask[rep])):
         out = model.get_decoder()(input_ids=ids[rep], attention_mask=mask[rep], encoder_hidden_states=enc,
                                   encoder_attention_mask=enc_mask[rep], use_cache=False)
-    column = ids.shape[1] - longest + n_real - 1
     return out.last_hidden_state[inverse, column]
 
 
@@ -215,9 +203,7 @@ class EncoderDecoderKVCache:
                 out = decoder(input_ids=ids[step_rows, -1:], attention_mask=m, encoder_hidden_states=enc_hidden[sel],
                               encoder_attention_mask=enc_mask[step_rows],
                               past_key_values=EncoderDecoderCache(self_cache, cross_cache), use_cache=True)
-            h = out.last_hidden_state[:, -1]
-            hidden = h.new_empty((len(rows), h.shape[-1]))
-            hidden[step_rows] = h
+            hidden = out.last_hidden_state[:, -1]
             self_kv = [(l.keys, l.values) for l in out.past_key_values.self_attention_cache.layers]
             cross_kv = [(l.keys, l.values) for l in out.past_key_values.cross_attention_cache.layers]
         if len(fill_rows):
@@ -226,16 +212,14 @@ class EncoderDecoderKVCache:
                 out = decoder(input_ids=ids[fill_rows], attention_mask=m, encoder_hidden_states=enc_hidden[fill_rows],
                               encoder_attention_mask=enc_mask[fill_rows], use_cache=True)
             h = out.last_hidden_state[:, -1]
-            if hidden is None:
-                hidden = h.new_empty((len(rows), h.shape[-1]))
-            hidden[fill_rows] = h
+            hidden = h if hidden is None else merge_rows(hidden, h, step_rows, fill_rows)
             fill_self = [(l.keys, l.values) for l in out.past_key_values.self_attention_cache.layers]
             fill_cross = [(l.keys, l.values) for l in out.past_key_values.cross_attention_cache.layers]
             if self_kv is None:
                 self_kv, cross_kv = fill_self, fill_cross
             else:
-                self_kv = _merge(self_kv, fill_self, step_rows, fill_rows, len(rows))
-                cross_kv = _merge(cross_kv, fill_cross, step_rows, fill_rows, len(rows))
+                self_kv = _merge(self_kv, fill_self, step_rows, fill_rows)
+                cross_kv = _merge(cross_kv, fill_cross, step_rows, fill_rows)
         self.ids, self.mask, self.enc_ids, self.enc_mask = ids.clone(), mask.clone(), enc_ids.clone(), enc_mask.clone()
         self.enc_hidden, self.self_kv, self.cross_kv = enc_hidden, self_kv, cross_kv
         self.stats["prefill_rows"] += len(fill_rows)
@@ -243,15 +227,10 @@ class EncoderDecoderKVCache:
         return hidden
 
 
-def _merge(step_layers, fill_layers, step_rows, fill_rows, n):
+def _merge(step_layers, fill_layers, step_rows, fill_rows):
     """Step rows' and prefilled rows' keys/values back in batch order."""
-    merged = []
-    for (ks, vs), (kf, vf) in zip(step_layers, fill_layers):
-        k = ks.new_empty((n,) + ks.shape[1:])
-        v = vs.new_empty((n,) + vs.shape[1:])
-        k[step_rows], v[step_rows], k[fill_rows], v[fill_rows] = ks, vs, kf, vf
-        merged.append((k, v))
-    return merged
+    return [(merge_rows(ks, kf, step_rows, fill_rows), merge_rows(vs, vf, step_rows, fill_rows))
+            for (ks, vs), (kf, vf) in zip(step_layers, fill_layers)]
 
 
 @torch.no_grad()

@@ -31,6 +31,8 @@ import importlib
 import inspect
 import math
 
+from env.validation import first_line, unknown_key
+
 
 class RewardConfigError(ValueError):
     """A reward config problem, one line naming the field (agents.config re-raises it as ConfigError)."""
@@ -93,7 +95,7 @@ def import_reward_function(spec: str, path: str = "reward"):
         if isinstance(e, ModuleNotFoundError) and e.name and (module_name + ".").startswith(e.name + "."):
             detail = "not found on the Python path"
         else:
-            detail = f"{type(e).__name__}: {_first_line(e)}"
+            detail = f"{type(e).__name__}: {first_line(e)}"
         raise RewardConfigError(f"{where}: cannot import module {module_name!r} ({detail})") from None
     if not hasattr(module, attr):
         raise RewardConfigError(f"{where}: module {module_name!r} has no function {attr!r}")
@@ -101,11 +103,6 @@ def import_reward_function(spec: str, path: str = "reward"):
     if not callable(fn):
         raise RewardConfigError(f"{where}: {spec!r} is not callable (it is a {type(fn).__name__})")
     return fn
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 class _BoundFunction:
@@ -290,11 +287,6 @@ def _check_type(path: str, annotation, value):
     raise RewardConfigError(f"{path}: expected {' or '.join(names[k] for k in kinds)}, got {value!r}")
 
 
-def _unknown(path: str, key: str, known, what: str) -> RewardConfigError:
-    hint = difflib.get_close_matches(key, list(known), n=1)
-    suffix = f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(sorted(known)) or 'none'})"
-    return RewardConfigError(f"{path}.{key}: unknown {what}{suffix}")
-
 
 def make_reward(spec, path: str = "reward") -> CheckedReward:
     """Builds a reward from its config mapping (see the module docstring). Loads no model."""
@@ -343,7 +335,7 @@ def make_reward(spec, path: str = "reward") -> CheckedReward:
         if key == "name":
             continue
         if key not in known:
-            raise _unknown(path, key, known, f"field of reward {name!r}")
+            raise unknown_key(path, key, known, RewardConfigError, f"unknown field of reward {name!r}")
         param = aliases.get(key, key)
         kwargs[param] = _check_type(f"{path}.{key}", params[param].annotation, value)
     for param, p in params.items():

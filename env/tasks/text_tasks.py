@@ -17,12 +17,12 @@ Each example's meta carries the split it came from: a `cider_d` term without
 """
 from __future__ import annotations
 
-import difflib
 import json
 
 from env.rewards import make_reward, references_of
 from env.tasks import data as _data
 from env.tasks.data import DATA_OPTIONS, DataError, DataSpec, load_rows
+from env.validation import unknown_key
 
 _EXAMPLES: dict = {}  # (task, options, split) -> examples, shared by the envs of a process
 _REWARDS: dict = {}  # (reward spec, task, options, split) -> built reward
@@ -64,9 +64,7 @@ class DataTask:
         known = {**DATA_OPTIONS, **{k: d for k, (d, _) in self.OPTIONS.items()}, "reward": None}
         for key in options:
             if key not in known:
-                hint = difflib.get_close_matches(key, list(known), n=1)
-                suffix = f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(sorted(known))})"
-                raise ValueError(f"task.{key}: unknown key for task {self.name!r}{suffix}")
+                raise unknown_key("task", key, known, ValueError, f"unknown key for task {self.name!r}")
         opts = {**known, **options}
         if opts["dataset"] is None:
             if not self.DEFAULT_DATA:
