@@ -116,10 +116,18 @@ RESUMABLE = {
     "ppo": [],
     "a2c": A2C,
     "ppo_pp": PPO_PP,
-    "ppo_mirostat_mle": ["task.name=sort_numbers", "task.num_numbers=20", "task.length=5", "training.mle_coef=0.5",
-                         "training.mle_batch_size=4", "sampler.name=mirostat", "sampler.tau=3.0",
-                         "sampler.learning_rate=0.5"],
+    "ppo_mirostat_mle": "mle",
 }
+
+
+def mle_cfg(seed=0):
+    """PPO + the MLE term on a task with references, acting through mirostat (state per row)."""
+    return validate({"algorithm": "ppo", "seed": seed, "task": {"name": "sort_numbers", "num_numbers": 20, "length": 5},
+                     "model": {"name_or_path": "tiny-gpt2"}, "env": {"max_prompt_len": 5, "max_new_tokens": 6},
+                     "training": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 2,
+                                  "mle_coef": 0.5, "mle_batch_size": 4},
+                     "sampler": {"name": "mirostat", "tau": 3.0, "learning_rate": 0.5},
+                     "env_runners": {"num_env_runners": 0, "num_envs_per_env_runner": 8}})
 
 
 @pytest.mark.slow
@@ -127,9 +135,95 @@ RESUMABLE = {
 def test_restored_checkpoint_continues_exactly_as_the_uninterrupted_run(ray_local, tmp_path, name):
     """Checkpoint after iteration 2; a new algorithm restored from it gives iterations 3-5 exactly as
     the run that went on (carried episodes, env and guide generators, MLE draws, sampler state)."""
-    cfg = ppo_cfg(*RESUMABLE[name])
+    cfg = mle_cfg() if RESUMABLE[name] == "mle" else ppo_cfg(*RESUMABLE[name])
     uninterrupted = train(cfg, 5, checkpoint_at=2, path=tmp_path / "ckpt")
     again = resumed(cfg, tmp_path / "ckpt", 3)
     assert again == uninterrupted[2:]
     if name == "ppo_mirostat_mle":
         assert "learners/default_policy/mle_nll" in again[0]
+
+
+def test_resumed_wandb_run_logs_only_the_steps_it_does_not_hold(tmp_path, monkeypatch):
+    """W&B offline: a first run logs iterations 1-5 and dies; the resumed run (same id) is handed
+    iterations 4-8 again from the checkpoint: the run files hold 1..8, each once."""
+    import wandb
+
+    from agents.train import SkipLoggedSteps, wandb_logged_steps
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    kwargs = dict(project="repro", id="trial0001", dir=str(tmp_path), resume="allow", reinit=True)
+    first = SkipLoggedSteps(wandb, str(tmp_path))
+    run = first.init(**kwargs)
+    for step in range(1, 6):
+        first.log({"episode_return_mean": step / 10}, step=step)
+    run.finish()
+    wandb.teardown()  # the W&B service has written the run file
+    assert wandb_logged_steps(str(tmp_path), "trial0001") == [1, 2, 3, 4, 5]
+
+    again = SkipLoggedSteps(wandb, str(tmp_path))
+    run = again.init(**kwargs)
+    assert again.last_logged == 5
+    for step in range(4, 9):
+        again.log({"episode_return_mean": step / 10}, step=step)
+    run.finish()
+    wandb.teardown()  # the W&B service has written the run file
+    assert sorted(wandb_logged_steps(str(tmp_path), "trial0001")) == list(range(1, 9))
+    assert wandb_logged_steps(str(tmp_path), "other") == []
+
+
+def _cli(args, **kwargs):
+    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    return subprocess.Popen([sys.executable, "-m", "agents.train", QUICKSTART, *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, **kwargs)
+
+
+def _result_curves(experiment_dir) -> dict[int, dict]:
+    (trial_dir,) = [d for d in glob.glob(os.path.join(experiment_dir, "LMPPO_*")) if os.path.isdir(d)]
+    with open(os.path.join(trial_dir, "result.json")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return trial_dir, rows[0]["trial_id"], {r["training_iteration"]: curve(r) for r in rows}
+
+
+@pytest.mark.slow
+def test_run_killed_after_a_checkpoint_and_resumed_matches_the_uninterrupted_run(tmp_path):
+    """`agents.train` killed (SIGKILL, driver and Ray) after iteration 4, resumed with --resume from
+    its last checkpoint: every iteration's reward and losses equal those of a run never killed,
+    and the trial's W&B (offline) run holds each iteration once."""
+    common = [*[a for o in TINY for a in ("--set", o)], "--set", "stop.training_iteration=6",
+              "--set", "checkpoint.frequency=2", "--set", "generate.num_samples=0", "--set", "tune.dashboard=false",
+              "--set", f"tune.storage_path={tmp_path}", "--set", "tune.wandb=true"]
+    whole = _cli([*common, "--set", "tune.name=whole"])
+    out = whole.communicate(timeout=900)[0]
+    assert whole.returncode == 0, out[-3000:]
+
+    killed = _cli([*common, "--set", "tune.name=killed"])
+    seen = []
+    try:
+        for line in killed.stdout:
+            m = re.match(r"iter +(\d+) ", line)
+            if m:
+                seen.append(int(m.group(1)))
+                if seen[-1] == 5:
+                    break
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+    assert seen == [1, 2, 3, 4, 5]
+    resumed_run = _cli([*common, "--set", "tune.name=killed", "--resume"])
+    out = resumed_run.communicate(timeout=900)[0]
+    assert resumed_run.returncode == 0, out[-3000:]
+    first_after = int(re.search(r"^iter +(\d+) ", out, re.M).group(1))
+    assert first_after in (3, 5), out[-3000:]  # after the checkpoint of iteration 2 or 4
+
+    _, _, expected = _result_curves(tmp_path / "whole")
+    trial_dir, trial_id, got = _result_curves(tmp_path / "killed")
+    assert sorted(got) == sorted(expected) == list(range(1, 7))
+    for i in range(1, 7):
+        assert got[i] == expected[i], (i, got[i], expected[i])
+    assert got[6] != got[5]  # the curve moves: equal rows are not a constant
+
+    from agents.train import wandb_logged_steps
+
+    steps = wandb_logged_steps(trial_dir, trial_id)
+    assert sorted(steps) == list(range(1, 7)), steps
