@@ -169,11 +169,17 @@ class _SeededRunnerMixin:
             index = (self.worker_index or 0) + (1_000_000 if self.config.in_evaluation else 0)
             _seed_module_rollouts(self.module, rollout_seed(self.config.seed, index))
 
+    def _runner_id(self) -> tuple:
+        return int(self.worker_index or 0), bool(self.config.in_evaluation)
+
     def _rollout_state(self) -> dict:
-        return {"rng": global_rng_state(), "env": env_state(self.env) if self.env is not None else None,
+        return {"runner": self._runner_id(), "rng": global_rng_state(),
+                "env": env_state(self.env) if self.env is not None else None,
                 "module": _module_rollout_states(self.module), "metrics": self.metrics.get_state()}
 
     def _set_rollout_state(self, state: dict) -> None:
+        if tuple(state["runner"]) != self._runner_id():
+            return  # another EnvRunner's (e.g. RLlib hands evaluation runners the training runner's state)
         set_global_rng_state(state["rng"])
         if state["env"] is not None and self.env is not None:
             set_env_state(self.env, state["env"])
@@ -188,7 +194,7 @@ class _SeededRunnerMixin:
 
     def set_state(self, state) -> None:
         super().set_state(state)
-        if ROLLOUT_STATE in state:
+        if ROLLOUT_STATE in state:  # a checkpoint's; weight syncs carry none
             self._set_rollout_state(state[ROLLOUT_STATE])
 
 

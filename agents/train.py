@@ -236,41 +236,48 @@ def make_scheduler(cfg: dict):
 
 def wandb_logged_steps(folder: str, run_id: str) -> list[int]:
     """The steps logged to W&B run `run_id` in the offline (or synced) run folders under
-    `folder`/wandb, read from their `run-<id>.wandb` files (W&B's record log: 32 KiB blocks
+    `folder`/wandb, oldest run first."""
+    import glob
+
+    steps = []
+    for path in sorted(glob.glob(os.path.join(folder, "wandb", f"*-{run_id}", f"run-{run_id}.wandb"))):
+        steps += wandb_run_file_steps(path)
+    return steps
+
+
+def wandb_run_file_steps(path: str) -> list[int]:
+    """The history steps in one W&B run file (`run-<id>.wandb`: W&B's record log, 32 KiB blocks
     of chunks with a 7-byte header, each record a protobuf `Record`). A file cut short by a
     killed process gives the records before the cut."""
-    import glob
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
-    steps = []
-    for path in sorted(glob.glob(os.path.join(folder, "wandb", f"*-{run_id}", f"run-{run_id}.wandb"))):
-        with open(path, "rb") as f:
-            data = f.read()
-        pos, block, record = 7, 32768, b""  # after the file header (":W&B", version)
-        while pos + 7 <= len(data):
-            left = block - pos % block
-            if left < 7:  # block trailer
-                pos += left
-                continue
-            _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
-            if n == 0 and kind == 0:  # zero padding to the end of the block
-                pos += left
-                continue
-            if pos + 7 + n > len(data):
+    with open(path, "rb") as f:
+        data = f.read()
+    steps, pos, block, record = [], 7, 32768, b""  # after the file header (":W&B", version)
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # block trailer
+            pos += left
+            continue
+        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if n == 0 and kind == 0:  # zero padding to the end of the block
+            pos += left
+            continue
+        if pos + 7 + n > len(data):
+            break
+        record += data[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            rec = wandb_internal_pb2.Record()
+            try:
+                rec.ParseFromString(record)
+            except Exception:  # noqa: BLE001 - a torn record at a kill: stop at it
                 break
-            record += data[pos + 7:pos + 7 + n]
-            pos += 7 + n
-            if kind in (1, 4):  # a full record, or the last chunk of one
-                rec = wandb_internal_pb2.Record()
-                try:
-                    rec.ParseFromString(record)
-                except Exception:  # noqa: BLE001 - a torn record at a kill: stop at it
-                    break
-                record = b""
-                if rec.WhichOneof("record_type") == "history":
-                    steps.append(int(rec.history.step.num))
+            record = b""
+            if rec.WhichOneof("record_type") == "history":
+                steps.append(int(rec.history.step.num))
     return steps
 
 
