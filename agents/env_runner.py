@@ -62,6 +62,7 @@ import torch
 from ray.rllib.callbacks.utils import make_callback
 from ray.rllib.core import DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
+from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
 from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
@@ -140,9 +141,15 @@ def set_env_state(env, state: dict) -> None:
             setattr(obj, k, copy.deepcopy(v))
 
 
+def _modules(module) -> dict:
+    """{module id: module} of a MultiRLModule, {None: module} of a single one, {} of none."""
+    if module is None:
+        return {}
+    return dict(module.items()) if isinstance(module, MultiRLModule) else {None: module}
+
+
 def _module_rollout_states(module) -> dict:
-    modules = {None: module} if hasattr(module, "get_rollout_state") else dict(module.items()) if module else {}
-    return {mid: m.unwrapped().get_rollout_state() for mid, m in modules.items()
+    return {mid: m.unwrapped().get_rollout_state() for mid, m in _modules(module).items()
             if hasattr(m.unwrapped(), "get_rollout_state")}
 
 
@@ -152,7 +159,7 @@ def _set_module_rollout_states(module, states: dict) -> None:
 
 
 def _seed_module_rollouts(module, seed: int) -> None:
-    for m in ([module] if hasattr(module, "seed_rollouts") else module.values() if module else []):
+    for m in _modules(module).values():
         if hasattr(m.unwrapped(), "seed_rollouts"):
             m.unwrapped().seed_rollouts(seed)
 
