@@ -35,10 +35,25 @@ DQN (which samples n-step fragments, not whole episodes). With
 of each `sample()` call with the same seed, so every call would replay the same
 `num_envs_per_env_runner` prompts; the k-th seeded reset of an EnvRunner uses
 `seed + k * SEED_STRIDE` instead.
+
+Seeds and checkpoints. Everything an EnvRunner draws from derives from the config's
+`seed` and the EnvRunner's index: RLlib seeds the process's `random`, NumPy and torch
+generators with `seed + worker_index` (+1e6 for evaluation), the env rows with the
+seeds above, and the module's rollout generators (guide roll-in plans, an LM guide's
+sampling) get `rollout_seed(seed, index)`. Building the module cannot disturb the
+process's generators (it runs inside `torch.random.fork_rng`). `get_state` adds
+`ROLLOUT_STATE`: those generators' states, the env (each row's generator and the
+episode it is in), the episodes a `FastTokenEnvRunner` carries to its next call (its
+`_Rollout`) and the module's per-row rollout state. RLlib saves the local EnvRunner's
+state in algorithm checkpoints, so with `num_env_runners: 0` a resumed run goes on
+exactly as an uninterrupted one; remote EnvRunners' states are not in RLlib's
+checkpoints (they restart from their seeds).
 """
 from __future__ import annotations
 
+import copy
 import math
+import random
 import time
 
 import numpy as np
@@ -47,6 +62,7 @@ import torch
 from ray.rllib.callbacks.utils import make_callback
 from ray.rllib.core import DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
+from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
 from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
@@ -76,6 +92,117 @@ from env.vector_env import TokenGenerationVectorEnv, row_info
 
 SEED_STRIDE = 1_000_003  # far apart from the per-sub-env (+i) and per-EnvRunner (+index) offsets
 TOKEN_ENV = "token_generation"  # the name `make_token_env` is registered under (ray.tune.register_env)
+ROLLOUT_STATE = "rollout_state"  # the EnvRunner state key (and component name) added here
+
+
+def rollout_seed(seed: int, index: int) -> int:
+    """The seed of a module's rollout generators on EnvRunner `index`: its own stream, apart
+    from the env rows' (`seed + index * num_envs + row`) and the process's (`seed + index`)."""
+    return int(np.random.SeedSequence([int(seed), int(index), 0x6775]).generate_state(1)[0])
+
+
+def global_rng_state() -> dict:
+    """The process's Python, NumPy and torch (CPU and CUDA) generator states."""
+    state = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_global_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _private_state(obj) -> dict:
+    """An env's mutable episode state: its underscore attributes (per-row arrays, the row's
+    prompt, generated tokens and generator; the tokenizer, task and data are public)."""
+    return {k: copy.deepcopy(v) for k, v in vars(obj).items() if k.startswith("_")}
+
+
+def env_state(env) -> dict:
+    env = env.unwrapped
+    state = {"env": _private_state(env)}
+    if isinstance(env, TokenGenerationVectorEnv):
+        state["rows"] = [_private_state(row) for row in env.rows]
+    elif hasattr(env, "envs"):  # gymnasium's SyncVectorEnv
+        state["rows"] = [_private_state(e.unwrapped) for e in env.envs]
+    return state
+
+
+def set_env_state(env, state: dict) -> None:
+    env = env.unwrapped
+    rows = env.rows if isinstance(env, TokenGenerationVectorEnv) else [e.unwrapped for e in getattr(env, "envs", [])]
+    for obj, saved in [(env, state["env"])] + list(zip(rows, state.get("rows", []))):
+        for k, v in saved.items():
+            setattr(obj, k, copy.deepcopy(v))
+
+
+def _modules(module) -> dict:
+    """{module id: module} of a MultiRLModule, {None: module} of a single one, {} of none."""
+    if module is None:
+        return {}
+    return dict(module.items()) if isinstance(module, MultiRLModule) else {None: module}
+
+
+def _module_rollout_states(module) -> dict:
+    return {mid: m.unwrapped().get_rollout_state() for mid, m in _modules(module).items()
+            if hasattr(m.unwrapped(), "get_rollout_state")}
+
+
+def _set_module_rollout_states(module, states: dict) -> None:
+    for mid, state in states.items():
+        (module if mid is None else module[mid]).unwrapped().set_rollout_state(state)
+
+
+def _seed_module_rollouts(module, seed: int) -> None:
+    for m in _modules(module).values():
+        if hasattr(m.unwrapped(), "seed_rollouts"):
+            m.unwrapped().seed_rollouts(seed)
+
+
+class _SeededRunnerMixin:
+    """Module building that leaves the process's generators alone, per-EnvRunner rollout
+    seeds, and the generators' and env's states in `get_state`/`set_state`."""
+
+    def make_module(self):
+        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=cuda):  # a module seeding torch must not reset this runner's stream
+            super().make_module()
+        if self.config.seed is not None and self.module is not None:
+            index = (self.worker_index or 0) + (1_000_000 if self.config.in_evaluation else 0)
+            _seed_module_rollouts(self.module, rollout_seed(self.config.seed, index))
+
+    def _runner_id(self) -> tuple:
+        return int(self.worker_index or 0), bool(self.config.in_evaluation)
+
+    def _rollout_state(self) -> dict:
+        return {"runner": self._runner_id(), "rng": global_rng_state(),
+                "env": env_state(self.env) if self.env is not None else None,
+                "module": _module_rollout_states(self.module), "metrics": self.metrics.get_state()}
+
+    def _set_rollout_state(self, state: dict) -> None:
+        if tuple(state["runner"]) != self._runner_id():
+            return  # another EnvRunner's (e.g. RLlib hands evaluation runners the training runner's state)
+        set_global_rng_state(state["rng"])
+        if state["env"] is not None and self.env is not None:
+            set_env_state(self.env, state["env"])
+        _set_module_rollout_states(self.module, state["module"])
+        self.metrics.set_state(state["metrics"])
+
+    def get_state(self, components=None, *, not_components=None, **kwargs):
+        state = super().get_state(components, not_components=not_components, **kwargs)
+        if self._check_component(ROLLOUT_STATE, components, not_components):
+            state[ROLLOUT_STATE] = self._rollout_state()
+        return state
+
+    def set_state(self, state) -> None:
+        super().set_state(state)
+        if ROLLOUT_STATE in state:  # a checkpoint's; weight syncs carry none
+            self._set_rollout_state(state[ROLLOUT_STATE])
 
 
 def make_token_env(config):
@@ -94,7 +221,7 @@ def make_token_env(config):
     return row_cls(cfg)
 
 
-class FastTokenEnvRunner(SingleAgentEnvRunner):
+class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
     def __init__(self, *, config, **kwargs):
         super().__init__(config=config, **kwargs)
         self._episode_callbacks = [cls() for cls in force_list(self.config.callbacks_class)]
@@ -107,6 +234,17 @@ class FastTokenEnvRunner(SingleAgentEnvRunner):
             raise TypeError(f"FastTokenEnvRunner needs a TokenGenerationVectorEnv, got {type(env).__name__} "
                             "(set env_runners.runner: stock for other envs)")
         return env
+
+    def _rollout_state(self) -> dict:
+        """Adds the episodes carried to the next sample() call: a resumed run finishes them as an
+        uninterrupted one would (their early steps keep the log-probs they were sampled with)."""
+        return {**super()._rollout_state(), "carried": copy.deepcopy(self._rollout), "env_seeded": self._env_seeded}
+
+    def _set_rollout_state(self, state: dict) -> None:
+        super()._set_rollout_state(state)
+        self._rollout, self._env_seeded = copy.deepcopy(state["carried"]), state["env_seeded"]
+        if self._rollout is not None:  # episode durations restart in this process's clock
+            self._rollout.start_time[:] = time.perf_counter()
 
     def _first_seed(self):
         if self._env_seeded or self.config.seed is None:
@@ -285,7 +423,17 @@ class _Rollout:
         self.row_start -= s0
 
 
-class StockTokenEnvRunner(SingleAgentEnvRunner):
+class StockTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
+    """RLlib's runner with per-EnvRunner seeds and the generators in its state. Its episodes
+    in progress (RLlib's `_episodes`) are not saved: a resumed run starts new ones."""
+
+    def _rollout_state(self) -> dict:
+        return {**super()._rollout_state(), "seeded_resets": getattr(self, "_seeded_resets", 0)}
+
+    def _set_rollout_state(self, state: dict) -> None:
+        super()._set_rollout_state(state)
+        self._seeded_resets = state["seeded_resets"]
+
     def _try_env_reset(self, *, seed=None, options=None):
         if seed is not None:
             self._seeded_resets = getattr(self, "_seeded_resets", 0)

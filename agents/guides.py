@@ -65,6 +65,17 @@ class LMGuide:
         self.cache = WindowKVCache()
         self.generator = torch.Generator().manual_seed(seed)
 
+    def seed(self, seed: int) -> None:
+        self.generator.manual_seed(int(seed))
+
+    def get_state(self) -> dict:
+        """The sampling generator (the KV cache is rebuilt: see `GuidedRollout.get_state`)."""
+        return {"generator": self.generator.get_state()}
+
+    def set_state(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.cache.invalidate()
+
     @torch.no_grad()
     def next_tokens(self, obs: dict, rows: torch.Tensor, cont=None) -> torch.Tensor:
         if self.lm.device != obs["input_ids"].device:  # follow the policy onto its EnvRunner's device
@@ -89,6 +100,19 @@ class CallableGuide:
         self.eos_id = tokenizer.eos_token_id
         self.plans: dict[int, list[int]] = {}  # row -> tokens still to come from its last answer
         self.prev_ids = self.prev_mask = None
+
+    def seed(self, seed: int) -> None:
+        """Nothing to seed here: a function that draws random numbers should use Python's
+        `random` or NumPy's global generator, which RLlib seeds per EnvRunner (config seed +
+        worker index) and the EnvRunner saves in checkpoints."""
+
+    def get_state(self) -> dict:
+        return {"plans": {r: list(p) for r, p in self.plans.items()},
+                "prev_ids": _cpu(self.prev_ids), "prev_mask": _cpu(self.prev_mask)}
+
+    def set_state(self, state: dict) -> None:
+        self.plans = {int(r): list(p) for r, p in state["plans"].items()}
+        self.prev_ids, self.prev_mask = state["prev_ids"], state["prev_mask"]
 
     def continuations(self, prefixes: list[str]) -> list[list[int]]:
         """The function's answers as token-id lists, or GuideError naming what is wrong."""
@@ -127,6 +151,14 @@ class CallableGuide:
                 plans[r] = plan
         self.plans, self.prev_ids, self.prev_mask = plans, ids.clone(), mask.clone()
         return torch.tensor([plans[int(r)][0] for r in rows], dtype=torch.long, device=ids.device)
+
+
+def _cpu(x):
+    return None if x is None else x.detach().cpu().clone()
+
+
+def _on(x, device):
+    return None if x is None or device is None else x.to(device)
 
 
 def import_callable(spec: str):
@@ -199,6 +231,30 @@ class GuidedRollout:
         self.prev_ids = self.prev_mask = None
         self.t = self.kind = self.limit = None  # per row: steps taken, plan kind, roll-in length / deviation step
 
+    def seed(self, seed: int) -> None:
+        """Restarts the plan draws (and an LM guide's sampling) from `seed`; EnvRunners call it
+        with a seed of their own (config seed and worker index)."""
+        self.rng = np.random.default_rng(seed)
+        self.guide.seed(seed)
+
+    def get_state(self) -> dict:
+        """Everything the next call depends on: the plan generator, each row's plan and step, the
+        previous window (which rows continue) and the guide's own state. An LM guide's KV cache
+        is not saved: it is dropped at every weight sync (`CausalLMActorCritic.set_state`), so
+        a resumed run re-prefills it exactly where an uninterrupted run does."""
+        return {"rng": self.rng.bit_generator.state, "mode": self.mode,
+                "prev_ids": _cpu(self.prev_ids), "prev_mask": _cpu(self.prev_mask),
+                "t": self.t, "kind": self.kind, "limit": self.limit, "guide": self.guide.get_state()}
+
+    def set_state(self, state: dict, device=None) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.set_mode(state["mode"])
+        self.prev_ids, self.prev_mask = _on(state["prev_ids"], device), _on(state["prev_mask"], device)
+        self.t, self.kind, self.limit = state["t"], state["kind"], state["limit"]
+        self.guide.set_state(state["guide"])
+        if isinstance(self.guide, CallableGuide):
+            self.guide.prev_ids, self.guide.prev_mask = _on(self.guide.prev_ids, device), _on(self.guide.prev_mask, device)
+
     def set_mode(self, mode: str) -> None:
         if mode not in self.MODES:
             raise ValueError(f"guided roll-in mode must be one of {self.MODES}, got {mode!r}")
@@ -251,21 +307,19 @@ class GuidedRollout:
 
 # -- a scripted guide for the synthetic task ------------------------------------------
 
-_noise = random.Random(0)
-
-
 def noisy_increasing_numbers(prefixes: list[str], *, num_numbers: int = 50, max_step: int = 3,
                              noise: float = 0.1) -> list[str]:
     """Scripted guide for the increasing-numbers task: the next number is the last one plus
     1..max_step; with probability `noise` (or when that would pass the largest number) a
     uniformly random number instead: a good but imperfect policy (reward about 0.93 with the
-    defaults, against 0.37 for a uniformly random policy)."""
+    defaults, against 0.37 for a uniformly random policy). Draws from Python's global `random`,
+    which RLlib seeds per EnvRunner (config seed + worker index) and checkpoints save."""
     out = []
     for text in prefixes:
         numbers = [int(w) for w in text.split() if w.isdigit()]
-        nxt = (numbers[-1] if numbers else -1) + _noise.randint(1, max_step)
-        if _noise.random() < noise or nxt >= num_numbers:
-            nxt = _noise.randrange(num_numbers)
+        nxt = (numbers[-1] if numbers else -1) + random.randint(1, max_step)
+        if random.random() < noise or nxt >= num_numbers:
+            nxt = random.randrange(num_numbers)
         out.append(str(nxt))
     return out
 

@@ -9,7 +9,10 @@ iteration, and a summary at the end; with several trials (a sweep) also a
 table of the best trial per sampler, written to `summary.csv` there.
 W&B logging is on with `tune.wandb: true` or when WANDB_PROJECT is set; with
 no WANDB_API_KEY it runs offline (run folders under each trial's directory,
-upload later with `wandb sync`).
+upload later with `wandb sync`). A resumed trial logs to the same W&B run (its
+trial id, `resume="allow"`) and skips the iterations that run already holds
+(W&B's own step count online; the trial's offline run files offline), so each
+iteration appears once.
 """
 from __future__ import annotations
 
@@ -231,8 +234,79 @@ def make_scheduler(cfg: dict):
     )
 
 
+def wandb_logged_steps(folder: str, run_id: str) -> list[int]:
+    """The steps logged to W&B run `run_id` in the offline (or synced) run folders under
+    `folder`/wandb, oldest run first."""
+    import glob
+
+    steps = []
+    for path in sorted(glob.glob(os.path.join(folder, "wandb", f"*-{run_id}", f"run-{run_id}.wandb"))):
+        steps += wandb_run_file_steps(path)
+    return steps
+
+
+def wandb_run_file_steps(path: str) -> list[int]:
+    """The history steps in one W&B run file (`run-<id>.wandb`: W&B's record log, 32 KiB blocks
+    of chunks with a 7-byte header, each record a protobuf `Record`). A file cut short by a
+    killed process gives the records before the cut."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    steps, pos, block, record = [], 7, 32768, b""  # after the file header (":W&B", version)
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # block trailer
+            pos += left
+            continue
+        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if n == 0 and kind == 0:  # zero padding to the end of the block
+            pos += left
+            continue
+        if pos + 7 + n > len(data):
+            break
+        record += data[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            rec = wandb_internal_pb2.Record()
+            try:
+                rec.ParseFromString(record)
+            except Exception:  # noqa: BLE001 - a torn record at a kill: stop at it
+                break
+            record = b""
+            if rec.WhichOneof("record_type") == "history":
+                steps.append(int(rec.history.step.num))
+    return steps
+
+
+class SkipLoggedSteps:
+    """`wandb` for Ray's W&B logging actor, logging only steps after those the run already has:
+    `init` finds the last one (W&B's resumed step count online, the trial's earlier offline run
+    files offline) and `log` drops results of iterations up to it (a resumed trial repeats the
+    iterations after its checkpoint)."""
+
+    def __init__(self, wandb, folder: str):
+        self._wandb, self._folder, self.last_logged = wandb, folder, 0
+
+    def init(self, *args, **kwargs):
+        earlier = wandb_logged_steps(kwargs.get("dir") or self._folder, kwargs["id"]) if kwargs.get("id") else []
+        run = self._wandb.init(*args, **kwargs)
+        self.last_logged = max([int(getattr(run, "starting_step", 0) or 0) - 1, 0, *earlier])
+        return run
+
+    def log(self, data, step=None, **kwargs):
+        if step is not None and step <= self.last_logged:
+            return None
+        return self._wandb.log(data, step=step, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._wandb, name)
+
+
 def make_wandb_callback(cfg: dict, name: str):
-    from ray.air.integrations.wandb import WandbLoggerCallback
+    from ray.air.integrations.wandb import WandbLoggerCallback, _WandbLoggingActor
 
     online = os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") == "online"
     mode = os.environ.get("WANDB_MODE") or ("online" if online else "offline")
@@ -240,13 +314,23 @@ def make_wandb_callback(cfg: dict, name: str):
     print(f"W&B: logging every trial to project {os.environ.get('WANDB_PROJECT', cfg['tune']['wandb_project'])!r} "
           f"({mode}{'; upload later with `wandb sync <trial dir>/wandb/offline-run-*`' if mode == 'offline' else ''})",
           flush=True)
+    class ResumingWandbLogger(_WandbLoggingActor):
+        """Ray's W&B logging actor, resuming the trial's W&B run without logging a step twice."""
+
+        def __init__(self, logdir, *args, **kwargs):
+            super().__init__(logdir, *args, **kwargs)
+            self._wandb = SkipLoggedSteps(self._wandb, logdir)
+
     class TrialDirWandb(WandbLoggerCallback):
         """W&B runs go straight into each trial's own folder when storage is local.
 
         Ray starts the logging process in the trial's driver staging folder, which is copied
         to storage when the trial ends; the last trials to end finish their W&B run after
-        that copy, so their offline runs would stay behind in Ray's session folder.
+        that copy, so their offline runs would stay behind in Ray's session folder. A
+        restored trial resumes its W&B run (same id) and skips the steps it already holds.
         """
+
+        _logger_actor_cls = ResumingWandbLogger
 
         def log_trial_start(self, trial):
             import pyarrow.fs
@@ -259,7 +343,7 @@ def make_wandb_callback(cfg: dict, name: str):
             super().log_trial_start(trial)
 
     return TrialDirWandb(project=os.environ.get("WANDB_PROJECT", cfg["tune"]["wandb_project"]), group=name,
-                         mode=mode, excludes=["_model_config", "env_config"])
+                         mode=mode, resume="allow", excludes=["_model_config", "env_config"])
 
 
 def trial_resources(cfg: dict) -> dict:

@@ -122,10 +122,15 @@ class LMDQN(DQN):
         # tests/test_rllib_contract.py.
         buffer_cfg = dict(config.get("replay_buffer_config") or {})
         if buffer_cfg.get("type") != WholeEpisodeReplayBuffer.__name__:
-            return super()._create_local_replay_buffer_if_necessary(config)
-        del buffer_cfg["type"]
-        return WholeEpisodeReplayBuffer(**buffer_cfg, metrics_num_episodes_for_smoothing=(
-            self.config.metrics_num_episodes_for_smoothing))
+            buffer = super()._create_local_replay_buffer_if_necessary(config)
+        else:
+            del buffer_cfg["type"]
+            buffer = WholeEpisodeReplayBuffer(**buffer_cfg, metrics_num_episodes_for_smoothing=(
+                self.config.metrics_num_episodes_for_smoothing))
+        # RLlib's episode buffers draw from np.random.default_rng(seed=None): seed them from the config.
+        if buffer is not None and hasattr(buffer, "rng") and self.config.seed is not None:
+            buffer.rng = np.random.default_rng([int(self.config.seed), 0x7265])
+        return buffer
 
 
 class DQNSpec(AlgorithmSpec):

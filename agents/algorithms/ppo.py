@@ -35,6 +35,14 @@ from agents.algorithms.sequence_batching import AddSequenceIds, sequence_minibat
 from agents.modules.actor_critic import MASK_SIZE
 from env.validation import ConfigError
 
+LEARNER_RNG = "rng_state"  # learner state key: the generators of its updates
+
+
+def learner_rank() -> int:
+    """This learner's rank among several (torch.distributed), 0 for a single learner."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
 
 def all_learners_kl(measured: dict) -> dict:
     """The KL measurement over every learner's shard of the batch, not just this one's.
@@ -87,12 +95,18 @@ class LMPPOTorchLearner(PPOTorchLearner):
             self._learner_connector.insert_before(
                 ReferenceKLPenalty if self.kl_penalty is not None else GeneralAdvantageEstimation, AddSequenceIds()
             )
-        self._minibatch_rng = np.random.default_rng(self.config.seed)
+        self._minibatch_rng = np.random.default_rng(self._learner_seed())
         self.mle_pairs = None
         if cfg.mle_coef > 0.0:  # the supervised term of the mixed objective (agents/algorithms/mle.py)
             tokenizer = next(iter(self.module.values())).unwrapped().tokenizer
-            self.mle_pairs = ReferencePairs(cfg.env_config, tokenizer, seed=cfg.seed or 0)
+            self.mle_pairs = ReferencePairs(cfg.env_config, tokenizer, seed=self._learner_seed())
         self.num_updates = 0  # gradient-based updates so far (one per training iteration)
+
+    def _learner_seed(self, *more: int):
+        """The config's seed for learner 0 (and no `more`), else the seed, this learner's rank
+        and `more`: each learner shuffles its shard and draws MLE pairs on its own stream."""
+        seed, rank = int(self.config.seed or 0), learner_rank()
+        return seed if rank == 0 and not more else [seed, rank, *more]
 
     def _create_iterator_if_necessary(self, *, training_data, num_epochs=1, minibatch_size=None,
                                       shuffle_batch_per_epoch=False, num_total_minibatches=0, **kwargs):
@@ -185,11 +199,13 @@ class LMPPOTorchLearner(PPOTorchLearner):
                 window=1,
             )
 
-    def get_state(self, *args, **kwargs):
-        state = super().get_state(*args, **kwargs)
+    def get_state(self, components=None, *, not_components=None, **kwargs):
+        state = super().get_state(components, not_components=not_components, **kwargs)
         state["num_updates"] = self.num_updates
         if self.kl_penalty is not None:
             state["ref_kl_coef"] = self.kl_penalty.controller.coef
+        if self._check_component(LEARNER_RNG, components, not_components):
+            state[LEARNER_RNG] = self._rng_state()
         return state
 
     def set_state(self, state):
@@ -197,6 +213,33 @@ class LMPPOTorchLearner(PPOTorchLearner):
         self.num_updates = int(state.get("num_updates", self.num_updates))
         if self.kl_penalty is not None and "ref_kl_coef" in state:
             self.kl_penalty.controller.coef = float(state["ref_kl_coef"])
+        if LEARNER_RNG in state:
+            self._set_rng_state(state[LEARNER_RNG])
+
+    def _rng_state(self) -> dict:
+        """The generators an update draws from: minibatch shuffles, the MLE pairs, and the
+        process's (Python, NumPy, torch), saved with this learner's rank."""
+        from agents.env_runner import global_rng_state
+
+        return {"rank": learner_rank(),
+                "minibatch": self._minibatch_rng.bit_generator.state,
+                "mle": None if self.mle_pairs is None else self.mle_pairs.rng.bit_generator.state,
+                "global": global_rng_state()}
+
+    def _set_rng_state(self, saved: dict) -> None:
+        """RLlib checkpoints learner 0's state and gives it to every learner: learner 0 takes the
+        saved generators back; the others restart theirs from (seed, rank, updates so far)."""
+        from agents.env_runner import set_global_rng_state
+
+        if saved["rank"] != learner_rank():
+            self._minibatch_rng = np.random.default_rng(self._learner_seed(self.num_updates, 0))
+            if self.mle_pairs is not None:
+                self.mle_pairs.rng = np.random.default_rng(self._learner_seed(self.num_updates, 1))
+            return
+        self._minibatch_rng.bit_generator.state = saved["minibatch"]
+        if self.mle_pairs is not None and saved["mle"] is not None:
+            self.mle_pairs.rng.bit_generator.state = saved["mle"]
+        set_global_rng_state(saved["global"])
 
 
 class LMPPOConfig(PPOConfig):

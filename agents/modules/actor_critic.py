@@ -31,7 +31,6 @@ tokens where its roll-in plan says so and store each step's role).
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 from torch import nn
@@ -113,7 +112,7 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             self.guided = GuidedRollout(
                 build_guide(g, self.tokenizer, seed=cfg.get("seed", 0), max_positions=seq_len),
                 max_new_tokens=env_cfg.get("max_new_tokens", 20), beta=g.get("beta", 0.2), mix=g.get("mix", 0.8),
-                seed=cfg.get("seed", 0) + os.getpid(), mode=g.get("mode", "ppo_pp"))
+                seed=cfg.get("seed", 0), mode=g.get("mode", "ppo_pp"))  # EnvRunners reseed it: seed_rollouts
         if self.inference_only:
             self.eval()  # rollouts only; see act
             return
@@ -239,6 +238,39 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         for cache in (self.kv_cache, getattr(self, "mask_kv_cache", None)):
             if cache is not None:  # new weights: every cached key/value is stale
                 cache.invalidate()
+        guide_cache = getattr(getattr(self.guided, "guide", None), "cache", None)
+        if guide_cache is not None:  # re-prefilled here too, so a resumed run computes what an uninterrupted one does
+            guide_cache.invalidate()
+
+    # -- rollout state (EnvRunner side): seeded per EnvRunner, saved in its checkpoints --------
+
+    def seed_rollouts(self, seed: int) -> None:
+        """Reseeds what acting draws from besides the global torch generator (the guide's roll-in
+        plans and an LM guide's sampling); EnvRunners call it with their own seed."""
+        if self.guided is not None:
+            self.guided.seed(seed)
+
+    def get_rollout_state(self) -> dict:
+        """Per-row state carried from one rollout call to the next (mirostat's mu, guide plans)
+        and the rollout generators, for an EnvRunner's checkpoint. KV caches are left out: every
+        weight sync drops them, and a restore is followed by one."""
+        state = {}
+        if self.row_sampler_state is not None:
+            rs = self.row_sampler_state
+            state["sampler"] = {k: None if v is None else v.detach().cpu().clone()
+                                for k, v in (("ids", rs.ids), ("mask", rs.mask), ("state", rs.state),
+                                             ("source", rs.source))}
+        if self.guided is not None:
+            state["guided"] = self.guided.get_state()
+        return state
+
+    def set_rollout_state(self, state: dict) -> None:
+        device = next(self.parameters()).device
+        if "sampler" in state and self.row_sampler_state is not None:
+            for k, v in state["sampler"].items():
+                setattr(self.row_sampler_state, k, None if v is None else v.to(device))
+        if "guided" in state and self.guided is not None:
+            self.guided.set_state(state["guided"], device=device)
 
     def set_guide_mode(self, mode: str) -> None:
         """Which roll-in new episodes get (`none`, `ppo_pp`, `aggrevated`); DLOLS/LOLS switch it."""

@@ -69,8 +69,9 @@ class CausalLMQNetwork(TorchRLModule, QNetAPI, TargetNetworkAPI, InferenceOnlyAP
                 else:
                     self.q_head.bias.zero_()
         elif self.head_kind == "mlp":
-            torch.manual_seed(cfg.get("seed", 0))
-            self.q_head = mlp_head(hidden, dqn.get("mlp_hidden", 64), vocab)
+            with torch.random.fork_rng(devices=[]):  # seeded initialisation without resetting the process's stream
+                torch.manual_seed(cfg.get("seed", 0))
+                self.q_head = mlp_head(hidden, dqn.get("mlp_hidden", 64), vocab)
         else:
             raise ValueError(f"dqn.head: expected one of {', '.join(HEADS)}, got {self.head_kind!r}")
         self.dueling = bool(cfg.get("dueling", False))
