@@ -95,6 +95,14 @@ TOKEN_ENV = "token_generation"  # the name `make_token_env` is registered under 
 ROLLOUT_STATE = "rollout_state"  # the EnvRunner state key (and component name) added here
 
 
+def state_requested(name: str, components, not_components) -> bool:
+    """Whether a get_state(components, not_components) call asks for the top-level key `name`."""
+    def names(c):
+        return set() if c is None else {c} if isinstance(c, str) else set(c)
+
+    return (components is None or name in names(components)) and name not in names(not_components)
+
+
 def rollout_seed(seed: int, index: int) -> int:
     """The seed of a module's rollout generators on EnvRunner `index`: its own stream, apart
     from the env rows' (`seed + index * num_envs + row`) and the process's (`seed + index`)."""
@@ -195,7 +203,7 @@ class _SeededRunnerMixin:
 
     def get_state(self, components=None, *, not_components=None, **kwargs):
         state = super().get_state(components, not_components=not_components, **kwargs)
-        if self._check_component(ROLLOUT_STATE, components, not_components):
+        if state_requested(ROLLOUT_STATE, components, not_components):
             state[ROLLOUT_STATE] = self._rollout_state()
         return state
 

@@ -38,14 +38,6 @@ from env.validation import ConfigError
 LEARNER_RNG = "rng_state"  # learner state key: the generators of its updates
 
 
-def _wanted(name: str, components, not_components) -> bool:
-    """Whether a get_state call asks for the top-level state key `name` (RLlib's component filter)."""
-    def names(c):
-        return set() if c is None else {c} if isinstance(c, str) else set(c)
-
-    return (components is None or name in names(components)) and name not in names(not_components)
-
-
 def learner_rank() -> int:
     """This learner's rank among several (torch.distributed), 0 for a single learner."""
     dist = torch.distributed
@@ -212,7 +204,9 @@ class LMPPOTorchLearner(PPOTorchLearner):
         state["num_updates"] = self.num_updates
         if self.kl_penalty is not None:
             state["ref_kl_coef"] = self.kl_penalty.controller.coef
-        if _wanted(LEARNER_RNG, components, not_components):
+        from agents.env_runner import state_requested
+
+        if state_requested(LEARNER_RNG, components, not_components):
             state[LEARNER_RNG] = self._rng_state()
         return state
 
