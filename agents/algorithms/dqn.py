@@ -61,7 +61,7 @@ class WholeEpisodeReplayBuffer(EpisodeReplayBuffer):
             if steps == 0:
                 continue
             rewards = np.asarray(episode.get_rewards(), dtype=np.float64)
-            seq = int(episode.id_[:15], 16)  # the stored episode's own id (a uuid4 hex) as a 60-bit integer
+            seq = position  # groups one sample()'s steps by stored episode (a deterministic order)
             for t in range(steps):
                 n = min(int(self.rng.integers(n_lo, n_hi)), steps - t)
                 end = t + n
