@@ -261,6 +261,49 @@ def test_reference_term_adds_kl_coef_times_reference_logp_to_each_reward():
     assert float(ref_logp.mean()) < -1.0  # a real penalty: the reference spreads mass over ~50 tokens
 
 
+def test_prioritized_replay_gets_each_replayed_steps_td_error_as_its_priority_during_training(ray_local):
+    """A short DQN run with RLlib's prioritized step buffer: after every update the buffer's
+    priorities of the replayed steps are the update's TD errors (to the power alpha), no longer
+    the maximal priority new steps enter with."""
+    from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
+
+    cfg = load(DQN_YAML, SMALL + ["dqn.replay=steps", "dqn.prioritized=true", "dqn.alpha=0.6"])
+    algo = algorithm_config(cfg).build_algo()
+    try:
+        buffer = algo.local_replay_buffer
+        assert isinstance(buffer, PrioritizedEpisodeReplayBuffer)
+        updates = []  # (iteration, replayed tree indices, the priorities handed to the buffer) per update
+        update_priorities = buffer.update_priorities
+
+        def recording(priorities, module_id=None):
+            updates.append((len(results), list(buffer._last_sampled_indices), np.array(priorities, dtype=np.float64)))
+            return update_priorities(priorities, module_id)
+
+        buffer.update_priorities = recording
+        results = []
+        for _ in range(3):
+            results.append(algo.train())
+        stored = {i: buffer._sum_segment[i] for i in updates[-1][1]}
+    finally:
+        algo.stop()
+    assert len(updates) >= 3, len(updates)  # priorities were updated after the updates of the run
+    for _, indices, td in updates:
+        assert len(indices) == len(td) == cfg["training"]["train_batch_size"]
+        assert np.isfinite(td).all() and (td >= 0).all() and td.std() > 0
+    # The learner's logged TD error (the mean over an iteration's updates) is what the buffer received.
+    for it, result in enumerate(results):
+        means = [td.mean() for i, _, td in updates if i == it]
+        if means:
+            assert result["learners"]["default_policy"]["td_error_mean"] == pytest.approx(np.mean(means), rel=1e-5)
+    # The buffer now holds |TD error| ** alpha for the last update's steps (a step replayed twice: its last error).
+    _, indices, td = updates[-1]
+    expected = {}
+    for i, err in zip(indices, td):
+        expected[i] = max(err, 1e-12) ** 0.6
+    assert stored == pytest.approx(expected, rel=1e-6)
+    assert all(abs(p - 1.0) > 1e-6 for p in stored.values())  # new steps enter at the max priority, 1.0
+
+
 @pytest.mark.slow
 def test_dqn_trains_greedy_evaluates_and_its_checkpoint_restores_and_keeps_training(ray_local, tmp_path):
     from agents.algorithms.dqn import LMDQN
