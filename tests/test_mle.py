@@ -85,6 +85,7 @@ def test_reference_nll_is_the_mean_target_token_nll():
     assert float(got) == pytest.approx(float(torch.stack(by_hand).mean()), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_mle_term_lowers_the_references_nll_against_pure_rl(tmp_path, ray_local):
     def train(coef):
         cfg = dialogue_config(tmp_path, f"training.mle_coef={coef}")
