@@ -62,11 +62,11 @@ def test_adaptive_coefficient_moves_toward_the_target_during_training(ray_local)
 
     target = 0.02
     cfg = load(QUICKSTART, ["reward.kl_coef=0.05", "reward.kl_adaptive=true", f"reward.kl_target={target}",
-                            "reward.kl_horizon=100", "training.lr=3.0e-3", "training.train_batch_size=256",
-                            "training.minibatch_size=128", "env_runners.num_envs_per_env_runner=8"])
+                            "reward.kl_horizon=100", "training.lr=3.0e-3", "training.train_batch_size=128",
+                            "training.minibatch_size=64", "env_runners.num_envs_per_env_runner=8"])
     algo = algorithm_config(cfg).build_algo()
     try:
-        logged = [algo.train()["learners"]["default_policy"] for _ in range(4)]
+        logged = [algo.train()["learners"]["default_policy"] for _ in range(3)]
     finally:
         algo.stop()
     coefs = [m["ref_kl_coef"] for m in logged]  # the coefficient each iteration's rewards paid
@@ -77,6 +77,6 @@ def test_adaptive_coefficient_moves_toward_the_target_during_training(ray_local)
     for i in range(len(coefs) - 1):
         err = min(max(kls[i] / target - 1.0, -0.2), 0.2)
         assert np.sign(coefs[i + 1] - coefs[i]) == np.sign(err), (coefs, kls)
-        # the step is err * sequences / horizon: at least 5 sequences of at most 21 steps in 256
+        # the step is err * sequences / horizon: at least 5 sequences of at most 21 steps in 128
         assert abs(coefs[i + 1] / coefs[i] - 1.0) >= abs(err) * 5 / 100
-    assert coefs[1] < coefs[0] and coefs[-1] > min(coefs), (coefs, kls)
+    assert coefs[1] < coefs[0] and coefs[2] > coefs[1], (coefs, kls)  # down, then up
