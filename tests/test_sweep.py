@@ -77,3 +77,38 @@ def test_asha_stops_a_trial_that_cannot_learn_at_its_first_rung_and_lets_the_goo
     trial_dirs = [d for d in glob.glob(str(tmp_path / "asha" / "LMPPO_*")) if os.path.isdir(d)]
     logged = sorted(len(open(os.path.join(d, "result.json")).read().splitlines()) for d in trial_dirs)
     assert logged == [1, 4], logged
+
+
+def test_asha_from_the_config_stops_a_trial_below_the_rung_and_fifo_has_no_scheduler():
+    """The scheduler agents.train hands Tune, fed results as Tune reports them (flattened keys)."""
+    from types import SimpleNamespace
+
+    from ray.tune.schedulers import TrialScheduler
+
+    from agents.config import load
+    from agents.train import make_scheduler
+
+    assert make_scheduler(load(QUICKSTART, ["tune.scheduler=fifo"])) is None
+    metric = "env_runners/episode_return_mean"
+
+    def decisions(mode, rewards):
+        cfg = load(QUICKSTART, ["tune.scheduler=asha", "tune.grace_period=1", "tune.reduction_factor=2",
+                                "stop.training_iteration=4", f"tune.mode={mode}"])
+        scheduler = make_scheduler(cfg)
+        trials = {name: SimpleNamespace(trial_id=name) for name in rewards}
+        for trial in trials.values():
+            scheduler.on_trial_add(None, trial)
+        out = {name: [] for name in rewards}
+        for it in range(1, 5):  # one trial after the other reports iteration it
+            for name, curve in rewards.items():
+                if out[name][-1:] != [TrialScheduler.STOP]:
+                    out[name].append(scheduler.on_trial_result(
+                        None, trials[name], {"training_iteration": it, metric: curve[it - 1]}))
+        return out
+
+    good, weak = [0.40, 0.45, 0.50, 0.55], [0.10, 0.10, 0.10, 0.10]
+    got = decisions("max", {"good": good, "weak": weak})
+    assert got["good"] == [TrialScheduler.CONTINUE] * 3 + [TrialScheduler.STOP]  # stopped by max_t only
+    assert got["weak"] == [TrialScheduler.STOP]  # below the good trial at the first rung (grace period 1)
+    got = decisions("min", {"good": good, "weak": weak})  # tune.mode min: the low curve is now the better one
+    assert got["weak"] == [TrialScheduler.CONTINUE] * 3 + [TrialScheduler.STOP]
