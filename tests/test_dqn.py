@@ -281,7 +281,7 @@ def test_prioritized_replay_gets_each_replayed_steps_td_error_as_its_priority_du
 
         buffer.update_priorities = recording
         results = []
-        for _ in range(3):
+        for _ in range(2):  # 1 update (learning starts), then 6
             results.append(algo.train())
         stored = {i: buffer._sum_segment[i] for i in updates[-1][1]}
     finally:
