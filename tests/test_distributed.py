@@ -38,6 +38,22 @@ def test_trial_resources_match_what_rllib_reserves():
         assert ours["GPU"] == pytest.approx(rllib.get("GPU", 0)), sets
 
 
+def test_a_trial_that_needs_more_than_the_instance_has_is_refused_naming_the_fields():
+    from agents.train import check_trial_fits
+
+    cfg = load(QUICKSTART, ["env_runners.num_env_runners=4"])  # the trial's process + 4 EnvRunners
+    with pytest.raises(ValueError) as err:
+        check_trial_fits(cfg, {"CPU": 2.0})
+    assert str(err.value).startswith("one trial needs 5 CPUs") and "this Ray instance has 2" in str(err.value)
+    assert "num_cpus_per_env_runner" in str(err.value) and "\n" not in str(err.value)
+    check_trial_fits(cfg, {"CPU": 5.0})  # fits exactly
+    check_trial_fits(load(QUICKSTART, ["env_runners.num_env_runners=4", "env_runners.num_cpus_per_env_runner=0.25"]),
+                     {"CPU": 2.0})  # the fix the message suggests
+    with pytest.raises(ValueError, match=r"^one trial needs 1 GPUs"):
+        check_trial_fits(load(QUICKSTART, ["learners.num_gpus_per_learner=1"]), {"CPU": 2.0})
+
+
+@pytest.mark.slow  # starts a local Ray instance through the train CLI
 def test_a_trial_too_big_for_the_local_machine_is_refused_in_one_line(tmp_path):
     out = run("agents.train", QUICKSTART, "--set", "env_runners.num_env_runners=4",
               "--set", f"tune.storage_path={tmp_path}", "--set", "tune.dashboard=false", timeout=180)

@@ -140,6 +140,77 @@ def test_logits_head_starts_greedy_as_the_lm_argmax_and_mlp_head_does_not():
     assert mlp.q_head[0].out_features == 64 and mlp.q_head[2].out_features == 64
 
 
+def _varied_observations(cfg, n=5, seed=1) -> dict:
+    """A batch of env observations after 0..5 random number tokens."""
+    from env.text_env import TokenGenerationEnv
+
+    env = TokenGenerationEnv(env_config(cfg))
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        obs = env.reset(seed=i)[0]
+        for _ in range(i % 6):
+            obs = env.step(int(rng.integers(2, env.action_space.n)))[0]
+        rows.append(obs)
+    return {Columns.OBS: {k: torch.as_tensor(np.stack([o[k] for o in rows])) for k in rows[0]}}
+
+
+def _last_hidden(trunk, obs) -> torch.Tensor:
+    ids, mask = obs["input_ids"], obs["attention_mask"]
+    return trunk(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).last_hidden_state[:, -1]
+
+
+def test_dueling_q_is_v_plus_a_minus_mean_a_and_the_v_stream_moves_every_actions_q_alike():
+    from ray.rllib.algorithms.dqn.default_dqn_rl_module import QF_PREDS
+    from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
+
+    cfg, learner, module = _learner(["dqn.dueling=true", "dqn.n_step=1"])
+    batch = _varied_observations(cfg)
+    with torch.no_grad():
+        torch.manual_seed(0)  # V starts at zero (the initial greedy action is the head's); give it values
+        module.v_head.weight.normal_(0.0, 0.5)
+        module.v_head.bias.fill_(0.3)
+        h = _last_hidden(module.lm.base_model, batch[Columns.OBS]).float()
+        a, v = module.q_head(h).float(), module.v_head(h).float()
+        q = module.compute_q_values(batch)[QF_PREDS]
+        torch.testing.assert_close(q, v + a - a.mean(-1, keepdim=True), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(q.mean(-1), v[:, 0], atol=1e-5, rtol=1e-5)  # V is the mean Q of the state
+
+        module.v_head.weight.add_(torch.randn_like(module.v_head.weight))  # move only the V stream
+        module.v_head.bias.add_(0.7)
+        moved = module.compute_q_values(batch)[QF_PREDS]
+        shift = moved - q
+        # every action of a state moves by that state's change of V, so the greedy action stays ...
+        torch.testing.assert_close(shift, (module.v_head(h).float() - v).expand_as(shift), atol=1e-5, rtol=1e-5)
+        assert (shift.abs() > 1e-2).all() and shift.std(-1).max() < 1e-5
+        assert shift[:, 0].std() > 1e-2  # ... and V depends on the state, not one constant
+        assert torch.equal(moved.argmax(-1), q.argmax(-1))
+    # The target network has a V stream of its own, synced with the online one.
+    assert any(online is module.v_head for online, _ in module.get_target_network_pairs())
+    # The TD loss trains the V stream.
+    rng = np.random.default_rng(2)
+    buffer = EpisodeReplayBuffer(capacity=100)
+    buffer.add([_episode(cfg, rng, [0.0, 0.5, 1.0]), _episode(cfg, rng, [0.2, 0.0, 0.0, 1.0])])
+    sampled = buffer.sample(num_items=8, n_step=1, gamma=1.0, sample_episodes=True)
+    train = learner._learner_connector(rl_module=learner.module, batch={}, episodes=sampled, shared_data={},
+                                       metrics=None)["default_policy"]
+    train = {k: ({kk: torch.as_tensor(vv) for kk, vv in v.items()} if isinstance(v, dict) else torch.as_tensor(v))
+             for k, v in train.items()}
+    train.setdefault("weights", torch.ones(len(train[Columns.ACTIONS])))
+    loss = learner.compute_loss_for_module(module_id="default_policy", batch=train, fwd_out=module.forward_train(train),
+                                           config=learner.config.get_config_for_module("default_policy"))
+    module.zero_grad()
+    loss.backward()
+    assert module.v_head.weight.grad is not None and module.v_head.weight.grad.abs().sum() > 0
+
+    # Without dueling there is no V stream: Q is the head's output.
+    cfg, _, plain = _learner(["dqn.dueling=false"])
+    assert not hasattr(plain, "v_head") and not any("v_head" in k for k in plain.state_dict())
+    with torch.no_grad():
+        h = _last_hidden(plain.lm.base_model, batch[Columns.OBS]).float()
+        torch.testing.assert_close(plain.compute_q_values(batch)[QF_PREDS], plain.q_head(h).float(), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["sampler.name=top_p", "sampler.p=0.9", "sampler.masking=learned"],
      "sampler.name: DQN acts epsilon-greedy on its Q-values"),
@@ -188,6 +259,49 @@ def test_reference_term_adds_kl_coef_times_reference_logp_to_each_reward():
                                               fwd_out=module.forward_train(shifted))
     assert float(with_term) == pytest.approx(float(by_hand), rel=1e-5)
     assert float(ref_logp.mean()) < -1.0  # a real penalty: the reference spreads mass over ~50 tokens
+
+
+def test_prioritized_replay_gets_each_replayed_steps_td_error_as_its_priority_during_training(ray_local):
+    """A short DQN run with RLlib's prioritized step buffer: after every update the buffer's
+    priorities of the replayed steps are the update's TD errors (to the power alpha), no longer
+    the maximal priority new steps enter with."""
+    from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
+
+    cfg = load(DQN_YAML, SMALL + ["dqn.replay=steps", "dqn.prioritized=true", "dqn.alpha=0.6"])
+    algo = algorithm_config(cfg).build_algo()
+    try:
+        buffer = algo.local_replay_buffer
+        assert isinstance(buffer, PrioritizedEpisodeReplayBuffer)
+        updates = []  # (iteration, replayed tree indices, the priorities handed to the buffer) per update
+        update_priorities = buffer.update_priorities
+
+        def recording(priorities, module_id=None):
+            updates.append((len(results), list(buffer._last_sampled_indices), np.array(priorities, dtype=np.float64)))
+            return update_priorities(priorities, module_id)
+
+        buffer.update_priorities = recording
+        results = []
+        for _ in range(2):  # 1 update (learning starts), then 6
+            results.append(algo.train())
+        stored = {i: buffer._sum_segment[i] for i in updates[-1][1]}
+    finally:
+        algo.stop()
+    assert len(updates) >= 3, len(updates)  # priorities were updated after the updates of the run
+    for _, indices, td in updates:
+        assert len(indices) == len(td) == cfg["training"]["train_batch_size"]
+        assert np.isfinite(td).all() and (td >= 0).all() and td.std() > 0
+    # The learner's logged TD error (the mean over an iteration's updates) is what the buffer received.
+    for it, result in enumerate(results):
+        means = [td.mean() for i, _, td in updates if i == it]
+        if means:
+            assert result["learners"]["default_policy"]["td_error_mean"] == pytest.approx(np.mean(means), rel=1e-5)
+    # The buffer now holds |TD error| ** alpha for the last update's steps (a step replayed twice: its last error).
+    _, indices, td = updates[-1]
+    expected = {}
+    for i, err in zip(indices, td):
+        expected[i] = max(err, 1e-12) ** 0.6
+    assert stored == pytest.approx(expected, rel=1e-6)
+    assert all(abs(p - 1.0) > 1e-6 for p in stored.values())  # new steps enter at the max priority, 1.0
 
 
 @pytest.mark.slow

@@ -161,16 +161,20 @@ def test_cli_bad_input_is_one_line(setup, tmp_path, capsys):
     assert _cli_error(capsys, setup["dirs"][0], "--num-samples", "0").startswith("error: --num-samples")
 
 
-def test_cli_writes_table_and_plot(setup, tmp_path):
+def test_cli_writes_table_and_plot(setup, tmp_path, capsys):
+    from agents.evaluate import main
+
     cfg = tmp_path / "rl.yaml"
     data = setup["data"]
     cfg.write_text(f"task:\n  name: imdb\n  prompt_words: 6\n  dataset: {{train: {data['train']}, test: {data['test']}}}\n"
                    f"model:\n  name_or_path: {setup['dirs'][0]}\nenv:\n  max_prompt_len: 8\n  max_new_tokens: 6\n")
     write_trial(tmp_path / "run" / "trial", [0.5, 0.6], [0.0, 1.0])
-    out = run_module("agents.evaluate", *setup["dirs"], "--names", "a", "b", "--config", str(cfg), "--out",
-                     str(tmp_path / "eval"), "--curves", str(tmp_path / "run"), "--threads", "1", timeout=180)
-    assert out.returncode == 0, out.stderr
-    assert "| a | 12 |" in out.stdout and "| b | 12 |" in out.stdout
+    # The CLI's main in this process (without --threads, which would change this process's torch threads).
+    code = main([*setup["dirs"], "--names", "a", "b", "--config", str(cfg), "--out", str(tmp_path / "eval"),
+                 "--curves", str(tmp_path / "run")])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "| a | 12 |" in out.out and "| b | 12 |" in out.out
     for name in ("evaluation.csv", "evaluation.md", "generations.jsonl", "curve_episode_return_mean.png"):
         assert os.path.getsize(tmp_path / "eval" / name) > 0
 

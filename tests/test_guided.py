@@ -314,6 +314,7 @@ def test_guided_comparison_reads_policy_returns_and_merges_experiments(tmp_path,
     assert pp_row.split("|")[5].strip() == "200" and pp_row.split("|")[6].strip() == "300"
 
 
+@pytest.mark.slow
 def test_ppo_pp_cli_runs_the_shipped_config_and_summarises_policy_alone_episodes(tmp_path):
     import os
     import re

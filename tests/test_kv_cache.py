@@ -1,5 +1,6 @@
 """The cached rollout path gives the uncached logits, whatever the envs do."""
 import numpy as np
+import pytest
 import torch
 
 from ray.rllib.core.columns import Columns
@@ -59,6 +60,7 @@ def test_weight_sync_invalidates_the_cache():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_seeded_ppo_reward_curve_is_the_same_with_and_without_the_cache(ray_local):
     """The cache changes speed, not training: the same seed gives the same curve."""
     from agents.config import algorithm_config, load

@@ -85,6 +85,35 @@ def test_reference_nll_is_the_mean_target_token_nll():
     assert float(got) == pytest.approx(float(torch.stack(by_hand).mean()), rel=1e-5)
 
 
+def test_learner_loss_adds_mle_coef_times_the_references_nll_and_coef_0_adds_nothing(tmp_path):
+    """The mixed objective on the learner: loss = RL loss + mle_coef * NLL of a draw of reference pairs."""
+    from agents.config import env_config
+    from env.text_env import TokenGenerationEnv
+
+    def learner(coef):
+        cfg = dialogue_config(tmp_path, f"training.mle_coef={coef}")
+        return algorithm_config(cfg).build_learner(env=TokenGenerationEnv(env_config(cfg)))
+
+    plain = learner(0.0)
+    rl_loss = torch.tensor(0.25, requires_grad=True)
+    assert plain.mle_pairs is None and plain.add_mle_term("default_policy", rl_loss) is rl_loss
+
+    mixed = learner(0.5)
+    pairs = mixed.mle_pairs
+    drawn = []
+    draw = pairs.batch
+    pairs.batch = lambda n, device=None: drawn.append(draw(n, device)) or drawn[-1]  # keep what the learner drew
+    total = mixed.add_mle_term("default_policy", rl_loss)
+    assert len(drawn) == 1 and drawn[0][0].shape[0] == 8  # training.mle_batch_size pairs
+    lm = mixed.module["default_policy"].unwrapped().lm
+    nll = reference_nll(lm, *drawn[0])
+    assert float(nll) > 1.0  # an untrained model: a real term
+    assert float(total) == pytest.approx(0.25 + 0.5 * float(nll), rel=1e-5)
+    total.backward()  # the term trains the LM
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in lm.parameters())
+
+
+@pytest.mark.slow
 def test_mle_term_lowers_the_references_nll_against_pure_rl(tmp_path, ray_local):
     def train(coef):
         cfg = dialogue_config(tmp_path, f"training.mle_coef={coef}")

@@ -10,6 +10,7 @@ from tests.conftest import QUICKSTART
 from tests.conftest import run_module as run
 
 
+@pytest.mark.slow
 def test_short_ppo_run_raises_reward(ray_local):
     cfg = load(QUICKSTART, ["training.train_batch_size=512", "training.minibatch_size=128",
                             "env_runners.num_envs_per_env_runner=8"])
@@ -29,6 +30,7 @@ def test_short_ppo_run_raises_reward(ray_local):
     assert kls[-1] > 1.0  # the policy has moved away from the reference and the penalty sees it
 
 
+@pytest.mark.slow
 def test_train_cli_writes_checkpoint_and_event_files_that_generate_loads(tmp_path):
     out = run("agents.train", QUICKSTART, "--set", "stop.training_iteration=3",
               "--set", f"tune.storage_path={tmp_path}", "--set", "tune.name=cli", "--set", "generate.num_samples=2",

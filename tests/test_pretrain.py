@@ -178,6 +178,7 @@ def test_cli_bad_input_is_one_line(tmp_path, corpus, capsys):
     assert err.startswith("error: training.lr: expected a number > 0.0, got -1")
 
 
+@pytest.mark.slow
 def test_cli_runs_and_ends_with_the_output_dir(tmp_path, corpus):
     cfg = tmp_path / "c.yaml"
     out = tmp_path / "out"

@@ -128,23 +128,60 @@ def test_bad_sequence_level_configs_name_the_field(raw, message):
         validate(raw)
 
 
-def test_reinforce_trains_with_the_sequence_level_loss(ray_local):
+def test_reinforce_training_uses_each_prompts_group_mean_as_its_baseline(ray_local, tmp_path, monkeypatch):
+    """One training iteration on a task with 8 prompts: the baselines the learner used are, for
+    every episode, the mean return of the episodes of its prompt group (up to num_samples episodes
+    of one prompt, in batch order), recomputed here from the episodes themselves."""
+    from collections import Counter, defaultdict
+
     from agents.algorithms.reinforce import Reinforce
     from agents.config import algorithm_config
+    from env.tasks.text_tasks import clear_cache
+    from tests.test_mle import dialogue_config
 
-    cfg = validate({"algorithm": "reinforce", "task": ENV_CFG["task"], "env": {"max_prompt_len": 4, "max_new_tokens": 6},
-                    "reinforce": {"num_samples": 4},
-                    "training": {"train_batch_size": 96, "minibatch_size": 96, "num_epochs": 1},
-                    "env_runners": {"num_envs_per_env_runner": 4}, "stop": {"training_iteration": 1}})
+    seen = []  # what the learner's advantage piece received, per call
+    original = SequenceLevelAdvantages.__call__
+
+    def recording(self, *, rl_module, batch, episodes, **kwargs):
+        eps = list(self.single_agent_episode_iterator(episodes, agents_that_stepped_only=False))
+        out = original(self, rl_module=rl_module, batch=batch, episodes=episodes, **kwargs)
+        seen.append((eps, None if self.last_baselines is None else self.last_baselines.copy()))
+        return out
+
+    monkeypatch.setattr(SequenceLevelAdvantages, "__call__", recording)
+    clear_cache()
+    cfg = dialogue_config(tmp_path, "reinforce.num_samples=4", algorithm="reinforce",
+                          training="{lr: 1.0e-3, train_batch_size: 128, minibatch_size: 128, num_epochs: 1}")
     config = algorithm_config(cfg)
     assert config.algo_class is Reinforce
     algo = config.build_algo()
     try:
         before = {k: v.clone() for k, v in algo.learner_group._learner.module["default_policy"].lm.state_dict().items()}
         learner = algo.train()["learners"]["default_policy"]
-        # one prompt: each group of 4 has its own mean, so the baselines average to the mean return
-        assert learner["baseline_mean"] == pytest.approx(learner["sequence_return_mean"], abs=1e-6)
         after = algo.learner_group._learner.module["default_policy"].lm.state_dict()
-        assert any(not torch.equal(before[k], after[k]) for k in before)
     finally:
         algo.stop()
+        clear_cache()
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the sequence-level loss updated the policy
+
+    assert len(seen) == 1
+    eps, used = seen[0]
+    returns = np.array([float(np.sum(e.get_rewards())) for e in eps])  # reward.kl_coef is 0: the task reward
+    prompts = [tuple(np.asarray(e.get_observations(0)["input_ids"])[np.asarray(e.get_observations(0)["attention_mask"]) == 1])
+               for e in eps]
+    # Groups by hand: the k-th episode of a prompt (in batch order) is in that prompt's group k // 4.
+    count, members = Counter(), defaultdict(list)
+    group_of = []
+    for i, p in enumerate(prompts):
+        group_of.append((p, count[p] // 4))
+        count[p] += 1
+        members[group_of[-1]].append(i)
+    expected = np.array([returns[members[g]].mean() for g in group_of])
+    # The batch can tell a right grouping from a wrong one: several prompts, groups of several
+    # episodes, and baselines that are neither each episode's own return nor one batch-wide mean.
+    assert len(set(prompts)) > 1 and max(len(m) for m in members.values()) > 1
+    assert not np.allclose(expected, returns) and not np.allclose(expected, returns.mean())
+    np.testing.assert_allclose(used, expected, atol=1e-6)
+    # and what the learner logs follows from those baselines
+    assert learner["sequence_return_mean"] == pytest.approx(returns.mean(), abs=1e-6)
+    assert learner["advantage_abs_mean"] == pytest.approx(np.abs(returns - expected).mean(), abs=1e-6)

@@ -167,7 +167,8 @@ def test_hub_names_are_told_apart_by_their_config(monkeypatch):
         env_config(cfg)
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", "a3c"])
+# ppo goes on from the trained checkpoint through export, evaluation, the server and the generate CLI: slow
+@pytest.mark.parametrize("algorithm", [pytest.param("ppo", marks=pytest.mark.slow), "a3c"])
 def test_samplers_learned_masking_separate_value_model_and_a3c_build_and_update(algorithm, tmp_path):
     from transformers import AutoModelForSeq2SeqLM
 

@@ -1,16 +1,20 @@
-"""The sampler sweep, as the README runs it with a small budget: concurrent trials, dashboards, table."""
+"""Sweeps: the sampler sweep as the README runs it with a small budget (concurrent trials, dashboards,\ntable), and ASHA stopping a trial that cannot learn."""
 import csv
 import glob
 import json
 import os
 import re
 
+import pytest
+
+from tests.conftest import QUICKSTART
 from tests.conftest import run_module as run
 
 SMALL_BUDGET = ["--set", "stop.training_iteration=3", "--set", "tune.grace_period=1",
                 "--set", "training.train_batch_size=256", "--set", "training.minibatch_size=128"]
 
 
+@pytest.mark.slow
 def test_sampler_sweep_runs_trials_concurrently_with_event_files_wandb_and_summary(tmp_path):
     samplers = "{grid_search: [{name: none}, {name: top_p, p: 0.9, masking: learned, sync_every: 2}, {name: mirostat, tau: 4.0}]}"
     out = run("agents.train", "tune_configs/sampler_sweep.yaml", *SMALL_BUDGET,
@@ -44,3 +48,67 @@ def test_sampler_sweep_runs_trials_concurrently_with_event_files_wandb_and_summa
     table = out.stdout.split("best setting per sampler")[1]
     for name in ("none", "top_p", "mirostat"):
         assert re.search(rf"^\s+{name}\s", table, re.M), table
+
+
+@pytest.mark.slow
+def test_asha_stops_a_trial_that_cannot_learn_at_its_first_rung_and_lets_the_good_one_run(tmp_path):
+    """Two trials in grid order, one at a time: PPO sampling freely, and PPO restricted to greedy
+    rollouts (top_k 1: the untrained model repeats itself, scores 0 and has nothing to learn from).
+    ASHA (grace period 1, halving) records the good trial at each rung; the greedy one falls below
+    it at iteration 1 and is stopped there, long before the 4-iteration limit."""
+    samplers = "{grid_search: [{name: none}, {name: top_k, k: 1}]}"
+    out = run("agents.train", QUICKSTART, "--set", f"sampler={samplers}",
+              "--set", "stop.training_iteration=4", "--set", "tune.scheduler=asha", "--set", "tune.grace_period=1",
+              "--set", "tune.reduction_factor=2", "--set", "tune.max_concurrent_trials=1",
+              "--set", "tune.num_cpus_per_trial=0.5", "--set", "training.train_batch_size=256",
+              "--set", "training.minibatch_size=128", "--set", "env_runners.num_envs_per_env_runner=8",
+              "--set", "checkpoint.frequency=0", "--set", "generate.num_samples=0",
+              "--set", f"tune.storage_path={tmp_path}", "--set", "tune.name=asha", "--set", "tune.dashboard=false",
+              timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    with open(tmp_path / "asha" / "summary.csv") as f:
+        rows = {r["sampler"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"none", "top_k"} and all(r["status"] == "ok" for r in rows.values())
+    good, weak = rows["none"], rows["top_k"]
+    assert int(good["iterations"]) == 4, good  # ran to the limit
+    assert int(weak["iterations"]) == 1, weak  # stopped at the first rung
+    assert float(weak["final_reward"]) < float(good["final_reward"])
+    # The trials' own logs agree: the weak trial reported one iteration.
+    trial_dirs = [d for d in glob.glob(str(tmp_path / "asha" / "LMPPO_*")) if os.path.isdir(d)]
+    logged = sorted(len(open(os.path.join(d, "result.json")).read().splitlines()) for d in trial_dirs)
+    assert logged == [1, 4], logged
+
+
+def test_asha_from_the_config_stops_a_trial_below_the_rung_and_fifo_has_no_scheduler():
+    """The scheduler agents.train hands Tune, fed results as Tune reports them (flattened keys)."""
+    from types import SimpleNamespace
+
+    from ray.tune.schedulers import TrialScheduler
+
+    from agents.config import load
+    from agents.train import make_scheduler
+
+    assert make_scheduler(load(QUICKSTART, ["tune.scheduler=fifo"])) is None
+    metric = "env_runners/episode_return_mean"
+
+    def decisions(mode, rewards):
+        cfg = load(QUICKSTART, ["tune.scheduler=asha", "tune.grace_period=1", "tune.reduction_factor=2",
+                                "stop.training_iteration=4", f"tune.mode={mode}"])
+        scheduler = make_scheduler(cfg)
+        trials = {name: SimpleNamespace(trial_id=name) for name in rewards}
+        for trial in trials.values():
+            scheduler.on_trial_add(None, trial)
+        out = {name: [] for name in rewards}
+        for it in range(1, 5):  # one trial after the other reports iteration it
+            for name, curve in rewards.items():
+                if out[name][-1:] != [TrialScheduler.STOP]:
+                    out[name].append(scheduler.on_trial_result(
+                        None, trials[name], {"training_iteration": it, metric: curve[it - 1]}))
+        return out
+
+    good, weak = [0.40, 0.45, 0.50, 0.55], [0.10, 0.10, 0.10, 0.10]
+    got = decisions("max", {"good": good, "weak": weak})
+    assert got["good"] == [TrialScheduler.CONTINUE] * 3 + [TrialScheduler.STOP]  # stopped by max_t only
+    assert got["weak"] == [TrialScheduler.STOP]  # below the good trial at the first rung (grace period 1)
+    got = decisions("min", {"good": good, "weak": weak})  # tune.mode min: the low curve is now the better one
+    assert got["weak"] == [TrialScheduler.CONTINUE] * 3 + [TrialScheduler.STOP]
