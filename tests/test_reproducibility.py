@@ -236,7 +236,10 @@ def test_run_killed_after_a_checkpoint_and_resumed_matches_the_uninterrupted_run
     and the resumed W&B (offline) run logs no iteration the killed run's files already hold."""
     common = [*[a for o in TINY for a in ("--set", o)], "--set", "stop.training_iteration=6",
               "--set", "checkpoint.frequency=2", "--set", "generate.num_samples=0", "--set", "tune.dashboard=false",
-              "--set", f"tune.storage_path={tmp_path}", "--set", "tune.wandb=true"]
+              "--set", f"tune.storage_path={tmp_path}", "--set", "tune.wandb=true",
+              # the experiment state (what --resume starts from) saved often enough that the kill
+              # after iteration 5 finds a checkpoint in it however fast the iterations run
+              "--set", "checkpoint.state_every_s=0.2"]
     whole = _cli([*common, "--set", "tune.name=whole"])
     out = whole.communicate(timeout=900)[0]
     assert whole.returncode == 0, out[-3000:]
