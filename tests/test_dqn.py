@@ -40,6 +40,21 @@ def _episode(cfg, rng, rewards):
     return episode
 
 
+def _replayed_batch(learner, episodes):
+    """A learner batch (tensors) of 8 one-step transitions replayed from RLlib's episode buffer."""
+    from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
+
+    buffer = EpisodeReplayBuffer(capacity=100)
+    buffer.add(episodes)
+    sampled = buffer.sample(num_items=8, n_step=1, gamma=1.0, sample_episodes=True)
+    batch = learner._learner_connector(rl_module=learner.module, batch={}, episodes=sampled, shared_data={},
+                                       metrics=None)["default_policy"]
+    batch = {k: ({kk: torch.as_tensor(vv) for kk, vv in v.items()} if isinstance(v, dict) else torch.as_tensor(v))
+             for k, v in batch.items()}
+    batch.setdefault("weights", torch.ones(len(batch[Columns.ACTIONS])))
+    return batch
+
+
 def _key(input_ids, action) -> tuple:
     return tuple(np.asarray(input_ids).tolist()), int(action)
 
@@ -162,7 +177,6 @@ def _last_hidden(trunk, obs) -> torch.Tensor:
 
 def test_dueling_q_is_v_plus_a_minus_mean_a_and_the_v_stream_moves_every_actions_q_alike():
     from ray.rllib.algorithms.dqn.default_dqn_rl_module import QF_PREDS
-    from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 
     cfg, learner, module = _learner(["dqn.dueling=true", "dqn.n_step=1"])
     batch = _varied_observations(cfg)
@@ -189,14 +203,7 @@ def test_dueling_q_is_v_plus_a_minus_mean_a_and_the_v_stream_moves_every_actions
     assert any(online is module.v_head for online, _ in module.get_target_network_pairs())
     # The TD loss trains the V stream.
     rng = np.random.default_rng(2)
-    buffer = EpisodeReplayBuffer(capacity=100)
-    buffer.add([_episode(cfg, rng, [0.0, 0.5, 1.0]), _episode(cfg, rng, [0.2, 0.0, 0.0, 1.0])])
-    sampled = buffer.sample(num_items=8, n_step=1, gamma=1.0, sample_episodes=True)
-    train = learner._learner_connector(rl_module=learner.module, batch={}, episodes=sampled, shared_data={},
-                                       metrics=None)["default_policy"]
-    train = {k: ({kk: torch.as_tensor(vv) for kk, vv in v.items()} if isinstance(v, dict) else torch.as_tensor(v))
-             for k, v in train.items()}
-    train.setdefault("weights", torch.ones(len(train[Columns.ACTIONS])))
+    train = _replayed_batch(learner, [_episode(cfg, rng, [0.0, 0.5, 1.0]), _episode(cfg, rng, [0.2, 0.0, 0.0, 1.0])])
     loss = learner.compute_loss_for_module(module_id="default_policy", batch=train, fwd_out=module.forward_train(train),
                                            config=learner.config.get_config_for_module("default_policy"))
     module.zero_grad()
@@ -235,16 +242,7 @@ def test_reference_term_adds_kl_coef_times_reference_logp_to_each_reward():
     cfg, learner, module = _learner(["reward.kl_coef=0.5", "dqn.n_step=1", "dqn.td_loss=mse"])
     rng = np.random.default_rng(2)
     episodes = [_episode(cfg, rng, [0.0, 0.0, 1.0])]
-    from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
-
-    buffer = EpisodeReplayBuffer(capacity=100)
-    buffer.add(episodes)
-    sampled = buffer.sample(num_items=8, n_step=1, gamma=1.0, sample_episodes=True)
-    batch = learner._learner_connector(rl_module=learner.module, batch={}, episodes=sampled, shared_data={},
-                                       metrics=None)["default_policy"]
-    batch = {k: ({kk: torch.as_tensor(vv) for kk, vv in v.items()} if isinstance(v, dict) else torch.as_tensor(v))
-             for k, v in batch.items()}
-    batch.setdefault("weights", torch.ones(len(batch[Columns.ACTIONS])))
+    batch = _replayed_batch(learner, episodes)
     cfg_m = learner.config.get_config_for_module("default_policy")
     with_term = learner.compute_loss_for_module(module_id="default_policy", config=cfg_m, batch=batch,
                                                 fwd_out=module.forward_train(batch))

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from agents.config import algorithm_config, load, read_yaml, validate
+from agents.train import _metric
 from tests.conftest import QUICKSTART, ROOT
 
 TINY = ["training.train_batch_size=256", "training.minibatch_size=128", "training.num_epochs=2",
@@ -36,17 +37,8 @@ CURVE_KEYS = ("env_runners/episode_return_mean", "env_runners/num_env_steps_samp
               "learners/default_policy/td_error_mean", "env_runners/policy_return_mean")
 
 
-def _get(result: dict, path: str):
-    node = result
-    for part in path.split("/"):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return float(node)
-
-
 def curve(result: dict) -> dict:
-    return {k: v for k in CURVE_KEYS if (v := _get(result, k)) is not None}
+    return {k: v for k in CURVE_KEYS if (v := _metric(result, k)) is not None}
 
 
 def train(cfg: dict, iterations: int, *, checkpoint_at: int | None = None, path=None):
