@@ -99,7 +99,8 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         "num_gpus_per_env_runner": F(float, 0.0, lo=0.0),
         "max_restarts": F(int, 3, **NONNEG_INT),
         # fast: whole episodes from the vector env, one module call per token step
-        # (agents/env_runner.py); stock: RLlib's SingleAgentEnvRunner. auto: fast, stock for dqn.
+        # (agents/env_runner.py); stock: RLlib's SingleAgentEnvRunner. auto: fast where the
+        # algorithm samples whole episodes, else stock.
         "runner": F(str, "auto", choices=("auto", "fast", "stock")),
     },
     "learners": {
