@@ -193,8 +193,6 @@ class _SeededRunnerMixin:
                 "module": _module_rollout_states(self.module), "metrics": self.metrics.get_state()}
 
     def _set_rollout_state(self, state: dict) -> None:
-        if tuple(state["runner"]) != self._runner_id():
-            return  # another EnvRunner's (e.g. RLlib hands evaluation runners the training runner's state)
         set_global_rng_state(state["rng"])
         if state["env"] is not None and self.env is not None:
             set_env_state(self.env, state["env"])
@@ -209,8 +207,10 @@ class _SeededRunnerMixin:
 
     def set_state(self, state) -> None:
         super().set_state(state)
-        if ROLLOUT_STATE in state:  # a checkpoint's; weight syncs carry none
-            self._set_rollout_state(state[ROLLOUT_STATE])
+        saved = state.get(ROLLOUT_STATE)  # a checkpoint's; weight syncs carry none
+        # Only this EnvRunner's own (RLlib hands evaluation runners the training runner's state).
+        if saved is not None and tuple(saved["runner"]) == self._runner_id():
+            self._set_rollout_state(saved)
 
 
 def make_token_env(config):

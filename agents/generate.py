@@ -93,13 +93,13 @@ def _generate_rows(module, env_config, prompts, metas, greedy, seed, score) -> l
     while not all(done):
         batch = {Columns.OBS: {k: torch.as_tensor(np.stack([o[k] for o in obs])) for k in obs[0]}}
         logits = module.forward_inference(batch)[Columns.ACTION_DIST_INPUTS].float()
+        # One batched argmax or softmax per step; only the draw is per row (its own generator).
+        greedy_actions = logits.argmax(-1).tolist() if greedy else None
+        probs = None if greedy else torch.softmax(logits, -1)
         for i in range(len(envs)):
             if done[i]:
                 continue
-            if greedy:
-                action = int(logits[i].argmax())
-            else:
-                action = int(torch.multinomial(torch.softmax(logits[i], -1), 1, generator=gens[i]))
+            action = greedy_actions[i] if greedy else int(torch.multinomial(probs[i], 1, generator=gens[i]))
             obs[i], reward, done[i], _, info = envs[i].step(action)
             returns[i] += reward
             if done[i]:

@@ -72,7 +72,7 @@ class LMGuide:
         """The sampling generator (the KV cache is rebuilt: see `GuidedRollout.get_state`)."""
         return {"generator": self.generator.get_state()}
 
-    def set_state(self, state: dict) -> None:
+    def set_state(self, state: dict, device=None) -> None:
         self.generator.set_state(state["generator"])
         self.cache.invalidate()
 
@@ -108,11 +108,11 @@ class CallableGuide:
 
     def get_state(self) -> dict:
         return {"plans": {r: list(p) for r, p in self.plans.items()},
-                "prev_ids": _cpu(self.prev_ids), "prev_mask": _cpu(self.prev_mask)}
+                "prev_ids": cpu_copy(self.prev_ids), "prev_mask": cpu_copy(self.prev_mask)}
 
-    def set_state(self, state: dict) -> None:
+    def set_state(self, state: dict, device=None) -> None:
         self.plans = {int(r): list(p) for r, p in state["plans"].items()}
-        self.prev_ids, self.prev_mask = state["prev_ids"], state["prev_mask"]
+        self.prev_ids, self.prev_mask = on_device(state["prev_ids"], device), on_device(state["prev_mask"], device)
 
     def continuations(self, prefixes: list[str]) -> list[list[int]]:
         """The function's answers as token-id lists, or GuideError naming what is wrong."""
@@ -153,11 +153,13 @@ class CallableGuide:
         return torch.tensor([plans[int(r)][0] for r in rows], dtype=torch.long, device=ids.device)
 
 
-def _cpu(x):
+def cpu_copy(x):
+    """A tensor's detached CPU copy for a checkpoint (None stays None)."""
     return None if x is None else x.detach().cpu().clone()
 
 
-def _on(x, device):
+def on_device(x, device):
+    """A restored tensor on the module's device (None, or no device given: as it is)."""
     return None if x is None or device is None else x.to(device)
 
 
@@ -243,17 +245,15 @@ class GuidedRollout:
         is not saved: it is dropped at every weight sync (`CausalLMActorCritic.set_state`), so
         a resumed run re-prefills it exactly where an uninterrupted run does."""
         return {"rng": self.rng.bit_generator.state, "mode": self.mode,
-                "prev_ids": _cpu(self.prev_ids), "prev_mask": _cpu(self.prev_mask),
+                "prev_ids": cpu_copy(self.prev_ids), "prev_mask": cpu_copy(self.prev_mask),
                 "t": self.t, "kind": self.kind, "limit": self.limit, "guide": self.guide.get_state()}
 
     def set_state(self, state: dict, device=None) -> None:
         self.rng.bit_generator.state = state["rng"]
         self.set_mode(state["mode"])
-        self.prev_ids, self.prev_mask = _on(state["prev_ids"], device), _on(state["prev_mask"], device)
+        self.prev_ids, self.prev_mask = on_device(state["prev_ids"], device), on_device(state["prev_mask"], device)
         self.t, self.kind, self.limit = state["t"], state["kind"], state["limit"]
-        self.guide.set_state(state["guide"])
-        if isinstance(self.guide, CallableGuide):
-            self.guide.prev_ids, self.guide.prev_mask = _on(self.guide.prev_ids, device), _on(self.guide.prev_mask, device)
+        self.guide.set_state(state["guide"], device=device)
 
     def set_mode(self, mode: str) -> None:
         if mode not in self.MODES:

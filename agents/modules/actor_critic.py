@@ -254,21 +254,24 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         """Per-row state carried from one rollout call to the next (mirostat's mu, guide plans)
         and the rollout generators, for an EnvRunner's checkpoint. KV caches are left out: every
         weight sync drops them, and a restore is followed by one."""
+        from agents.guides import cpu_copy
+
         state = {}
         if self.row_sampler_state is not None:
             rs = self.row_sampler_state
-            state["sampler"] = {k: None if v is None else v.detach().cpu().clone()
-                                for k, v in (("ids", rs.ids), ("mask", rs.mask), ("state", rs.state),
-                                             ("source", rs.source))}
+            state["sampler"] = {k: cpu_copy(v) for k, v in (("ids", rs.ids), ("mask", rs.mask), ("state", rs.state),
+                                                            ("source", rs.source))}
         if self.guided is not None:
             state["guided"] = self.guided.get_state()
         return state
 
     def set_rollout_state(self, state: dict) -> None:
+        from agents.guides import on_device
+
         device = next(self.parameters()).device
         if "sampler" in state and self.row_sampler_state is not None:
             for k, v in state["sampler"].items():
-                setattr(self.row_sampler_state, k, None if v is None else v.to(device))
+                setattr(self.row_sampler_state, k, on_device(v, device))
         if "guided" in state and self.guided is not None:
             self.guided.set_state(state["guided"], device=device)
 
