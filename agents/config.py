@@ -247,8 +247,8 @@ def algorithm_spec(cfg: dict):
     if next(iter(algo)) not in ("grid_search", "choice"):
         raise ConfigError("algorithm: search over algorithm names with grid_search or choice")
     names = _candidates(algo)
-    for spec in dict.fromkeys(known[a] for a in names):
-        if all(a in spec.names + spec.search_with for a in names):
+    for spec in dict.fromkeys(known[a] for a in names):  # only a spec with search_with reads a searched name
+        if spec.search_with and all(a in spec.names + spec.search_with for a in names):
             return spec
     groups = sorted({", ".join(s.search_with + s.names) for s in known.values() if s.search_with})
     raise ConfigError(f"algorithm: a search over algorithms may list the algorithms of one family only "

@@ -218,3 +218,11 @@ def test_relative_data_paths_reach_tune_trials_as_absolute_paths(tmp_path, monke
                                                   "validation": str(tmp_path / "data" / "validation.jsonl")}
     single = algorithm_config(validate({"task": {**raw["task"], "dataset": "data/train.jsonl"}}))
     assert single.env_config["task"]["dataset"] == str(tmp_path / "data" / "train.jsonl")
+
+
+def test_a_search_over_algorithms_stays_within_a_family_that_supports_it():
+    spec_cfg = validate({"algorithm": {"grid_search": ["ppo", "ppo_pp"]}, "guide": {"callable": "a:b"}})
+    assert algorithm_config(spec_cfg).guided_algorithm == {"grid_search": ["ppo", "ppo_pp"]}
+    # reinforce and self_critical need different env set-ups (repeated prompts), so no search mixes them
+    with pytest.raises(ConfigError, match=r"^algorithm: a search over algorithms may list the algorithms of one family"):
+        validate({"algorithm": {"grid_search": ["reinforce", "self_critical"]}})
