@@ -5,24 +5,26 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE ?= 1
-export PYTHONPATH := $(CURDIR)
 
 .PHONY: install quickstart sentiment-demo test test-fast clean
 
-$(VENV)/.installed: requirements.txt
+# The package (pyproject.toml: requirements.txt + the `tokenmdp` command), editable, in .venv.
+$(VENV)/.installed: requirements.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] < (3, 11))' 2>/dev/null || { \
+	  echo "error: Python 3.11 or newer is needed; '$(PYTHON)' is $$($(PYTHON) -c 'import sys; print(sys.version.split()[0])' 2>/dev/null || echo 'not runnable') (try: make PYTHON=python3.11 ...)" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet -e .
 	touch $@
 
 install: $(VENV)/.installed
 
 quickstart: install
-	$(PY) -m agents.train tune_configs/quickstart.yaml
+	$(VENV)/bin/tokenmdp train tune_configs/quickstart.yaml
 
 # Offline: review corpus -> warm start -> PPO with VADER reward -> evaluation (CPU, about 2 minutes)
 sentiment-demo: install
-	$(PY) -m agents.demo
+	$(VENV)/bin/tokenmdp demo
 
 test: install
 	$(PY) -m pytest -q tests

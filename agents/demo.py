@@ -28,14 +28,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(args: list[str]) -> None:
     print("$ " + " ".join(shlex.quote(a) for a in args), flush=True)
-    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     code = subprocess.call(args, cwd=ROOT, env=env)
     if code != 0:
         raise SystemExit(code)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agents.demo", description=__doc__.split("\n\n")[0])
+def main(argv=None, prog: str = "python -m agents.demo") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results/sentiment_demo", help="where everything goes")
     parser.add_argument("--seed", type=int, default=0, help="corpus seed")
     parser.add_argument("--pretrain-set", action="append", default=[], metavar="KEY=VALUE")

@@ -419,8 +419,8 @@ def resolve_env_config(config_path: str | None, overrides: list[str], models: li
     raise EvalError("--config: needed to know the task (no checkpoint among the models)")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agents.evaluate", description=__doc__.split("\n\n")[0])
+def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="*", metavar="MODEL", help="checkpoints or Hugging Face model directories")
     parser.add_argument("--config", help="RL YAML giving the task and lengths (default: the first checkpoint's)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -105,8 +105,8 @@ def export_policy(checkpoint: str, out_dir: str, *, force: bool = False) -> dict
     return {"out_dir": out_dir, "generation_config": fields, "notes": notes, "auto_class": auto_class}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agents.export", description=__doc__.split("\n\n")[0])
+def main(argv=None, prog: str = "python -m agents.export") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory from agents.train")
     parser.add_argument("--out", required=True, help="directory to write the model and tokenizer to")
     parser.add_argument("--force", action="store_true", help="write into an existing non-empty directory")

@@ -109,8 +109,8 @@ def _generate_rows(module, env_config, prompts, metas, greedy, seed, score) -> l
     return results
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agents.generate", description=__doc__.split("\n\n")[0])
+def main(argv=None, prog: str = "python -m agents.generate") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory from agents.train")
     parser.add_argument("--prompt", action="append", help="prompt text (repeatable); default: the task's prompts")
     parser.add_argument("-n", type=int, default=3, help="generations per prompt (default 3)")

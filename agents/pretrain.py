@@ -400,8 +400,8 @@ def pretrain(cfg: dict, log=print) -> dict:
             "train_loss": sum(losses[-t["log_every"]:]) / len(losses[-t["log_every"]:])}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agents.pretrain", description=__doc__.split("\n\n")[0])
+def main(argv=None, prog: str = "python -m agents.pretrain") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="YAML file, e.g. tune_configs/pretrain_reviews.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set training.steps=100 (repeatable)")

@@ -76,7 +76,6 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 APP_NAME = "policy"
 MAX_BODY_BYTES = 1 << 20
 MAX_PROMPT_CHARS = 10_000
@@ -306,8 +305,8 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agents.serve", description=__doc__.split("\n\n")[0])
+def main(argv=None, prog: str = "python -m agents.serve") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory from agents.train")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
@@ -357,13 +356,12 @@ def main(argv=None) -> int:
             ray.init(logging_level="ERROR", log_to_driver=False)
         else:
             # A private local instance (address="local": never one a `ray start` left running);
-            # replicas import `agents` and `env` from this checkout.
-            path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+            # replicas import the installed package.
             dashboard = {"include_dashboard": args.dashboard_port is not None}
             if args.dashboard_port is not None:
                 dashboard["dashboard_port"] = args.dashboard_port
             context = ray.init(address="local", logging_level="ERROR", log_to_driver=False,
-                               runtime_env={"env_vars": {"PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}}, **dashboard)
+                               runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}}, **dashboard)
             if context.dashboard_url:
                 print(f"Ray dashboard: http://{context.dashboard_url}", flush=True)
         # After ray.init, which installs its own SIGTERM handler: Ctrl-C and SIGTERM both stop

@@ -23,7 +23,6 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _fail(message: str) -> int:
@@ -393,9 +392,9 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
         runtime_env, local = None, {}
         if not os.environ.get("RAY_ADDRESS"):
             local = {"include_dashboard": tune_cfg["dashboard"]}
-            # Local cluster: workers import `env` and `agents` from this checkout.
-            path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-            runtime_env = {"env_vars": {"PYTHONPATH": path, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}}
+            # Local cluster: workers import the installed package, and (as Ray does for every
+            # driver) modules from the directory the run starts in, like your own rewards and tasks.
+            runtime_env = {"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}}
         context = ray.init(runtime_env=runtime_env, logging_level="ERROR", log_to_driver=verbose, **local)
         if context.dashboard_url:
             print(f"Ray dashboard: http://{context.dashboard_url}", flush=True)
@@ -594,8 +593,8 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agents.train", description=__doc__.split("\n\n")[0])
+def main(argv=None, prog: str = "python -m agents.train") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="YAML experiment file, e.g. tune_configs/quickstart.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set training.lr=3e-4 (repeatable)")

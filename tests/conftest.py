@@ -16,7 +16,7 @@ QUICKSTART = os.path.join(ROOT, "tune_configs", "quickstart.yaml")
 
 def run_module(*args, timeout=120):
     """Runs `python -m <args>` from the repository root, offline, and captures its output."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -28,7 +28,7 @@ def ray_local():
 
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
-                 runtime_env={"env_vars": {"PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}})
+                 runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     yield ray
     ray.shutdown()
 

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
+from tests.test_plugins import PLUGINS, plugin_experiment
 
 CLUSTER = os.path.join(ROOT, "cluster")
 
@@ -80,7 +81,8 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_job_submitted_to_a_local_head_trains_and_leaves_a_checkpoint(tmp_path):
-    """`ray start --head` on loopback, the Jobs API, the checked-in runtime env; token auth as Ray sets it up."""
+    """`ray start --head` on loopback, the Jobs API, the checked-in runtime env; token auth as Ray sets it up.
+    The job is a user's project folder (`--working-dir`): a task and a reward of their own, by import path."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     import tempfile
@@ -118,12 +120,20 @@ def test_job_submitted_to_a_local_head_trains_and_leaves_a_checkpoint(tmp_path):
                     pytest.fail("ray start --head exited: " + head.stdout.read()[-2000:])
                 time.sleep(1)
         assert client is not None, f"the head's Jobs API never came up: {last_error}"
-        runtime_env = yaml.safe_load(open(os.path.join(CLUSTER, "runtime_env.yaml")))
-        runtime_env["working_dir"] = ROOT
-        runtime_env["env_vars"]["HF_HUB_OFFLINE"] = "1"  # no network here
+        # The user's project folder: their own task and reward module and the experiment naming them.
+        project = tmp_path / "project"
+        project.mkdir()
+        (project / "my_plugins.py").write_text(PLUGINS)
+        config = plugin_experiment(project, "job")
+        cfg = yaml.safe_load(open(config))
         storage = tmp_path / "results"
-        entrypoint = (f"python -m agents.train tune_configs/quickstart.yaml --set stop.training_iteration=2 "
-                      f"--set tune.storage_path={storage} --set tune.name=job --set generate.num_samples=1")
+        cfg["tune"]["storage_path"] = str(storage)
+        cfg["stop"]["training_iteration"] = 2
+        (project / "plugins.yaml").write_text(yaml.safe_dump(cfg))
+        runtime_env = yaml.safe_load(open(os.path.join(CLUSTER, "runtime_env.yaml")))
+        runtime_env["working_dir"] = str(project)
+        runtime_env["env_vars"]["HF_HUB_OFFLINE"] = "1"  # no network here
+        entrypoint = "tokenmdp train plugins.yaml"
         job = None
         for _ in range(120):  # the node's job agent comes up a little after the dashboard
             try:
@@ -143,6 +153,7 @@ def test_job_submitted_to_a_local_head_trains_and_leaves_a_checkpoint(tmp_path):
         logs = client.get_job_logs(job)
         assert status == JobStatus.SUCCEEDED, logs[-3000:]
         assert "Summary (1 trial" in logs and "Ray dashboard: http://" in logs
+        assert "Training PPO on task 'my_plugins:Reverse'" in logs
         assert glob.glob(str(storage / "job" / "*" / "checkpoint_*" / "learner_group")), logs[-2000:]
         assert glob.glob(str(storage / "job" / "*" / "events.out.tfevents.*"))
     finally:  # stop this head only (`ray stop` would stop every Ray instance on the machine)

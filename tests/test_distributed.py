@@ -163,7 +163,7 @@ def test_a_failed_trial_is_retried_from_its_last_checkpoint(tmp_path):
     args = [QUICKSTART, "--set", "stop.training_iteration=7", "--set", "checkpoint.frequency=2",
             "--set", "tune.max_failures=1", "--set", f"tune.storage_path={tmp_path}", "--set", "tune.name=retry",
             "--set", "generate.num_samples=0", "--set", "tune.dashboard=false"]
-    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "agents.train", *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines, killed = [], None

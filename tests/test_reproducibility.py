@@ -209,7 +209,7 @@ def test_resumed_wandb_run_logs_only_the_steps_it_does_not_hold(tmp_path, monkey
 
 
 def _cli(args, **kwargs):
-    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     return subprocess.Popen([sys.executable, "-m", "agents.train", QUICKSTART, *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, **kwargs)
 

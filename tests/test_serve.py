@@ -172,7 +172,7 @@ class Server:
         self.port = free_port()
         self.stderr_path = log_dir / "serve.stderr"
         self.stderr = open(self.stderr_path, "w")
-        env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         env.pop("RAY_ADDRESS", None)  # a private Ray instance, as on a user's machine
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "agents.serve", "--checkpoint", checkpoint, "--host", "127.0.0.1",

@@ -15,7 +15,9 @@ Rewards that need a source other than the prompt (MMI) read `meta["source"]`.
 A name with a colon is `module:function`: the module is imported (it must be on the
 Python path of every process that builds the reward) and the function is called as
 `function(prompts, generations, metas) -> list[float]`; its keyword-only parameters
-become config fields, as for `register_function`.
+become config fields, as for `register_function`. A name without a colon that is not
+built in may be registered by an installed package (entry-point group `tokenmdp.rewards`,
+see env/plugins.py).
 
 Building checks the spec (names, fields, field types and values) and loads no
 model: models load on the first call (or on `.load()`), once per process.
@@ -27,11 +29,11 @@ generation (and prompt) that caused it.
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 import math
 
-from env.validation import first_line, unknown_key
+from env.plugins import entry_point_names, import_object, load_entry_point
+from env.validation import unknown_key
 
 
 class RewardConfigError(ValueError):
@@ -84,25 +86,28 @@ def _function_factory(name: str, fn):
 
 
 def import_reward_function(spec: str, path: str = "reward"):
-    """The function named by `module:function`; RewardConfigError (one line naming `path.name`) if it is not there."""
-    where = f"{path}.name"
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr or ":" in attr:
-        raise RewardConfigError(f"{where}: expected a registered reward or 'module:function', got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or whatever the module raises while it runs
-        if isinstance(e, ModuleNotFoundError) and e.name and (module_name + ".").startswith(e.name + "."):
-            detail = "not found on the Python path"
-        else:
-            detail = f"{type(e).__name__}: {first_line(e)}"
-        raise RewardConfigError(f"{where}: cannot import module {module_name!r} ({detail})") from None
-    if not hasattr(module, attr):
-        raise RewardConfigError(f"{where}: module {module_name!r} has no function {attr!r}")
-    fn = getattr(module, attr)
+    """The function named by `module:function`; RewardConfigError (one line naming `path.name`) if it is
+    not there or does not take `(prompts, generations, metas)`."""
+    fn = import_object(spec, f"{path}.name", RewardConfigError, "function", "a registered reward or 'module:function'")
     if not callable(fn):
-        raise RewardConfigError(f"{where}: {spec!r} is not callable (it is a {type(fn).__name__})")
+        raise RewardConfigError(f"{path}.name: {spec!r} is not callable (it is a {type(fn).__name__})")
+    check_reward_signature(fn, spec, f"{path}.name")
     return fn
+
+
+def check_reward_signature(fn, label: str, where: str) -> None:
+    """Refuses a function that cannot be called as `fn(prompts, generations, metas, **fields)`."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
+    required = [p for p in positional if p.default is p.empty]
+    if (len(positional) < 3 and not varargs) or len(required) > 3:
+        shown = ", ".join(p.name for p in params) or "nothing"
+        raise RewardConfigError(f"{where}: {label!r} must take (prompts, generations, metas) and its config fields "
+                                f"as keyword-only parameters; it takes ({shown})")
 
 
 class _BoundFunction:
@@ -317,12 +322,25 @@ def make_reward(spec, path: str = "reward") -> CheckedReward:
         raise RewardConfigError(f"{path}.name: missing (one of {', '.join(sorted(REWARDS))}, 'module:function', "
                                 f"or give 'sum')")
     name = spec["name"]
+    installed = None
+    if isinstance(name, str) and ":" not in name and name not in REWARDS:
+        installed = load_entry_point("reward", name, f"{path}.name", RewardConfigError)
     if isinstance(name, str) and ":" in name:
         factory = _function_factory(name, import_reward_function(name, path))
+    elif installed is not None:  # registered by an installed package: a reward class (factory) or a function
+        if inspect.isclass(installed):
+            factory = installed
+        elif callable(installed):
+            check_reward_signature(installed, name, f"{path}.name")
+            factory = _function_factory(name, installed)
+        else:
+            raise RewardConfigError(f"{path}.name: the installed reward {name!r} is not callable "
+                                    f"(it is a {type(installed).__name__})")
     elif name not in REWARDS:
-        hint = difflib.get_close_matches(str(name), list(REWARDS), n=1)
+        known = sorted({*REWARDS, *entry_point_names("reward")})
+        hint = difflib.get_close_matches(str(name), known, n=1)
         suffix = f" (did you mean {hint[0]!r}?)" if hint else \
-            f" (known: {', '.join(sorted(REWARDS))}; or your own function as 'module:function')"
+            f" (known: {', '.join(known)}; or your own function as 'module:function')"
         raise RewardConfigError(f"{path}.name: unknown reward {name!r}{suffix}")
     else:
         factory = REWARDS[name]

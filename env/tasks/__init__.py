@@ -2,9 +2,16 @@
 
 A task has `name`, `examples(split) -> [{"prompt": str, "meta": dict}]`,
 `reward(prompts, generations, metas) -> [float]`, and `tokenizer()` (its own
-tokenizer, or None to use the model's).
+tokenizer, or None to use the model's); optionally `targets(example) -> [str]` (the
+reference continuations the MLE term learns from) and `metrics` (names, for evaluation).
+
+`task.name` is a built-in task, your own class as `module:Class` (the module must import in
+every process, like a reward's), or a name an installed package registers under the
+entry-point group `tokenmdp.tasks` (env/plugins.py).
 """
 from __future__ import annotations
+
+import inspect
 
 from env.tasks.increasing_numbers import IncreasingNumbersTask
 from env.tasks.sort_numbers import SortNumbersTask
@@ -13,13 +20,115 @@ from env.tasks.text_tasks import TEXT_TASKS  # imdb, commongen, dialogue, summar
 TASKS = {IncreasingNumbersTask.name: IncreasingNumbersTask, SortNumbersTask.name: SortNumbersTask, **TEXT_TASKS}
 
 
+TASK_METHODS = ("examples", "reward", "tokenizer")  # what every task has (see the module docstring)
+
+
+def task_class(name, where: str = "task.name"):
+    """The task class a config names: a built-in name, 'module:Class', or an installed package's
+    entry point (group `tokenmdp.tasks`). ValueError naming `where` otherwise."""
+    from env.plugins import entry_point_names, import_object, load_entry_point
+
+    if isinstance(name, str) and ":" in name:
+        cls = import_object(name, where, ValueError, "task class", "a known task or 'module:Class'")
+    elif name in TASKS:
+        return TASKS[name]
+    else:
+        cls = load_entry_point("task", name, where, ValueError) if isinstance(name, str) else None
+        if cls is None:
+            known = sorted({*TASKS, *entry_point_names("task")})
+            raise ValueError(f"{where}: unknown task {name!r} (known: {', '.join(known)}; "
+                             f"or your own class as 'module:Class')")
+    if not callable(cls):
+        raise ValueError(f"{where}: {name!r} is not a task class (it is a {type(cls).__name__})")
+    missing = [m for m in TASK_METHODS if not callable(getattr(cls, m, None))]
+    if inspect.isclass(cls) and missing:
+        raise ValueError(f"{where}: {name!r} is not a task: it has no {', '.join(m + '()' for m in missing)} "
+                         f"(a task has examples(split), reward(prompts, generations, metas) and tokenizer())")
+    return cls
+
+
 def make_task(spec: dict, *, max_new_tokens: int):
-    """Builds a task from its config section (`{"name": ..., **kwargs}`)."""
+    """Builds a task from its config section (`{"name": ..., **kwargs}`).
+
+    A task's constructor takes the section's other keys; one that has a `max_new_tokens`
+    parameter the section does not set gets the env's."""
     spec = dict(spec)
     name = spec.pop("name", None)
-    if name not in TASKS:
-        raise ValueError(f"task.name: unknown task {name!r} (known: {', '.join(sorted(TASKS))})")
-    cls = TASKS[name]
-    if cls is IncreasingNumbersTask:
-        spec.setdefault("max_new_tokens", max_new_tokens)
-    return cls(**spec)
+    cls = task_class(name)
+    if cls in TASKS.values():
+        if cls is IncreasingNumbersTask:
+            spec.setdefault("max_new_tokens", max_new_tokens)
+        return cls(**spec)
+    return _plugin_task(cls, name, spec, max_new_tokens)
+
+
+def _plugin_task(cls, name: str, options: dict, max_new_tokens: int):
+    """A user's task: its constructor's parameters are the section's keys, checked by name first."""
+    from env.validation import first_line, unknown_key
+
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        params = None
+    if params is not None:
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        named = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not takes_any:
+            for key in options:
+                if key not in named:
+                    raise unknown_key("task", key, named, ValueError, f"unknown key for task {name!r}")
+        missing = [k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                   and p.default is p.empty and k not in options and k != "max_new_tokens"]
+        if missing:
+            raise ValueError(f"task.{missing[0]}: missing (task {name!r} needs it)")
+        if "max_new_tokens" in named:
+            options.setdefault("max_new_tokens", max_new_tokens)
+    try:
+        task = cls(**options)
+    except ValueError:
+        raise
+    except Exception as e:  # a user's constructor: one line, its own words
+        raise ValueError(f"task {name!r}: could not be built: {type(e).__name__}: {first_line(e)}") from None
+    missing = [m for m in TASK_METHODS if not callable(getattr(task, m, None))]
+    if missing:
+        raise ValueError(f"task.name: {name!r} is not a task: it has no {', '.join(m + '()' for m in missing)}")
+    return PluginTask(task, name)
+
+
+class PluginTask:
+    """A user's task behind the checks the built-in tasks make themselves: its examples are
+    checked when a split is first read (a list of {"prompt": str, "meta": dict}, not empty) and
+    its reward runs behind the reward guard (an exception, a wrong count or a NaN names the
+    task and the text). Everything else is the task's own."""
+
+    def __init__(self, task, label: str):
+        from env.rewards import CheckedReward
+
+        self.task, self.label = task, label
+        own = getattr(task, "name", None)
+        self.name = own if isinstance(own, str) else label
+        self.reward = CheckedReward(task.reward, f"task {self.name!r}")
+        self._checked: set = set()
+
+    def __getattr__(self, attr):  # targets(), metrics, the task's own fields
+        if attr.startswith("__") or attr == "task":  # copy/pickle probe before __init__ ran
+            raise AttributeError(attr)
+        return getattr(self.task, attr)
+
+    def tokenizer(self):
+        return self.task.tokenizer()
+
+    def examples(self, split: str = "train") -> list[dict]:
+        examples = self.task.examples(split)
+        if split not in self._checked:
+            where = f"task {self.name!r}: examples({split!r})"
+            if not isinstance(examples, (list, tuple)):
+                raise ValueError(f"{where} returned a {type(examples).__name__}; expected a list of "
+                                 f"{{'prompt': str, 'meta': dict}}")
+            for i, ex in enumerate(examples):
+                if not isinstance(ex, dict) or not isinstance(ex.get("prompt"), str):
+                    raise ValueError(f"{where}[{i}]: expected {{'prompt': str, 'meta': dict}}, got {ex!r:.80}")
+                if not isinstance(ex.get("meta", {}), dict):
+                    raise ValueError(f"{where}[{i}].meta: expected a dict, got {ex['meta']!r:.80}")
+            self._checked.add(split)
+        return [ex if "meta" in ex else {**ex, "meta": {}} for ex in examples]
