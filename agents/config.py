@@ -374,7 +374,9 @@ def read_yaml(path: str, overrides=()) -> dict:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{path}:{where} not valid YAML ({getattr(e, 'problem', e)})") from None
-    raw = raw or {}
+    if raw is None:  # an empty file would silently run every default: an experiment nobody wrote
+        raise ConfigError(f"{path}: the file is empty (or only comments); write the experiment in it, "
+                          f"e.g. starting from tune_configs/quickstart.yaml")
     for text in overrides:
         keys, value = parse_override(text)
         node = raw

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 
 
 class ConfigError(ValueError):
@@ -82,3 +83,11 @@ def first_line(e: BaseException) -> str:
     """An exception's message cut to its first line (its type's name if it has none), for one-line errors."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def missing_local_path(name) -> bool:
+    """A name written as a local path (`/`, `./`, `../`, `~`, or two or more `/`) that does not exist:
+    never a hub name (`org/name`), so the error says "no such directory", not the hub's words."""
+    if not isinstance(name, str) or os.path.exists(os.path.expanduser(name)):
+        return False
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") >= 2 or "\\" in name

@@ -1,7 +1,7 @@
 import pytest
 
 from agents.config import ConfigError, algorithm_config, load, to_tune, validate
-from tests.conftest import QUICKSTART
+from tests.conftest import QUICKSTART, one_line_cli_error
 from tests.conftest import run_module as run_cli
 
 
@@ -84,7 +84,7 @@ def test_overrides_and_search_spaces(tmp_path):
     "yaml_text,expected",
     [
         ("training:\n  lr: -0.5\n", "error: training.lr: expected a number > 0.0, got -0.5"),
-        ("model:\n  name_or_path: ./no/such/dir\n", "error: model.name_or_path: cannot load './no/such/dir'"),
+        ("model:\n  name_or_path: ./no/such/dir\n", "error: model.name_or_path: no such directory './no/such/dir'"),
         ("task:\n  name: imdbb\n", "error: task.name: unknown task 'imdbb'"),
         ("training: [1, 2\n", "not valid YAML"),
         ("sampler:\n  name: eta\n  eta: -3.0e-4\n", "error: sampler.eta: expected a number in (0.0, 1.0], got -0.0003"),
@@ -226,3 +226,20 @@ def test_a_search_over_algorithms_stays_within_a_family_that_supports_it():
     # reinforce and self_critical need different env set-ups (repeated prompts), so no search mixes them
     with pytest.raises(ConfigError, match=r"^algorithm: a search over algorithms may list the algorithms of one family"):
         validate({"algorithm": {"grid_search": ["reinforce", "self_critical"]}})
+
+
+def test_an_empty_config_and_a_model_directory_that_is_not_there_are_refused_in_one_line(tmp_path, capsys):
+    from agents.train import main
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# an experiment, some day\n\n")
+    assert one_line_cli_error(capsys, main, str(empty)) == (
+        f"error: {empty}: the file is empty (or only comments); write the experiment in it, "
+        "e.g. starting from tune_configs/quickstart.yaml")
+    for path in ("results/no_such_run/warm_start", "./warm_start_nowhere", str(tmp_path / "gone")):
+        assert one_line_cli_error(capsys, main, QUICKSTART, "--set", f"model.name_or_path={path}") == (
+            f"error: model.name_or_path: no such directory {path!r}")
+    assert one_line_cli_error(capsys, main, QUICKSTART, "--set", f"env.tokenizer={tmp_path}/tok/") == (
+        f"error: env.tokenizer: no such directory '{tmp_path}/tok/'")
+    err = one_line_cli_error(capsys, main, QUICKSTART, "--set", "model.name_or_path=nobody/no-such-model")
+    assert err.startswith("error: model.name_or_path: cannot load 'nobody/no-such-model': not a local directory; ")
