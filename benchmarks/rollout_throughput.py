@@ -27,7 +27,6 @@ import numpy as np
 import torch
 import tree
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from agents.config import algorithm_config, validate  # noqa: E402

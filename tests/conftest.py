@@ -4,8 +4,6 @@ import sys
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 import subprocess  # noqa: E402
 

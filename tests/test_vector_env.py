@@ -345,3 +345,36 @@ def test_rllib_stock_env_runner_samples_complete_episodes_from_the_vector_env():
             assert r == pytest.approx(rewards[t])
         assert done and e.get_infos(-1)["generation"] == info["generation"]
     runner.stop()
+
+
+@pytest.mark.parametrize("case", ["increasing-sparse", "increasing-dense"])
+def test_rewards_are_one_batched_call_per_step_with_the_per_row_values(case, monkeypatch):
+    """The reward is called once per vector step, over every row that needs scoring (the rows that
+    finished; every live row with dense rewards), where the per-row envs call it once per row; the
+    values are the same (compared at every step by run_both)."""
+    calls = []
+    score = TokenGenerationEnv.score
+
+    def counted(self, prompts, generations, metas):
+        calls.append((self.__dict__.get("_vector_owner", False), len(generations)))
+        return score(self, prompts, generations, metas)
+
+    monkeypatch.setattr(TokenGenerationEnv, "score", counted)
+    cfg, _ = CASES[case]
+    vec, ref = TokenGenerationVectorEnv(cfg, B), sync_ref(cfg)
+    vec.rows[0]._vector_owner = True  # the vector env scores through its first row's env
+    reset_both(vec, ref, seed=3)
+    rng = np.random.default_rng(1)
+    steps_scoring, vec_rows, ref_rows = 0, 0, 0
+    for _ in range(60):
+        actions = random_actions(rng, vec)
+        start = len(calls)
+        got, want = vec.step(actions), ref.step(actions)
+        assert_step_equal(got, want)
+        mine = [n for owner, n in calls[start:] if owner]
+        theirs = [n for owner, n in calls[start:] if not owner]
+        assert len(mine) <= 1 and all(n == 1 for n in theirs)
+        assert sum(mine) == len(theirs)  # the same rows scored, in one call instead of one per row
+        steps_scoring += bool(mine)
+        vec_rows, ref_rows = vec_rows + sum(mine), ref_rows + len(theirs)
+    assert steps_scoring > 0 and vec_rows == ref_rows > steps_scoring  # some step scored several rows at once

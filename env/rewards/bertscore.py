@@ -45,7 +45,7 @@ class BertScore:
 
     def __init__(self, model: str, num_layers: int | None = None, measure: str = "f1", batch_size: int = 64,
                  lang: str | None = None, rescale_with_baseline: bool = False, baseline_path: str | None = None,
-                 idf_sentences: list | None = None, device: str = "cpu"):
+                 idf_sentences: list | None = None, device: str = "auto"):
         check_choice("measure", measure, ("precision", "recall", "f1"))
         if num_layers is not None and num_layers < 1:
             raise FieldError("num_layers", f"expected an integer >= 1, got {num_layers!r}")

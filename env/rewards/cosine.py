@@ -39,7 +39,7 @@ class EmbeddingCosine:
     name = "cosine"
     higher_is_better = True
 
-    def __init__(self, model: str | None = None, reduce: str = "max", batch_size: int = 32, device: str = "cpu"):
+    def __init__(self, model: str | None = None, reduce: str = "max", batch_size: int = 32, device: str = "auto"):
         check_choice("reduce", reduce, ("max", "mean"))
         if batch_size < 1:
             raise FieldError("batch_size", f"expected an integer >= 1, got {batch_size!r}")

@@ -28,7 +28,7 @@ class MMI:
     def __init__(self, forward_model: str, backward_model: str, lambda_: float = 0.5,
                  length_normalize: bool = False, forward_tokenizer: str | None = None,
                  backward_tokenizer: str | None = None, separator: str | None = None,
-                 empty_reward: float | None = None, batch_size: int = 16, device: str = "cpu"):
+                 empty_reward: float | None = None, batch_size: int = 16, device: str = "auto"):
         if lambda_ < 0:
             raise FieldError("lambda_", f"expected a number >= 0, got {lambda_!r}")
         if batch_size < 1:

@@ -40,7 +40,7 @@ class Perplexity:
     Fields: model (local dir, hub name, or 'tiny-gpt2' with `tokenizer`),
     tokenizer (default: the model's own), conditional (true), form
     ('neg_log_ppl'), empty_reward (null: an empty generation is an error),
-    batch_size (16), device ('cpu'; 'auto' picks CUDA when present), seed (0;
+    batch_size (16), device ('auto': the GPU of the process when it has one, else the CPU; or 'cpu', 'cuda:N'), seed (0;
     tiny-gpt2's weights only).
     """
 
@@ -49,7 +49,7 @@ class Perplexity:
 
     def __init__(self, model: str, tokenizer: str | None = None, conditional: bool = True,
                  form: str = "neg_log_ppl", empty_reward: float | None = None, batch_size: int = 16,
-                 device: str = "cpu", seed: int = 0):
+                 device: str = "auto", seed: int = 0):
         check_choice("form", form, FORMS)
         if batch_size < 1:
             raise FieldError("batch_size", f"expected an integer >= 1, got {batch_size!r}")

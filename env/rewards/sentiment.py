@@ -80,14 +80,14 @@ class Sentiment:
 
     Fields: model (null: VADER), positive_label (null: detected), include_prompt
     (false), batch_size (32), max_length (512 tokens, truncating the text's end),
-    device ('cpu'; 'auto' picks CUDA when present).
+    device ('auto': the GPU of the process when it has one, else the CPU; or 'cpu', 'cuda:N').
     """
 
     name = "sentiment"
     higher_is_better = True
 
     def __init__(self, model: str | None = None, positive_label: str | int | None = None,
-                 include_prompt: bool = False, batch_size: int = 32, max_length: int = 512, device: str = "cpu"):
+                 include_prompt: bool = False, batch_size: int = 32, max_length: int = 512, device: str = "auto"):
         if model is None and positive_label is not None:
             raise FieldError("positive_label", "only applies with a classifier model (set model)")
         if batch_size < 1:
