@@ -372,7 +372,7 @@ class CompletionResponse(BaseModel):
     usage: CompletionUsage
 
 
-def error_line(errors: list[dict], body=None) -> str:
+def error_line(errors: list[dict]) -> str:
     """One `"<field>: <message>"` line for pydantic/FastAPI validation errors (the first that counts)."""
     def field_of(e):
         names = [str(x) for x in e.get("loc", ()) if x != "body" and not isinstance(x, int)]
