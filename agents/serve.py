@@ -78,8 +78,8 @@ A request the policy cannot take gets HTTP 400 (413 for a body over 1 MiB,
 (request bodies must be sent with `Content-Type: application/json`, as
 FastAPI requires); the replica keeps serving. A failure inside generation is
 a 500 with `{"error": "internal error: ..."}`, and the replica keeps serving
-too. Each reply to a POST carries an `X-Replica` header naming the replica
-that answered.
+too. A reply with generations carries an `X-Replica` header naming the
+replica that answered.
 
 The routes are module functions on one FastAPI `app` that take the replica's
 `Policy` as a FastAPI dependency (`replica_policy`), so the same application
