@@ -648,12 +648,16 @@ def replica_policy() -> Policy:
     return serve.get_replica_context().servable_object.policy
 
 
-async def _run(policy: Policy, fn, req: dict, response: Response) -> dict:
-    """`fn(req)` off the event loop (which keeps answering bad requests meanwhile); a failure is a 500."""
-    if policy.replica:
-        response.headers["X-Replica"] = policy.replica
+async def _answer(policy: Policy, check, run, req: BaseModel, response: Response) -> dict:
+    """`run(check(req))`: the check (fast) on the event loop, the generation in a thread, so the
+    replica keeps answering other requests meanwhile. A failure that is not a BadRequest is a 500."""
     try:
-        return await asyncio.to_thread(fn, req)
+        checked = check(req)
+        if policy.replica:
+            response.headers["X-Replica"] = policy.replica
+        return await asyncio.to_thread(run, checked)
+    except BadRequest:
+        raise
     except Exception as e:  # a bug or a task failure: report it, keep the replica up
         logger.exception("generation failed")
         message = " ".join(str(e).split()) or type(e).__name__
@@ -663,7 +667,7 @@ async def _run(policy: Policy, fn, req: dict, response: Response) -> dict:
 @app.post("/generate", response_model=GenerateResponse)
 async def generate_route(req: GenerateRequest, response: Response, policy: Policy = Depends(replica_policy)):
     """Generations of a prompt by the policy, each with the task's reward."""
-    return await _run(policy, policy.generate, policy.check_generate(req), response)
+    return await _answer(policy, policy.check_generate, policy.generate, req, response)
 
 
 @app.get("/generate")
@@ -675,7 +679,7 @@ async def describe_route(policy: Policy = Depends(replica_policy)) -> dict:
 @app.post("/v1/completions", response_model=CompletionResponse)
 async def completions_route(req: CompletionRequest, response: Response, policy: Policy = Depends(replica_policy)):
     """The OpenAI completions API: choices and token usage (no reward)."""
-    return await _run(policy, policy.complete, policy.check_completion(req), response)
+    return await _answer(policy, policy.check_completion, policy.complete, req, response)
 
 
 @app.get("/v1/models")

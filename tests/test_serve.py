@@ -205,6 +205,10 @@ def test_bad_requests_on_both_routes_get_400_naming_the_field_and_the_app_keeps_
     assert "max_tokens" in call(client, "/v1/completions", {"prompt": "3", "max_new_tokens": 5})[1]["error"]
     response = client.get("/nowhere")
     assert_field_error(response.status_code, response.json(), "path", want_status=404)
+    # a failure inside generation is a 500 in the same form, and the next request is answered
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(client.policy, "complete", lambda req: 1 / 0)
+        assert_field_error(*call(client, "/v1/completions", {"prompt": "3"}), "internal error", want_status=500)
     # harmless OpenAI fields are taken; the app still answers both routes
     status, reply = call(client, "/v1/completions", {"prompt": "3 7", "max_tokens": 3, "stream": False, "user": "u"})
     assert status == 200 and len(reply["choices"]) == 1, reply
