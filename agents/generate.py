@@ -56,25 +56,51 @@ def reward_needs_meta(task) -> bool:
 
 @torch.no_grad()
 def generate(module, env_config: dict, prompts: list[str | None], *, greedy: bool = False, seed: int = 0,
-             metas: list[dict] | None = None, score: bool = True, batch_size: int = 64) -> list[dict]:
+             metas: list[dict] | None = None, score: bool = True, batch_size: int = 64,
+             temperature: float = 1.0, top_p: float = 1.0) -> list[dict]:
     """The decode loop of generation, evaluation, serving and the training summary: the policy
     runs in one `TokenGenerationEnv` per prompt (the prompt cut, EOS and lengths of training),
     up to `batch_size` rows stepped together.
 
     A prompt of None draws one (with its metadata) from the task, seeded with seed + i; a given
     prompt takes `metas[i]` (default none). Row i samples from its own generator seeded with
-    seed + i. Returns `[{"prompt", "generation", "reward"}]`, the reward being the episode's
-    return (the task's reward, sparse or dense), or None with `score=False` (given prompts only).
+    seed + i. Returns `[{"prompt", "generation", "reward", "prompt_tokens", "num_generated",
+    "eos"}]`: the reward is the episode's return (the task's reward, sparse or dense), or None
+    with `score=False` (given prompts only); `prompt_tokens` counts the prompt as the policy saw
+    it (after the env's truncation), `num_generated` the tokens the policy wrote (EOS included),
+    and `eos` says whether EOS ended the episode (else it reached its max_new_tokens).
+
+    `temperature` and `top_p` (sampling only) act on top of the policy's own distribution, which
+    already has the configured sampler's mask applied: the kept logits are divided by
+    `temperature`, then only the nucleus of mass `top_p` of what is left is kept. The defaults
+    (1.0, 1.0) leave the policy's distribution as trained.
     """
+    if not temperature > 0:
+        raise ValueError(f"generate: temperature must be > 0 (use greedy=True for argmax), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"generate: top_p must be in (0, 1], got {top_p}")
     out = []
     for start in range(0, len(prompts), batch_size):
         rows = range(start, min(start + batch_size, len(prompts)))
         out.extend(_generate_rows(module, env_config, [prompts[i] for i in rows],
-                                  [metas[i] if metas else {} for i in rows], greedy, seed + start, score))
+                                  [metas[i] if metas else {} for i in rows], greedy, seed + start, score,
+                                  temperature, top_p))
     return out
 
 
-def _generate_rows(module, env_config, prompts, metas, greedy, seed, score) -> list[dict]:
+def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+    """`logits` (masked entries at `MASKED`) divided by `temperature`, cut to the nucleus of mass `top_p`."""
+    from agents.samplers import MASKED, top_p_mask
+
+    if temperature != 1.0:
+        logits = torch.where(logits > MASKED, logits / temperature, MASKED)
+    if top_p < 1.0:
+        logits = logits.masked_fill(~top_p_mask(logits, top_p), MASKED)
+    return logits
+
+
+def _generate_rows(module, env_config, prompts, metas, greedy, seed, score, temperature=1.0,
+                   top_p=1.0) -> list[dict]:
     from ray.rllib.core.columns import Columns
 
     from env.text_env import TokenGenerationEnv
@@ -93,6 +119,8 @@ def _generate_rows(module, env_config, prompts, metas, greedy, seed, score) -> l
     while not all(done):
         batch = {Columns.OBS: {k: torch.as_tensor(np.stack([o[k] for o in obs])) for k in obs[0]}}
         logits = module.forward_inference(batch)[Columns.ACTION_DIST_INPUTS].float()
+        if not greedy:
+            logits = warp_logits(logits, temperature, top_p)
         # One batched argmax or softmax per step; only the draw is per row (its own generator).
         greedy_actions = logits.argmax(-1).tolist() if greedy else None
         probs = None if greedy else torch.softmax(logits, -1)
@@ -105,7 +133,8 @@ def _generate_rows(module, env_config, prompts, metas, greedy, seed, score) -> l
             if done[i]:
                 scored = score or prompts[i] is None
                 results[i] = {"prompt": info["prompt"], "generation": info["generation"],
-                              "reward": returns[i] if scored else None}
+                              "reward": returns[i] if scored else None, "prompt_tokens": len(envs[i].prompt_ids),
+                              "num_generated": info["num_generated"], "eos": action == envs[i].eos_id}
     return results
 
 

@@ -1,6 +1,5 @@
 """Encoder-decoder (T5/BART) policies: env observation, cached decoder stepping, encoder once per
 episode, whole-sequence learner pass, config checks, warm start, and PPO raising BLEU."""
-import json
 import math
 import os
 
@@ -222,17 +221,22 @@ def test_samplers_learned_masking_separate_value_model_and_a3c_build_and_update(
         with torch.no_grad():
             argmax = [m.policy.forward_inference(batch)[Columns.ACTION_DIST_INPUTS].argmax(-1) for m in models]
         assert torch.equal(argmax[0], argmax[1])
-        # The serving deployment's handler (no HTTP here) answers for a seq2seq checkpoint too:
+        # The served application (in-process, no Ray) answers for a seq2seq checkpoint too:
         # greedy, it writes what agents.evaluate wrote for the same source.
-        import asyncio
+        from fastapi.testclient import TestClient
 
-        from agents.serve import PolicyServer
+        from agents.serve import Policy, app, replica_policy
 
         def post(**request):
-            return asyncio.run(server.handle("POST", json.dumps(request).encode()))
+            app.dependency_overrides[replica_policy] = lambda: served
+            try:
+                response = TestClient(app).post("/generate", json=request)
+            finally:
+                app.dependency_overrides.clear()
+            return response.status_code, response.json()
 
-        server = PolicyServer(checkpoint)
-        assert server.info["reward_needs_references"]  # BLEU against the sorted source
+        served = Policy(checkpoint)
+        assert served.info["reward_needs_references"]  # BLEU against the sorted source
         prompt = result["generations"][0]["prompt"]
         status, reply = post(prompt=prompt, greedy=True)
         assert status == 200, reply

@@ -118,33 +118,216 @@ def test_export_refuses_a_path_without_a_policy_and_a_non_empty_out_dir(checkpoi
     assert {"notes.txt", "config.json", "tokenizer.json"} <= set(os.listdir(taken))
 
 
-# -- request validation, without a server ---------------------------------------------------
+# -- the HTTP application in-process (FastAPI's TestClient, no Ray) ---------------------------
+
+MAX_SAMPLES = 8
+EOS_BIAS = 0.25  # in-process only: about half the sampled completions below end on EOS, half run to length
 
 
-def test_request_validation_names_the_field(policy):
-    from agents.serve import BadRequest, parse_request
+@pytest.fixture(scope="module")
+def client(checkpoint):
+    """The served FastAPI app in this process, answering with a `Policy` of the checkpoint whose
+    LM never writes <pad> (so a completion's text shows every token it wrote but EOS) and writes
+    EOS more often (so both finish reasons occur)."""
+    from fastapi.testclient import TestClient
 
-    def parse(body):
-        return parse_request(body if isinstance(body, bytes) else json.dumps(body).encode(), policy.tokenizer,
-                             max_new_tokens=20, max_prompt_len=5, max_samples=4)
+    from agents.serve import Policy, app, replica_policy
 
-    req = parse({"prompt": "3 7", "max_new_tokens": 5.0})
-    assert req["max_new_tokens"] == 5 and req["num_samples"] == 1 and req["greedy"] is False
-    assert 0 <= req["seed"] < 2**31 and req["prompt_truncated"] is False
-    assert parse({"prompt": "1 2 3 4 5 6"})["prompt_truncated"] is True
-    for body, field in [(b"{", "request body"), (b"\xff", "request body"), ([], "request body"),
-                        ({}, "prompt"), ({"prompt": None}, "prompt"), ({"prompt": ["3"]}, "prompt"),
-                        ({"prompt": "three"}, "prompt"), ({"prompt": " "}, "prompt"),
-                        ({"prompt": "3", "max_new_tokens": 21}, "max_new_tokens"),
-                        ({"prompt": "3", "max_new_tokens": True}, "max_new_tokens"),
-                        ({"prompt": "3", "max_new_tokens": 2.5}, "max_new_tokens"),
-                        ({"prompt": "3", "num_samples": 5}, "num_samples"),
-                        ({"prompt": "3", "greedy": 1}, "greedy"), ({"prompt": "3", "seed": "7"}, "seed"),
-                        ({"prompt": "3", "temperature": 0.5}, "temperature")]:
-        with pytest.raises(BadRequest) as e:
-            parse(body)
-        assert str(e.value).startswith(f"{field}:"), (body, str(e.value))
-        assert "\n" not in str(e.value)
+    local = Policy(checkpoint, max_samples=MAX_SAMPLES)
+    tok = local.tokenizer
+    head = local.module.lm.get_output_embeddings()
+    bias = torch.zeros(head.out_features)
+    bias[[t for t in tok.all_special_ids if t != tok.eos_token_id]] = -1e4
+    bias[tok.eos_token_id] = EOS_BIAS
+    head.bias = torch.nn.Parameter(bias, requires_grad=False)
+    app.dependency_overrides[replica_policy] = lambda: local
+    try:
+        with TestClient(app) as test_client:
+            test_client.policy = local
+            yield test_client
+    finally:
+        app.dependency_overrides.clear()
+
+
+def call(client, route: str, body, content_type="application/json"):
+    """(status, JSON reply) of a POST; `body` is JSON-encoded unless it is bytes."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = client.post(route, content=data, headers={"Content-Type": content_type} if content_type else {})
+    return response.status_code, response.json()
+
+
+def assert_field_error(status, reply, field, want_status=400, context=None):
+    assert status == want_status, (context, status, reply)
+    assert set(reply) == {"error"} and reply["error"].startswith(f"{field}:"), (context, reply)
+    assert "\n" not in reply["error"] and "Traceback" not in reply["error"], reply
+
+
+BAD_GENERATE = [  # (body, the field the error names)
+    (b"{not json", "request body"), (b"\xff", "request body"), (b"[\"3 7\"]", "request body"), (b"", "request body"),
+    ({"max_new_tokens": 5}, "prompt"), ({"prompt": None}, "prompt"), ({"prompt": 42}, "prompt"),
+    ({"prompt": ["3"]}, "prompt"), ({"prompt": "three"}, "prompt"),  # not a word of the task's vocabulary
+    ({"prompt": ""}, "prompt"), ({"prompt": " "}, "prompt"), ({"prompt": "3" * 10_001}, "prompt"),
+    ({"prompt": "3", "max_new_tokens": 0}, "max_new_tokens"), ({"prompt": "3", "max_new_tokens": 21}, "max_new_tokens"),
+    ({"prompt": "3", "max_new_tokens": True}, "max_new_tokens"), ({"prompt": "3", "max_new_tokens": 2.5}, "max_new_tokens"),
+    ({"prompt": "3", "max_new_tokens": "5"}, "max_new_tokens"), ({"prompt": "3", "num_samples": MAX_SAMPLES + 1}, "num_samples"),
+    ({"prompt": "3", "greedy": "yes"}, "greedy"), ({"prompt": "3", "greedy": 1}, "greedy"),
+    ({"prompt": "3", "seed": -1}, "seed"), ({"prompt": "3", "seed": "7"}, "seed"), ({"prompt": "3", "seed": 2**31}, "seed"),
+    ({"prompt": "3", "references": []}, "references"),
+    ({"prompt": "3", "max_tokens": 5}, "max_tokens"), ({"prompt": "3", "temperature": 0.5}, "temperature"),
+]
+BAD_COMPLETIONS = [
+    (b"{", "request body"), (b"7", "request body"), ({"max_tokens": 3}, "prompt"), ({"prompt": 3}, "prompt"),
+    ({"prompt": []}, "prompt"), ({"prompt": [3, 7]}, "prompt"), ({"prompt": ["3", "three"]}, "prompt"),
+    ({"prompt": ["3", ""]}, "prompt"), ({"prompt": ["3"] * 3, "n": 3}, "prompt"),  # 9 completions > --max-samples
+    ({"prompt": "3", "max_tokens": 0}, "max_tokens"), ({"prompt": "3", "max_tokens": 21}, "max_tokens"),
+    ({"prompt": "3", "max_tokens": "4"}, "max_tokens"), ({"prompt": "3", "n": 0}, "n"),
+    ({"prompt": "3", "n": MAX_SAMPLES + 1}, "n"), ({"prompt": "3", "temperature": -0.1}, "temperature"),
+    ({"prompt": "3", "temperature": 2.5}, "temperature"), ({"prompt": "3", "temperature": "hot"}, "temperature"),
+    ({"prompt": "3", "top_p": 0}, "top_p"), ({"prompt": "3", "top_p": 1.5}, "top_p"), ({"prompt": "3", "seed": 1.5}, "seed"),
+    ({"prompt": "3", "model": 7}, "model"), ({"prompt": "3", "stream": True}, "stream"),
+    ({"prompt": "3", "logprobs": 1}, "logprobs"), ({"prompt": "3", "stop": ["\n"]}, "stop"),
+    ({"prompt": "3", "max_new_tokens": 5}, "max_new_tokens"), ({"prompt": "3", "greedy": True}, "greedy"),
+]
+
+
+def test_bad_requests_on_both_routes_get_400_naming_the_field_and_the_app_keeps_answering(client):
+    for route, cases in (("/generate", BAD_GENERATE), ("/v1/completions", BAD_COMPLETIONS)):
+        for body, field in cases:
+            assert_field_error(*call(client, route, body), field, context=(route, body))
+        # FastAPI reads JSON only from a request that says it is JSON
+        for content_type in (None, "application/x-www-form-urlencoded", "text/plain"):
+            status, reply = call(client, route, {"prompt": "3"}, content_type=content_type)
+            assert_field_error(status, reply, "request body", context=content_type)
+            assert "Content-Type: application/json" in reply["error"]
+        assert_field_error(*call(client, route, {"prompt": "3 " * 600_000}), "request body", want_status=413)
+        assert_field_error(client.put(route).status_code, client.put(route).json(), "method", want_status=405)
+    assert "max_new_tokens" in call(client, "/v1/completions", {"prompt": "3", "max_new_tokens": 5})[1]["error"]
+    assert "max_tokens" in call(client, "/v1/completions", {"prompt": "3", "max_new_tokens": 5})[1]["error"]
+    response = client.get("/nowhere")
+    assert_field_error(response.status_code, response.json(), "path", want_status=404)
+    # a failure inside generation is a 500 in the same form, and the next request is answered
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(client.policy, "complete", lambda req: 1 / 0)
+        assert_field_error(*call(client, "/v1/completions", {"prompt": "3"}), "internal error", want_status=500)
+    # harmless OpenAI fields are taken; the app still answers both routes
+    status, reply = call(client, "/v1/completions", {"prompt": "3 7", "max_tokens": 3, "stream": False, "user": "u"})
+    assert status == 200 and len(reply["choices"]) == 1, reply
+    status, reply = call(client, "/generate", {"prompt": "3 7", "max_new_tokens": 3.0, "seed": 0})
+    assert status == 200 and reply["max_new_tokens"] == 3 and len(reply["generations"]) == 1, reply
+
+
+def test_completions_answer_in_the_openai_format_with_usage_from_the_tokenizer(client):
+    tok = client.policy.tokenizer
+    body = {"model": "my-policy", "prompt": "3 7 12", "max_tokens": 8, "n": 8, "seed": 0}
+    finish_reasons = set()
+    for seed in range(5):  # until both finish reasons have occurred (the first seed already has both)
+        status, reply = call(client, "/v1/completions", {**body, "seed": seed})
+        assert status == 200, reply
+        assert set(reply) == {"id", "object", "created", "model", "choices", "usage"}
+        assert reply["object"] == "text_completion" and reply["model"] == "my-policy"
+        assert reply["id"].startswith("cmpl-") and abs(reply["created"] - time.time()) < 600
+        assert [c["index"] for c in reply["choices"]] == list(range(8))
+        written = 0
+        for c in reply["choices"]:
+            assert set(c) == {"text", "index", "logprobs", "finish_reason"} and c["logprobs"] is None
+            n_text = len(tokens_of(tok, c["text"])) if c["text"] else 0
+            if c["finish_reason"] == "length":
+                assert n_text == 8, c
+            else:
+                assert c["finish_reason"] == "stop" and n_text < 8, c
+            written += n_text + (c["finish_reason"] == "stop")  # EOS is written but not shown
+            finish_reasons.add(c["finish_reason"])
+        usage = reply["usage"]
+        assert usage["prompt_tokens"] == len(tokens_of(tok, "3 7 12")) == 3  # once, not once per choice
+        assert usage["completion_tokens"] == written
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        if finish_reasons == {"stop", "length"}:
+            break
+    assert finish_reasons == {"stop", "length"}
+
+    # the same seed gives the same text; another seed other text
+    again = call(client, "/v1/completions", {**body, "seed": seed})[1]
+    assert [c["text"] for c in again["choices"]] == [c["text"] for c in reply["choices"]]
+    other = call(client, "/v1/completions", {**body, "seed": seed + 100})[1]
+    assert [c["text"] for c in other["choices"]] != [c["text"] for c in reply["choices"]]
+
+    # a list of prompts: choices prompt-major, each prompt counted once (cut to env.max_prompt_len = 5)
+    status, reply = call(client, "/v1/completions", {"prompt": ["3", "1 2 3 4 5 6 7"], "n": 2, "max_tokens": 4,
+                                                      "seed": 1})
+    assert status == 200 and len(reply["choices"]) == 4, reply
+    assert reply["usage"]["prompt_tokens"] == 1 + 5
+    assert reply["model"] == os.path.basename(client.policy.info["checkpoint"])
+    # the rows are the ones /generate samples: the same prompt, seed and length give the same texts
+    single = call(client, "/v1/completions", {"prompt": "3", "n": 2, "max_tokens": 4, "seed": 1})[1]
+    generated = call(client, "/generate", {"prompt": "3", "num_samples": 2, "max_new_tokens": 4, "seed": 1})[1]
+    assert [c["text"] for c in single["choices"]] == [g["text"] for g in generated["generations"]]
+    assert [c["text"] for c in reply["choices"][:2]] == [c["text"] for c in single["choices"]]
+
+    # temperature 0 is /generate's greedy; a vanishing top_p keeps only the most likely token too
+    greedy = call(client, "/generate", {"prompt": "3 7", "greedy": True})[1]["generations"][0]["text"]
+    assert call(client, "/v1/completions", {"prompt": "3 7", "temperature": 0})[1]["choices"][0]["text"] == greedy
+    narrow = call(client, "/v1/completions", {"prompt": "3 7", "top_p": 1e-9, "n": 2, "seed": 4})[1]
+    assert [c["text"] for c in narrow["choices"]] == [greedy, greedy]
+    hot = call(client, "/v1/completions", {"prompt": "3 7", "temperature": 2.0, "n": 4, "seed": 4})[1]
+    plain = call(client, "/v1/completions", {"prompt": "3 7", "n": 4, "seed": 4})[1]
+    assert [c["text"] for c in hot["choices"]] != [c["text"] for c in plain["choices"]]
+
+
+def test_temperature_and_top_p_act_within_the_samplers_mask():
+    from agents.generate import warp_logits
+    from agents.samplers import MASKED, top_k_mask
+
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(0))
+    masked = logits.masked_fill(~top_k_mask(logits, 5), MASKED)
+    assert torch.equal(warp_logits(masked), masked)  # the defaults leave the policy's distribution alone
+    hot = warp_logits(masked, temperature=2.0)
+    assert torch.equal(hot == MASKED, masked == MASKED) and torch.allclose(hot[masked > MASKED], masked[masked > MASKED] / 2)
+    nucleus = warp_logits(masked, top_p=0.5)
+    kept = nucleus > MASKED
+    assert (kept <= (masked > MASKED)).all() and (kept.sum(-1) >= 1).all() and (kept.sum(-1) < 5).any()
+    assert torch.equal(warp_logits(masked, top_p=1e-9).argmax(-1), masked.argmax(-1))
+    assert (warp_logits(masked, top_p=1e-9) > MASKED).sum(-1).tolist() == [1, 1, 1, 1]
+
+
+def test_openapi_docs_list_the_routes(client):
+    response = client.get("/docs")
+    assert response.status_code == 200 and "swagger" in response.text.lower()
+    schema = client.get("/openapi.json").json()
+    assert {"/generate", "/v1/completions", "/v1/models"} <= set(schema["paths"])
+    assert set(schema["paths"]["/generate"]) == {"get", "post"} and "post" in schema["paths"]["/v1/completions"]
+    fields = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "max_tokens", "temperature", "top_p", "n", "seed", "model"} <= set(fields)
+    info = client.get("/generate").json()
+    assert info["max_new_tokens"] == 20 and info["max_num_samples"] == MAX_SAMPLES and "/v1/completions" in info["routes"]
+    assert client.get("/v1/models").json()["data"][0]["id"] == info["model"]
+
+
+def test_replica_flags_give_serves_options_and_bad_combinations_are_refused_in_one_line(checkpoint, capsys):
+    from agents.serve import main, make_app, replica_options
+
+    assert replica_options() == {"num_replicas": 1}
+    assert replica_options(num_replicas=2) == {"num_replicas": 2}
+    auto = replica_options(max_replicas=4)
+    assert auto == {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 1,
+                                           "target_ongoing_requests": 2.0}}
+    assert replica_options(2, 0, 3, 1.5)["autoscaling_config"] == {
+        "min_replicas": 0, "max_replicas": 3, "initial_replicas": 2, "target_ongoing_requests": 1.5}
+    assert replica_options(None, 0, 3)["autoscaling_config"]["initial_replicas"] == 1
+    make_app(checkpoint, replicas=auto)  # Serve takes the options (it validates them when building the deployment)
+    for argv, flag in [(["--num-replicas", "0"], "--num-replicas"), (["--min-replicas", "2"], "--min-replicas"),
+                       (["--target-ongoing-requests", "3"], "--target-ongoing-requests"),
+                       (["--min-replicas", "3", "--max-replicas", "2"], "--max-replicas"),
+                       (["--max-replicas", "0"], "--max-replicas"), (["--min-replicas", "-1", "--max-replicas", "2"],
+                                                                    "--min-replicas"),
+                       (["--num-replicas", "3", "--max-replicas", "2"], "--num-replicas"),
+                       (["--max-replicas", "2", "--target-ongoing-requests", "0"], "--target-ongoing-requests"),
+                       (["--max-replicas", "2", "--target-ongoing-requests", "9"], "--target-ongoing-requests"),
+                       (["--route-prefix", "api"], "--route-prefix")]:
+        with pytest.raises(SystemExit) as e:
+            main(["--checkpoint", checkpoint, *argv])
+        assert e.value.code == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith(f"python -m agents.serve: error: {flag}"), (argv, last)
 
 
 # -- serving --------------------------------------------------------------------------------
@@ -156,19 +339,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def post(url: str, body, timeout: float = 60):
-    """(status, JSON reply) of a POST; `body` is JSON-encoded unless it is bytes."""
+def post(url: str, body, timeout: float = 60, with_headers: bool = False):
+    """(status, JSON reply[, headers]) of a POST; `body` is JSON-encoded unless it is bytes."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
+            out = response.status, json.loads(response.read()), response.headers
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        out = e.code, json.loads(e.read()), e.headers
+    return out if with_headers else out[:2]
 
 
 class Server:
-    def __init__(self, checkpoint: str, log_dir):
+    def __init__(self, checkpoint: str, log_dir, *args: str):
         self.port = free_port()
         self.stderr_path = log_dir / "serve.stderr"
         self.stderr = open(self.stderr_path, "w")
@@ -176,7 +360,7 @@ class Server:
         env.pop("RAY_ADDRESS", None)  # a private Ray instance, as on a user's machine
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "agents.serve", "--checkpoint", checkpoint, "--host", "127.0.0.1",
-             "--port", str(self.port), "--max-samples", "8", "--num-cpus", "0.25"],
+             "--port", str(self.port), "--max-samples", "8", "--num-cpus", "0.25", *args],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
             start_new_session=True,  # its own process group, with the Ray processes it starts
         )
@@ -220,6 +404,7 @@ def server(checkpoint, tmp_path_factory):
     try:
         m = srv.wait_for(r"at (http://\S+)", timeout=300)
         srv.url = m.group(1)
+        srv.base = srv.url.removesuffix("/generate")
         yield srv
     finally:
         srv.kill()  # whatever the tests did: the driver and every Ray process in its group
@@ -296,33 +481,38 @@ def test_served_generations_come_from_the_policy_with_its_sampler(server, export
 
 
 @pytest.mark.slow
-def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(server):
-    url = server.url
-    bad = [
-        (b"{not json", "request body"),
-        (b"[\"3 7\"]", "request body"),
-        ({"max_new_tokens": 5}, "prompt"),
-        ({"prompt": 42}, "prompt"),
-        ({"prompt": "three"}, "prompt"),  # not a word of the task's vocabulary
-        ({"prompt": ""}, "prompt"),
-        ({"prompt": "3", "max_new_tokens": 0}, "max_new_tokens"),
-        ({"prompt": "3", "max_new_tokens": 21}, "max_new_tokens"),
-        ({"prompt": "3", "max_new_tokens": "5"}, "max_new_tokens"),
-        ({"prompt": "3", "num_samples": 9}, "num_samples"),
-        ({"prompt": "3", "greedy": "yes"}, "greedy"),
-        ({"prompt": "3", "seed": -1}, "seed"),
-        ({"prompt": "3", "max_tokens": 5}, "max_tokens"),
-    ]
-    for body, field in bad:
-        status, reply = post(url, body, timeout=30)
-        assert status == 400, (body, status, reply)
-        assert set(reply) == {"error"} and reply["error"].startswith(f"{field}:"), (body, reply)
-        assert "\n" not in reply["error"] and "Traceback" not in reply["error"]
-    status, reply = post(url, {"prompt": "3 " * 600_000}, timeout=30)
-    assert status == 413 and reply["error"].startswith("request body:"), (status, reply)
+def test_bad_requests_on_both_routes_get_400_naming_the_field_and_the_server_keeps_serving(server):
+    url, completions = server.url, server.base + "/v1/completions"
+    for route, cases in ((url, BAD_GENERATE), (completions, BAD_COMPLETIONS)):
+        for body, field in cases:
+            assert_field_error(*post(route, body, timeout=30), field, context=(route, body))
+        assert_field_error(*post(route, {"prompt": "3 " * 600_000}, timeout=30), "request body", want_status=413)
     status, reply = post(url, {"prompt": "3 7", "max_new_tokens": 3, "seed": 0})
     assert status == 200 and len(reply["generations"]) == 1 and reply["generations"][0]["text"], reply
+    status, reply = post(completions, {"prompt": "3 7", "max_tokens": 3, "seed": 0})
+    assert status == 200 and len(reply["choices"]) == 1, reply
     assert server.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_served_completions_over_plain_http_in_the_openai_format(server, policy):
+    url = server.base + "/v1/completions"
+    body = {"model": "m", "prompt": "3 7 12", "max_tokens": 6, "n": 3, "seed": 7}
+    status, reply, headers = post(url, body, with_headers=True)
+    assert status == 200, reply
+    assert headers["X-Replica"] and reply["object"] == "text_completion" and reply["model"] == "m"
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
+    assert all(c["finish_reason"] in ("stop", "length") and c["logprobs"] is None for c in reply["choices"])
+    usage = reply["usage"]
+    assert usage["prompt_tokens"] == len(tokens_of(policy.tokenizer, "3 7 12"))
+    shown = sum(len(tokens_of(policy.tokenizer, c["text"])) if c["text"] else 0 for c in reply["choices"])
+    assert shown <= usage["completion_tokens"] <= 3 * 6  # the text omits EOS (and <pad>, if written)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert post(url, body)[1]["choices"] == reply["choices"]  # the same seed, the same text
+    with urllib.request.urlopen(server.base + "/docs", timeout=30) as response:
+        assert response.status == 200 and "swagger" in response.read().decode().lower()
+    with urllib.request.urlopen(server.base + "/openapi.json", timeout=30) as response:
+        assert {"/generate", "/v1/completions"} <= set(json.loads(response.read())["paths"])
 
 
 @pytest.mark.slow
@@ -345,3 +535,32 @@ def test_serve_cli_refuses_a_taken_port_and_a_path_without_a_policy(checkpoint, 
     missing = run("agents.serve", "--checkpoint", str(tmp_path), "--port", str(free_port()), timeout=120)
     assert missing.returncode == 2
     assert missing.stderr.strip().startswith("error: --checkpoint:")
+
+
+@pytest.mark.slow
+def test_two_replicas_both_answer(checkpoint, tmp_path):
+    srv = Server(checkpoint, tmp_path, "--num-replicas", "2")
+    try:
+        srv.wait_for(r"at (http://\S+)", timeout=300)
+        assert "2 replicas" in srv.wait_for(r"OpenAI completions: .*", timeout=30).group(0)
+        url = f"http://127.0.0.1:{srv.port}/v1/completions"
+        replicas, replies = set(), queue.Queue()
+
+        def ask(seed):
+            replies.put(post(url, {"prompt": "3 7", "max_tokens": 20, "n": 4, "seed": seed}, with_headers=True))
+
+        for round_ in range(5):  # concurrent requests until both replicas have answered
+            threads = [threading.Thread(target=ask, args=(round_ * 16 + i,)) for i in range(16)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            while not replies.empty():
+                status, reply, headers = replies.get()
+                assert status == 200 and len(reply["choices"]) == 4, reply
+                replicas.add(headers["X-Replica"])
+            if len(replicas) == 2:
+                break
+        assert len(replicas) == 2, replicas
+    finally:
+        srv.kill()

@@ -1,0 +1,290 @@
+"""Load test of the policy server (`agents.serve`): concurrent clients, a fixed number of requests.
+
+    .venv/bin/python benchmarks/serve_load.py [--replicas 1 2] [--clients 8] [--requests 200]
+        [--route completions|generate] [--max-tokens 20] [--n 1] [--bad-every K]
+        [--checkpoint PATH | --url URL] [--num-cpus 0.5] [--serve-args "--max-replicas 2"]
+
+Without --url it starts `python -m agents.serve` once per value of --replicas (a private Ray
+instance on a free loopback port, each replica reserving --num-cpus CPUs), serving --checkpoint
+or, without one, a tiny policy it builds itself: the quickstart's tiny GPT-2 (2 layers, 64 wide,
+vocabulary 52) with its random initial weights (what a request costs does not depend on training).
+It waits for the server, sends --warmup requests, runs the timed requests, then stops the server
+(SIGINT to its process group; SIGKILL if it has not stopped after 60 s). With --url it sends to a
+running server (its /generate URL or the base URL) and starts nothing.
+
+Each of --clients threads keeps one HTTP/1.1 connection (http.client) and takes the next request
+until --requests have been sent: POST /v1/completions (prompt "3 7 12", max_tokens, n, seed = the
+request's number) or POST /generate (the same as max_new_tokens / num_samples). With --bad-every K
+every K-th request is a malformed one instead (a cycle of bad bodies on both routes); each must get
+a 4xx whose JSON is {"error": "<field>: ..."} naming the field the body got wrong, else it counts
+as a wrong answer.
+
+Prints, per run: requests answered 200, errors (a good request not answered 200, or no answer),
+bad requests answered as expected / wrongly, throughput (good requests/s and completion tokens/s:
+usage.completion_tokens of /v1/completions; /generate reports no token counts), latency p50/p95 of
+the good requests, how many each replica answered (the X-Replica header), and the load average
+before and after (the machine may be shared: read the figures next to it). It never passes or
+fails on a figure; the exit status is 1 only if a request failed or a bad one was answered wrongly.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import http.client
+import json
+import os
+import queue
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = "3 7 12"
+
+# (route, body, the field its error must name); bytes are sent as they are
+BAD = [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ("/generate", {"prompt": PROMPT, "num_samples": "two"}, "num_samples"),
+    ("/v1/completions", {"prompt": 37}, "prompt"),
+    ("/generate", b"{\"prompt\": ", "request body"),
+    ("/v1/completions", {"prompt": PROMPT, "stream": True}, "stream"),
+    ("/generate", {"prompt": "three"}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": 5}, "temperature"),
+    ("/generate", {"prompt": PROMPT, "max_tokens": 5}, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 10_000}, "n"),
+]
+
+
+def build_tiny_checkpoint(path: str) -> str:
+    """The quickstart's policy with its initial weights, saved where a training checkpoint keeps it."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from agents.config import algorithm_config, load
+    from agents.generate import MODULE_SUBDIR
+    from env.text_env import TokenGenerationEnv
+
+    config = algorithm_config(load(os.path.join(ROOT, "tune_configs", "quickstart.yaml"), []))
+    module = config.get_rl_module_spec(env=TokenGenerationEnv(config.env_config)).build()
+    module.save_to_path(os.path.join(path, MODULE_SUBDIR))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m agents.serve` in its own process group; `base` is its URL without a route."""
+
+    def __init__(self, checkpoint: str, replicas: int, num_cpus: float, max_samples: int, extra: list[str]):
+        port = free_port()
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        env.pop("RAY_ADDRESS", None)
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agents.serve", "--checkpoint", checkpoint, "--port", str(port),
+             "--num-replicas", str(replicas), "--num-cpus", str(num_cpus), "--max-samples", str(max_samples),
+             *extra],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self.stderr, text=True, start_new_session=True)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.base = self._wait_for(r"at (http://\S+)/generate", timeout=300).group(1)
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _wait_for(self, pattern: str, timeout: float):
+        deadline, seen = time.time() + timeout, []
+        while time.time() < deadline:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            seen.append(line)
+            m = re.search(pattern, line)
+            if m:
+                return m
+        self.stderr.seek(0)
+        self.stop()
+        raise RuntimeError(f"the server did not start within {timeout:.0f}s:\n{''.join(seen)}{self.stderr.read()[-3000:]}")
+
+    def stop(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGINT)  # what Ctrl-C sends: Serve and Ray shut down
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        except ProcessLookupError:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of its Ray processes is left
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+
+def good_request(args, i: int) -> tuple[str, dict]:
+    if args.route == "completions":
+        return "/v1/completions", {"prompt": PROMPT, "max_tokens": args.max_tokens, "n": args.n, "seed": i}
+    return "/generate", {"prompt": PROMPT, "max_new_tokens": args.max_tokens, "num_samples": args.n, "seed": i}
+
+
+def run_load(base: str, args) -> dict:
+    """Sends --warmup, then --requests requests from --clients threads; the figures of the timed part."""
+    url = urllib.parse.urlsplit(base)
+    prefix = url.path.rstrip("/")
+    counter, lock = iter(range(args.requests)), threading.Lock()
+    records: list[dict] = []
+
+    def send(conn, route: str, body) -> tuple[int, dict, str | None]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        conn.request("POST", prefix + route, body=data, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"null"), response.getheader("X-Replica")
+
+    def client(numbers):
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=args.timeout)
+        for i in numbers:
+            bad = args.bad_every and (i + 1) % args.bad_every == 0
+            route, body, field = BAD[(i // args.bad_every) % len(BAD)] if bad else (*good_request(args, i), None)
+            start = time.perf_counter()
+            try:
+                status, reply, replica = send(conn, route, body)
+            except (OSError, http.client.HTTPException, json.JSONDecodeError) as e:
+                conn.close()
+                conn = http.client.HTTPConnection(url.hostname, url.port, timeout=args.timeout)
+                status, reply, replica = None, {"error": f"{type(e).__name__}: {e}"}, None
+            seconds = time.perf_counter() - start
+            record = {"bad": bool(bad), "status": status, "seconds": seconds, "replica": replica, "reply": reply}
+            if bad:
+                error = reply.get("error", "") if isinstance(reply, dict) else ""
+                record["ok"] = (status is not None and 400 <= status < 500 and set(reply) == {"error"}
+                                and error.startswith(f"{field}:") and "\n" not in error)
+            else:
+                record["ok"] = status == 200
+                record["tokens"] = reply["usage"]["completion_tokens"] if record["ok"] and "usage" in reply else 0
+            with lock:
+                records.append(record)
+        conn.close()
+
+    def numbers():
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            yield i
+
+    warm = http.client.HTTPConnection(url.hostname, url.port, timeout=args.timeout)
+    for i in range(args.warmup):
+        route, body = good_request(args, 10**6 + i)
+        status, reply, _ = send(warm, route, body)
+        if status != 200:
+            raise RuntimeError(f"warm-up request answered {status}: {reply}")
+    warm.close()
+
+    load_before = os.getloadavg()
+    threads = [threading.Thread(target=client, args=(numbers(),)) for _ in range(args.clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    load_after = os.getloadavg()
+
+    good = [r for r in records if not r["bad"]]
+    answered = sorted(r["seconds"] for r in good if r["ok"])
+
+    def quantile(q):
+        return answered[min(len(answered) - 1, int(q * len(answered)))] if answered else float("nan")
+
+    bad = [r for r in records if r["bad"]]
+    failures = [r for r in records if not r["ok"]]
+    return {
+        "requests": len(records), "wall_s": wall, "ok": len(answered), "errors": len(good) - len(answered),
+        "bad_ok": sum(r["ok"] for r in bad), "bad_wrong": len(bad) - sum(r["ok"] for r in bad),
+        "req_per_s": len(answered) / wall, "tokens_per_s": sum(r.get("tokens", 0) for r in good) / wall,
+        "p50_ms": 1000 * quantile(0.50), "p95_ms": 1000 * quantile(0.95),
+        "replicas": dict(collections.Counter(r["replica"] for r in good if r["ok"] and r["replica"])),
+        "load_before": load_before, "load_after": load_after,
+        "first_failure": failures[0] if failures else None,
+    }
+
+
+def report(label: str, r: dict, route: str) -> str:
+    tokens = f"{r['tokens_per_s']:8.0f}" if route == "completions" else "       -"
+    load = "/".join(f"{x:.2f}" for x in r["load_before"]) + " -> " + "/".join(f"{x:.2f}" for x in r["load_after"])
+    return (f"{label:>9} | {r['requests']:5d} | {r['ok']:5d} | {r['errors']:4d} | {r['bad_ok']:3d} ok "
+            f"{r['bad_wrong']:2d} wrong | {r['req_per_s']:7.1f} | {tokens} | {r['p50_ms']:7.1f} | {r['p95_ms']:7.1f} | "
+            f"{', '.join(str(v) for v in sorted(r['replicas'].values(), reverse=True)) or '-'} | {load}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2], help="one run per value (default 1 2)")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent client threads (default 8)")
+    parser.add_argument("--requests", type=int, default=200, help="timed requests per run (default 200)")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed requests first (default 4)")
+    parser.add_argument("--route", choices=("completions", "generate"), default="completions")
+    parser.add_argument("--max-tokens", type=int, default=20, help="new tokens per completion (default 20)")
+    parser.add_argument("--n", type=int, default=1, help="completions per request (default 1)")
+    parser.add_argument("--bad-every", type=int, default=0, help="every K-th request is malformed (default: none)")
+    parser.add_argument("--checkpoint", help="checkpoint to serve (default: a tiny policy built here)")
+    parser.add_argument("--url", help="send to this running server instead of starting one")
+    parser.add_argument("--num-cpus", type=float, default=0.5, help="CPUs each replica reserves (default 0.5)")
+    parser.add_argument("--serve-args", default="", help="more agents.serve flags, e.g. \"--max-replicas 2\"")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds a request may take (default 120)")
+    args = parser.parse_args(argv)
+    for flag in ("clients", "requests", "max_tokens", "n"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.bad_every < 0 or args.warmup < 0 or min(args.replicas) < 1:
+        parser.error("--bad-every and --warmup must be >= 0, --replicas >= 1")
+    if args.url and args.checkpoint:
+        parser.error("--url sends to a running server; --checkpoint is for one this script starts")
+
+    print(f"route /{'v1/completions' if args.route == 'completions' else 'generate'}, {args.clients} clients, "
+          f"{args.requests} requests, {args.max_tokens} new tokens x {args.n}, bad every "
+          f"{args.bad_every or '-'}; {os.cpu_count()} CPU cores", flush=True)
+    header = ("   server | sent  |  200  | err  | bad requests  |  req/s  | tok/s    | p50 ms  | p95 ms  | "
+              "per replica | load avg 1/5/15 min before -> after")
+    rows, failed = [], False
+    with tempfile.TemporaryDirectory() as tmp:
+        targets = [("url", None)] if args.url else [(f"{n} repl.", n) for n in args.replicas]
+        checkpoint = None if args.url else (args.checkpoint or build_tiny_checkpoint(os.path.join(tmp, "tiny")))
+        for label, replicas in targets:
+            server = None
+            try:
+                if args.url:
+                    base = re.sub(r"/(generate|v1/completions)/?$", "", args.url.rstrip("/"))
+                else:
+                    server = Server(checkpoint, replicas, args.num_cpus, max(16, args.n), shlex.split(args.serve_args))
+                    base = server.base
+                result = run_load(base, args)
+            finally:
+                if server:
+                    server.stop()
+            rows.append(report(label, result, args.route))
+            print(rows[-1], flush=True)
+            if result["first_failure"]:
+                failed = True
+                print(f"  first failure: {json.dumps(result['first_failure'])[:500]}", flush=True)
+    print("\n" + header + "\n" + "\n".join(rows))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
