@@ -32,7 +32,7 @@ def test_launcher_configs_pass_the_schema_shipped_with_ray(name):
     assert nodes[config["head_node_type"]]["resources"] == {"CPU": 0}  # CPU head, no training work on it
     gpu = nodes["gpu_worker"]
     assert gpu["min_workers"] == 0 and gpu["max_workers"] >= 1
-    assert any("requirements.txt" in c for c in config["setup_commands"])
+    assert any("pip install -e ~/rl-token-lm" in c for c in config["setup_commands"])  # the package and its requirements
     assert config["docker"]["image"].startswith(f"rayproject/ray:{ray_version()}-py311")
     # The check can fail: a misspelt key is refused by the same schema.
     import jsonschema

@@ -1,4 +1,4 @@
-"""The README's walkthrough ("Your data and your reward") as a user runs it, and the docs' links.
+"""The README's walkthrough ("Your data, your reward, your task") as a user runs it, and the docs' links.
 
 The walkthrough test takes the shell commands from the README's fenced ```bash blocks between
 `<!-- walkthrough:begin -->` and `<!-- walkthrough:end -->`, runs exactly those in a copy of the
@@ -70,10 +70,11 @@ def assert_shows(output: str, shown: list[str], command: str) -> None:
 def test_the_walkthrough_steps_are_found():
     steps = walkthrough_steps(README.read_text())
     commands = [c for c, _ in steps]
-    assert any("agents.pretrain" in c for c in commands)
-    assert any("agents.train" in c for c in commands)
-    assert any("agents.evaluate" in c for c in commands)
-    assert all(shown for c, shown in steps if "agents." in c), "every step shows its output"
+    assert any("tokenmdp pretrain" in c for c in commands)
+    assert any("tokenmdp train examples/custom_reward" in c for c in commands)
+    assert any("tokenmdp evaluate" in c for c in commands)
+    assert any("tokenmdp train examples/custom_task" in c for c in commands)
+    assert all(shown for c, shown in steps if "tokenmdp" in c), "every step shows its output"
     # The matcher frees numbers, not words.
     assert line_pattern("iter   20  steps    14,349  reward 0.944").search("iter 3  steps 1,234  reward -0.5")
     assert not line_pattern("saved model and tokenizer to .../warm_start").search("saved model to x/warm_start")
@@ -89,9 +90,12 @@ def test_the_readme_walkthrough_runs_as_shown(tmp_path):
     venv = ROOT / ".venv"
     if venv.exists():
         (repo / ".venv").symlink_to(venv)
-    else:  # the test runs from some other interpreter: the README's `.venv/bin/python` is that one
+    else:  # the test runs from some other interpreter: the README's `.venv/bin/tokenmdp` is that one's
         (repo / ".venv" / "bin").mkdir(parents=True)
         (repo / ".venv" / "bin" / "python").symlink_to(sys.executable)
+        command = repo / ".venv" / "bin" / "tokenmdp"
+        command.write_text(f'#!/bin/sh\nexec {sys.executable} -m agents.cli "$@"\n')
+        command.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}  # as a user's shell
     env["HF_HUB_OFFLINE"] = "1"
     for command, shown in walkthrough_steps(README.read_text()):
@@ -109,6 +113,7 @@ def test_the_readme_walkthrough_runs_as_shown(tmp_path):
         rows = {row["model"]: row for row in csv.DictReader(f)}
     metric = "examples.custom_reward.keyword_reward:keyword_reward"
     assert float(rows["PPO"][metric]) > float(rows["warm start"][metric]) + 0.2, rows
+    assert list((repo / "results" / "custom_task" / "ppo").glob("*/checkpoint_000000"))
 
 
 # -- links ------------------------------------------------------------------------------------
