@@ -81,6 +81,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Lines:
+    """A process's output lines, read on a thread; `wait_for` a line matching a pattern (all lines
+    read so far are in `seen`)."""
+
+    def __init__(self, stream):
+        self.queue: queue.Queue = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream):
+        for line in stream:
+            self.queue.put(line)
+        self.queue.put(None)
+
+    def wait_for(self, pattern: str, timeout: float):
+        """The first match of `pattern` in a line not seen yet, or None at the timeout or the end."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                line = self.queue.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                self.queue.put(None)
+                return None
+            self.seen.append(line)
+            m = re.search(pattern, line)
+            if m:
+                return m
+        return None
+
+
 class Server:
     """`python -m agents.serve` in its own process group; `base` is its URL without a route."""
 
@@ -94,31 +126,14 @@ class Server:
              "--num-replicas", str(replicas), "--num-cpus", str(num_cpus), "--max-samples", str(max_samples),
              *extra],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self.stderr, text=True, start_new_session=True)
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.base = self._wait_for(r"at (http://\S+)/generate", timeout=300).group(1)
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def _wait_for(self, pattern: str, timeout: float):
-        deadline, seen = time.time() + timeout, []
-        while time.time() < deadline:
-            try:
-                line = self.lines.get(timeout=1)
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            seen.append(line)
-            m = re.search(pattern, line)
-            if m:
-                return m
-        self.stderr.seek(0)
-        self.stop()
-        raise RuntimeError(f"the server did not start within {timeout:.0f}s:\n{''.join(seen)}{self.stderr.read()[-3000:]}")
+        self.lines = Lines(self.proc.stdout)
+        m = self.lines.wait_for(r"at (http://\S+)/generate", timeout=300)
+        if m is None:
+            self.stderr.seek(0)
+            self.stop()
+            raise RuntimeError(f"the server did not start within 300s:\n{''.join(self.lines.seen)}"
+                               f"{self.stderr.read()[-3000:]}")
+        self.base = m.group(1)
 
     def stop(self):
         try:

@@ -10,7 +10,6 @@ like a user stops it; the group is SIGKILLed afterwards whatever happened.
 import json
 import os
 import queue
-import re
 import signal
 import socket
 import subprocess
@@ -23,6 +22,7 @@ import urllib.request
 import pytest
 import torch
 
+from benchmarks.serve_load import Lines
 from tests.conftest import QUICKSTART, ROOT
 from tests.conftest import run_module as run
 
@@ -364,30 +364,14 @@ class Server:
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
             start_new_session=True,  # its own process group, with the Ray processes it starts
         )
-        self.lines = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.output = []
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
+        self.lines = Lines(self.proc.stdout)
 
     def wait_for(self, pattern: str, timeout: float):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            try:
-                line = self.lines.get(timeout=1)
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            self.output.append(line)
-            m = re.search(pattern, line)
-            if m:
-                return m
-        raise AssertionError(f"no {pattern!r} in the server's output within {timeout}s:\n{''.join(self.output)}"
-                             f"\nstderr:\n{self.stderr_path.read_text()[-3000:]}")
+        m = self.lines.wait_for(pattern, timeout)
+        if m is None:
+            raise AssertionError(f"no {pattern!r} in the server's output within {timeout}s:\n"
+                                 f"{''.join(self.lines.seen)}\nstderr:\n{self.stderr_path.read_text()[-3000:]}")
+        return m
 
     def kill(self):
         try:
