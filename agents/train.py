@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import time
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -221,8 +222,11 @@ def make_progress_csv_logger():
 
 
 def make_scheduler(cfg: dict):
-    """ASHA early stopping on the run's metric, or None (FIFO: every trial runs to its stop criteria)."""
+    """ASHA early stopping or Population Based Training on the run's metric, or None (FIFO:
+    every trial runs to its stop criteria)."""
     t = cfg["tune"]
+    if t["scheduler"] == "pbt":
+        return make_pbt(cfg)
     if t["scheduler"] != "asha":
         return None
     from ray.tune.schedulers import ASHAScheduler
@@ -231,6 +235,32 @@ def make_scheduler(cfg: dict):
         time_attr="training_iteration", metric=t["metric"], mode=t["mode"],
         max_t=cfg["stop"]["training_iteration"] or 10**6, grace_period=t["grace_period"],
         reduction_factor=t["reduction_factor"],
+    )
+
+
+def make_pbt(cfg: dict):
+    """Tune's PopulationBasedTraining over `tune.hyperparam_mutations`, every
+    `tune.perturbation_interval` training iterations. A trial that gets there is ranked against
+    the others' latest scores: in the top quantile PBT has it save a checkpoint; in the bottom
+    one it is paused, given a top trial's config with the mutated keys perturbed, and restarted
+    in a new actor (RLlib's Algorithm has no reset_config, so Tune does not reuse actors) that
+    restores that trial's last PBT checkpoint.
+
+    Asynchronous only: in Tune's synch mode a trial paused to wait for the others can be saved
+    twice at the perturbation, and Tune 2.x then lost the second save's index: the trial's next
+    checkpoint overwrote the directory PBT had handed to the exploiting trial, which restored
+    later weights than PBT logged."""
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    from agents.config import KeepInBounds, pbt_mutations
+
+    t = cfg["tune"]
+    mutations, bounds = pbt_mutations(cfg)
+    return PopulationBasedTraining(
+        time_attr="training_iteration", metric=t["metric"], mode=t["mode"],
+        perturbation_interval=t["perturbation_interval"], hyperparam_mutations=mutations,
+        quantile_fraction=t["quantile_fraction"], resample_probability=t["resample_probability"],
+        custom_explore_fn=KeepInBounds(bounds) if bounds else None, synch=False,
     )
 
 
@@ -456,7 +486,11 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
     print(f"Training {algo.upper()} on task {cfg['task']['name']!r} with model "
           f"{cfg['model']['name_or_path']!r}; results in {experiment}", flush=True)
     start = time.time()
-    grid = tuner.fit()
+    with warnings.catch_warnings():
+        # Tune suggests reuse_actors for PBT; RLlib's Algorithm has no reset_config, so an
+        # exploiting trial gets a new actor built from its new config (see make_pbt).
+        warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
+        grid = tuner.fit()
     return grid, progress, experiment, time.time() - start
 
 
@@ -504,10 +538,13 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float) -> int:
 
 
 def _searched_training_keys(cfg: dict) -> list[tuple[str, str]]:
-    """(section, key) of the training/reward values the config searches over."""
+    """(section, key) of the training/reward values the config searches over (or PBT mutates)."""
     from env.validation import is_search_space as _is_search_space
 
-    return [(sec, k) for sec in ("training", "reward") for k, v in cfg[sec].items() if _is_search_space(v)]
+    keys = [(sec, k) for sec in ("training", "reward") for k, v in cfg[sec].items() if _is_search_space(v)]
+    if cfg["tune"]["scheduler"] == "pbt":  # PBT changes these as it goes: the table shows each trial's last value
+        keys += [key for key in (tuple(p.split(".", 1)) for p in cfg["tune"]["hyperparam_mutations"]) if key not in keys]
+    return keys
 
 
 def _trial_row(cfg: dict, result, progress) -> dict:
