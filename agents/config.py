@@ -16,8 +16,8 @@ import yaml
 from agents.algorithms.base import COMMON_TRAINING, candidates as _candidates, plain as _plain
 from env.validation import ConfigError, Field, is_search_space as _is_search_space, unknown_key
 
-__all__ = ["ConfigError", "Field", "KeepInBounds", "algorithm_config", "algorithm_spec", "env_config", "load",
-           "pbt_mutations", "read_yaml", "schema", "to_tune", "validate"]
+__all__ = ["ConfigError", "Field", "algorithm_config", "algorithm_spec", "env_config", "load", "pbt_mutations",
+           "population", "read_yaml", "schema", "to_tune", "validate"]
 
 
 F = Field
@@ -439,16 +439,19 @@ def _check_scheduler(raw: dict, cfg: dict, spec) -> None:
             # Not set in the YAML: each trial starts from a draw of the mutation's space (as Tune does).
             cfg[section][leaf] = _initial_space(checked[key])
     t["hyperparam_mutations"] = checked
-    population = t["num_samples"] * _grid_size({k: cfg[k] for k in searchable_sections()})
-    if population < 2:
+    if (n := population(cfg)) < 2:
         raise ConfigError(f"tune.num_samples: PBT needs a population of at least 2 trials (tune.num_samples x the "
-                          f"grid_search values), got {population}")
-    ck = cfg["checkpoint"]
-    if "frequency" not in (raw.get("checkpoint") or {}):
+                          f"grid_search values), got {n}")
+    ck, given_ck = cfg["checkpoint"], raw.get("checkpoint") or {}
+    if "frequency" not in given_ck:
         # PBT has each trial it may clone save at the perturbation itself; periodic checkpoints
         # on top would save those iterations twice. Set checkpoint.frequency for --resume/max_failures.
         ck["frequency"] = 0
-    if ck["num_to_keep"] is not None and ck["num_to_keep"] <= 2:
+    if "num_to_keep" not in given_ck:
+        # A top trial saves at every perturbation, and the checkpoint a trial clones must still be
+        # there when its new actor restores it: keep them all unless the YAML says otherwise.
+        ck["num_to_keep"] = None
+    elif ck["num_to_keep"] is not None and ck["num_to_keep"] <= 2:
         raise ConfigError(f"checkpoint.num_to_keep: PBT restores trials from other trials' checkpoints, which must "
                           f"outlive the restore: keep 3 or more (or null: all), got {ck['num_to_keep']}")
 
@@ -459,6 +462,11 @@ def _initial_space(mutation):
         return {"choice": mutation}
     (kind, args), = mutation.items()
     return {"choice": args} if kind == "grid_search" else mutation
+
+
+def population(cfg: dict) -> int:
+    """How many trials the experiment runs: tune.num_samples times the grid searches' product."""
+    return cfg["tune"]["num_samples"] * _grid_size({k: cfg[k] for k in searchable_sections()})
 
 
 def _grid_size(value) -> int:
@@ -537,8 +545,8 @@ def pbt_mutations(cfg: dict) -> tuple[dict, dict]:
     """`tune.hyperparam_mutations` as PopulationBasedTraining takes them, keyed by the RLlib
     config's names: a list (grid_search, choice, or a plain list: PBT moves to a neighbouring
     value, or resamples) or a Tune domain (uniform, loguniform: PBT multiplies the value by 0.8
-    or 1.2, or resamples). Also returns each domain's (low, high), which `KeepInBounds` holds
-    perturbed values to."""
+    or 1.2, or resamples). Also returns each domain's (low, high), which agents.pbt.KeepInBounds
+    holds perturbed values to."""
     from ray import tune
 
     mutations, bounds = {}, {}
@@ -554,19 +562,6 @@ def pbt_mutations(cfg: dict) -> tuple[dict, dict]:
             mutations[name] = getattr(tune, kind)(*args)
             bounds[name] = (args[0], args[1])
     return mutations, bounds
-
-
-class KeepInBounds:
-    """PBT's explore step (Tune's `custom_explore_fn`): a value multiplied by 0.8 or 1.2 past its
-    search space's bounds is clipped back to them (Tune itself lets it drift out)."""
-
-    def __init__(self, bounds: dict):
-        self.bounds = bounds
-
-    def __call__(self, config: dict) -> dict:
-        for name, (low, high) in self.bounds.items():
-            config[name] = min(max(config[name], low), high)
-        return config
 
 
 def _check_model_kind(cfg: dict, kind: str | None) -> str | None:

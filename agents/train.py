@@ -221,12 +221,12 @@ def make_progress_csv_logger():
     return ContinuousProgressCsv()
 
 
-def make_scheduler(cfg: dict):
+def make_scheduler(cfg: dict, *, keep_running: bool = False):
     """ASHA early stopping or Population Based Training on the run's metric, or None (FIFO:
-    every trial runs to its stop criteria)."""
+    every trial runs to its stop criteria). keep_running: see make_pbt."""
     t = cfg["tune"]
     if t["scheduler"] == "pbt":
-        return make_pbt(cfg)
+        return make_pbt(cfg, keep_running=keep_running)
     if t["scheduler"] != "asha":
         return None
     from ray.tune.schedulers import ASHAScheduler
@@ -238,7 +238,7 @@ def make_scheduler(cfg: dict):
     )
 
 
-def make_pbt(cfg: dict):
+def make_pbt(cfg: dict, *, keep_running: bool = False):
     """Tune's PopulationBasedTraining over `tune.hyperparam_mutations`, every
     `tune.perturbation_interval` training iterations. A trial that gets there is ranked against
     the others' latest scores: in the top quantile PBT has it save a checkpoint; in the bottom
@@ -249,19 +249,31 @@ def make_pbt(cfg: dict):
     Asynchronous only: in Tune's synch mode a trial paused to wait for the others can be saved
     twice at the perturbation, and Tune 2.x then lost the second save's index: the trial's next
     checkpoint overwrote the directory PBT had handed to the exploiting trial, which restored
-    later weights than PBT logged."""
-    from ray.tune.schedulers import PopulationBasedTraining
+    later weights than PBT logged.
 
-    from agents.config import KeepInBounds, pbt_mutations
+    keep_running: the whole population runs at once, so a trial that reaches a perturbation
+    while another waits to restart goes on instead of being paused (agents.pbt.KeepRunningPBT)."""
+    from agents.config import pbt_mutations
+    from agents.pbt import KeepInBounds, KeepRunningPBT
 
     t = cfg["tune"]
     mutations, bounds = pbt_mutations(cfg)
-    return PopulationBasedTraining(
+    return KeepRunningPBT(
         time_attr="training_iteration", metric=t["metric"], mode=t["mode"],
         perturbation_interval=t["perturbation_interval"], hyperparam_mutations=mutations,
         quantile_fraction=t["quantile_fraction"], resample_probability=t["resample_probability"],
-        custom_explore_fn=KeepInBounds(bounds) if bounds else None, synch=False,
+        custom_explore_fn=KeepInBounds(bounds) if bounds else None, synch=False, keep_running=keep_running,
     )
+
+
+def population_runs_at_once(cfg: dict, available: dict) -> bool:
+    """Whether every trial of the experiment can run at the same time: within
+    tune.max_concurrent_trials and within `available` (the Ray cluster's resources)."""
+    from agents.config import population
+
+    n, need = population(cfg), trial_resources(cfg)
+    return n <= cfg["tune"]["max_concurrent_trials"] and all(
+        n * need[k] <= available.get(k, 0) + 1e-9 for k in ("CPU", "GPU") if need[k])
 
 
 def wandb_logged_steps(folder: str, run_id: str) -> list[int]:
@@ -478,7 +490,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
             param_space=param_space,
             tune_config=tune.TuneConfig(
                 num_samples=tune_cfg["num_samples"], max_concurrent_trials=tune_cfg["max_concurrent_trials"],
-                scheduler=make_scheduler(cfg),
+                scheduler=make_scheduler(cfg, keep_running=population_runs_at_once(cfg, ray.cluster_resources())),
             ),
             run_config=run_config,
         )

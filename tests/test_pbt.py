@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from agents.config import ConfigError, KeepInBounds, PBT_MUTABLE, algorithm_config, load, pbt_mutations
+from agents.config import ConfigError, PBT_MUTABLE, algorithm_config, load, pbt_mutations
+from agents.pbt import KeepInBounds
 from tests.conftest import QUICKSTART, ROOT, one_line_cli_error
 from tests.conftest import run_module as run
 
@@ -127,19 +128,60 @@ def test_perturbed_values_are_kept_within_the_search_space():
     assert keep({"lr": 0.8e-4, "gamma": 1.188}) == {"lr": 1e-4, "gamma": 1.0}
 
 
-def test_pbt_checkpoints_what_it_clones_so_periodic_checkpoints_default_to_off():
-    assert load(PBT_YAML)["checkpoint"]["frequency"] == 0  # not set there: not the schema's 10
-    assert load(PBT_YAML, ["checkpoint.frequency=4"])["checkpoint"]["frequency"] == 4  # as written
+def test_pbt_checkpoints_what_it_clones_so_periodic_checkpoints_default_to_off_and_all_are_kept():
+    ck = load(PBT_YAML)["checkpoint"]  # neither is set there: not the schema's 10 and 3
+    assert ck["frequency"] == 0 and ck["num_to_keep"] is None
+    ck = load(PBT_YAML, ["checkpoint.frequency=4", "checkpoint.num_to_keep=5"])["checkpoint"]  # as written
+    assert ck["frequency"] == 4 and ck["num_to_keep"] == 5
     assert load(QUICKSTART, PBT)["checkpoint"]["frequency"] == 10  # quickstart.yaml sets 10
+    assert load(QUICKSTART)["checkpoint"]["num_to_keep"] == 3  # other schedulers: the schema's default
+
+
+def test_trials_keep_running_at_perturbations_only_when_the_whole_population_fits():
+    from agents.config import population
+    from agents.train import population_runs_at_once
+
+    cfg = load(PBT_YAML)  # 4 trials of 0.5 CPU, 4 at a time
+    assert population(cfg) == 4
+    assert population_runs_at_once(cfg, {"CPU": 2.0})
+    assert not population_runs_at_once(cfg, {"CPU": 1.5})  # they take turns: Tune pauses them
+    assert not population_runs_at_once(load(PBT_YAML, ["tune.max_concurrent_trials=3"]), {"CPU": 8.0})
+    assert population(load(PBT_YAML, ["tune.num_samples=3"])) == 12
+
+
+def test_a_restored_learner_steps_with_its_configured_constant_lr():
+    """A loaded optimizer state carries the lr it was saved with; use_configured_lr (called after
+    the learners' set_state) puts the config's back, and leaves a scheduled lr alone."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from agents.algorithms.base import use_configured_lr
+
+    def learner(lr):
+        optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=3e-3)  # as restored
+        return optimizer, SimpleNamespace(
+            module={"default_policy": None}, get_optimizers_for_module=lambda mid: [("default_optimizer", optimizer)],
+            config=SimpleNamespace(get_config_for_module=lambda mid: SimpleNamespace(lr=lr)))
+
+    optimizer, restored = learner(3.6e-3)
+    use_configured_lr(restored)
+    assert [g["lr"] for g in optimizer.param_groups] == [3.6e-3]
+    optimizer, restored = learner([[0, 1e-3], [1000, 1e-5]])  # a schedule: the restored value stays
+    use_configured_lr(restored)
+    assert [g["lr"] for g in optimizer.param_groups] == [3e-3]
 
 
 @pytest.mark.slow
 def test_pbt_run_clones_the_strong_trials_checkpoint_into_the_weak_one_with_a_perturbed_lr(tmp_path):
     """Two trials of the PBT example, shrunk: lr 3e-3 and lr 1e-7 (which barely moves the policy).
     Every 2 iterations a trial that gets there is ranked against the other's last score: the
-    strong one, on top, is saved by PBT (checkpoint.frequency is 0); the weak one, below, takes
+    strong one, on top, is saved by PBT (checkpoint.frequency is 0, and all are kept); the weak one, below, takes
     the strong one's last PBT checkpoint (iteration c) and its lr times 0.8 or 1.2
-    (resample_probability 0). Which perturbation that is depends on which trial gets there first.
+    (resample_probability 0). Which perturbation that is depends on when each trial gets there
+    (the weak trial's actor may start seconds later; the strong one must not have finished, and
+    must have been saved at a perturbation where the weak one had a score): 14 iterations leave
+    room for a lag of a few iterations.
 
     On CPU with one process the project's checkpoints resume bit for bit, so at iteration c + 1
     the cloned trial samples exactly what the strong trial sampled then: same weights, env and
@@ -149,7 +191,7 @@ def test_pbt_run_clones_the_strong_trials_checkpoint_into_the_weak_one_with_a_pe
     out = run("agents.train", PBT_YAML, "--set", "training.lr={grid_search: [3.0e-3, 1.0e-7]}",
               "--set", "tune.hyperparam_mutations={training.lr: {loguniform: [1.0e-4, 1.0e-2]}}",
               "--set", "tune.perturbation_interval=2", "--set", "tune.resample_probability=0",
-              "--set", "stop.training_iteration=7", "--set", "tune.max_concurrent_trials=2",
+              "--set", "stop.training_iteration=14", "--set", "tune.max_concurrent_trials=2",
               "--set", "training.train_batch_size=512", "--set", "env_runners.num_envs_per_env_runner=8",
               "--set", "generate.num_samples=0", "--set", f"tune.storage_path={tmp_path}", "--set", "tune.name=pbt",
               "--set", "tune.dashboard=false", timeout=600)
@@ -157,11 +199,11 @@ def test_pbt_run_clones_the_strong_trials_checkpoint_into_the_weak_one_with_a_pe
     experiment = tmp_path / "pbt"
     trials = {}
     for d in glob.glob(str(experiment / "LMPPO_*")):
-        rows = [json.loads(line) for line in open(os.path.join(d, "result.json"))]
-        start = json.load(open(os.path.join(d, "params.json")))["lr"]
-        trials["strong" if start == 3e-3 else "weak"] = (d, {r["training_iteration"]: r for r in rows})
+        rows = {r["training_iteration"]: r for r in map(json.loads, open(os.path.join(d, "result.json")))}
+        # Its first lr (PBT rewrites params.json with the config it gives a trial).
+        trials["strong" if rows[1]["config"]["lr"] == 3e-3 else "weak"] = (d, rows)
     (strong_dir, strong), (weak_dir, weak) = trials["strong"], trials["weak"]
-    assert sorted(strong) == sorted(weak) == list(range(1, 8))
+    assert sorted(strong) == sorted(weak) == list(range(1, 15))
 
     # PBT's log: first, the weak trial cloned the strong one, from its lr 3e-3 to a perturbed one.
     with open(experiment / "pbt_global.txt") as f:
@@ -173,6 +215,10 @@ def test_pbt_run_clones_the_strong_trials_checkpoint_into_the_weak_one_with_a_pe
     assert os.path.exists(experiment / f"pbt_policy_{weak[1]['trial_id']}.txt")
     # PBT saved the strong trial at a perturbation: a checkpoint besides the final one.
     assert len(glob.glob(os.path.join(strong_dir, "checkpoint_*"))) >= 2
+    # Both trials fit at once, so only a trial that cloned another restarted (no pause at a
+    # perturbation; a clone's restored rows can replace an earlier clone's, hence <=).
+    restarts = [i for _, rows in trials.values() for i, r in rows.items() if i > 1 and r["iterations_since_restore"] == 1]
+    assert 1 <= len(restarts) <= len(exploits), (restarts, exploits)
 
     # The weak trial's curve: its own iterations up to c, then the clone's from c + 1 (the
     # project drops the repeated iterations of a restored trial from result.json).
