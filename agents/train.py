@@ -246,10 +246,10 @@ def make_pbt(cfg: dict, *, keep_running: bool = False):
     in a new actor (RLlib's Algorithm has no reset_config, so Tune does not reuse actors) that
     restores that trial's last PBT checkpoint.
 
-    Asynchronous only: in Tune's synch mode a trial paused to wait for the others can be saved
-    twice at the perturbation, and Tune 2.x then lost the second save's index: the trial's next
-    checkpoint overwrote the directory PBT had handed to the exploiting trial, which restored
-    later weights than PBT logged.
+    Asynchronous only: in Tune's synch mode a trial paused to wait for the others was once saved
+    twice at the perturbation (by the pause, it seems, then by PBT), and its next checkpoint went into
+    the second save's directory, which PBT had handed to the exploiting trial: that trial
+    restored later weights than PBT logged (docs/results/pbt.md).
 
     keep_running: the whole population runs at once, so a trial that reaches a perturbation
     while another waits to restart goes on instead of being paused (agents.pbt.KeepRunningPBT)."""
@@ -555,7 +555,8 @@ def _searched_training_keys(cfg: dict) -> list[tuple[str, str]]:
 
     keys = [(sec, k) for sec in ("training", "reward") for k, v in cfg[sec].items() if _is_search_space(v)]
     if cfg["tune"]["scheduler"] == "pbt":  # PBT changes these as it goes: the table shows each trial's last value
-        keys += [key for key in (tuple(p.split(".", 1)) for p in cfg["tune"]["hyperparam_mutations"]) if key not in keys]
+        mutated = (tuple(path.split(".", 1)) for path in cfg["tune"]["hyperparam_mutations"])
+        keys += [key for key in mutated if key not in keys]
     return keys
 
 
