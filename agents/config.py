@@ -16,8 +16,8 @@ import yaml
 from agents.algorithms.base import COMMON_TRAINING, candidates as _candidates, plain as _plain
 from env.validation import ConfigError, Field, is_search_space as _is_search_space, unknown_key
 
-__all__ = ["ConfigError", "Field", "algorithm_config", "algorithm_spec", "env_config", "load", "read_yaml",
-           "schema", "to_tune", "validate"]
+__all__ = ["ConfigError", "Field", "algorithm_config", "algorithm_spec", "env_config", "load", "pbt_mutations",
+           "population", "read_yaml", "schema", "to_tune", "validate"]
 
 
 F = Field
@@ -134,9 +134,18 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         "max_failures": F(int, 0, **NONNEG_INT),
         "metric": F(str, "env_runners/episode_return_mean"),
         "mode": F(str, "max", choices=["max", "min"]),
-        "scheduler": F(str, "fifo", choices=["fifo", "asha"]),
-        "grace_period": F(int, 10, **POS_INT),
-        "reduction_factor": F(float, 3.0, lo=1.0, lo_open=True),
+        # fifo: every trial runs to its stop criteria; asha: early stopping; pbt: Population Based Training.
+        "scheduler": F(str, "fifo", choices=["fifo", "asha", "pbt"]),
+        "grace_period": F(int, 10, **POS_INT),  # asha
+        "reduction_factor": F(float, 3.0, lo=1.0, lo_open=True),  # asha
+        # pbt (PBT_KEYS): every `perturbation_interval` training iterations a trial in the bottom
+        # `quantile_fraction` of the population takes the weights of one in the top fraction and
+        # that trial's hyperparameters, perturbed (`hyperparam_mutations`: a key path such as
+        # training.lr -> a search space or a list of values; see pbt_mutations).
+        "perturbation_interval": F(int, 10, **POS_INT),
+        "hyperparam_mutations": F(dict, {}),
+        "quantile_fraction": F(float, 0.25, lo=0.0, hi=0.5, lo_open=True),
+        "resample_probability": F(float, 0.25, lo=0.0, hi=1.0),
         "wandb": F(bool, False),
         "dashboard": F(bool, True),
         "wandb_project": F(str, "rl-token-lm"),
@@ -190,16 +199,21 @@ def _check_value(path: str, field: Field, value):
         if path.split(".")[0] not in searchable_sections():
             raise ConfigError(f"{path}: search spaces are supported in the {' and '.join(searchable_sections())} "
                               f"sections only")
-        (kind, args), = value.items()
-        if not isinstance(args, list) or not args:
-            raise ConfigError(f"{path}.{kind}: expected a non-empty list")
-        if kind in ("uniform", "loguniform", "randint"):
-            if len(args) != 2 or not args[0] < args[1]:
-                raise ConfigError(f"{path}.{kind}: expected [low, high] with low < high, got {args!r}")
-            if kind == "loguniform" and args[0] <= 0:
-                raise ConfigError(f"{path}.loguniform: bounds must be > 0, got {args!r}")
-        return {kind: [field.check(path, v) for v in args]}
+        return _check_search_space(path, field, value)
     return field.check(path, value)
+
+
+def _check_search_space(path: str, field: Field, value: dict) -> dict:
+    """A YAML search space with its arguments checked, each candidate like a plain value."""
+    (kind, args), = value.items()
+    if not isinstance(args, list) or not args:
+        raise ConfigError(f"{path}.{kind}: expected a non-empty list")
+    if kind in ("uniform", "loguniform", "randint"):
+        if len(args) != 2 or not args[0] < args[1]:
+            raise ConfigError(f"{path}.{kind}: expected [low, high] with low < high, got {args!r}")
+        if kind == "loguniform" and args[0] <= 0:
+            raise ConfigError(f"{path}.loguniform: bounds must be > 0, got {args!r}")
+    return {kind: [field.check(path, v) for v in args]}
 
 
 def validate(raw: dict) -> dict:
@@ -233,6 +247,7 @@ def validate(raw: dict) -> dict:
     _check_algorithm_fields(raw, out, spec)
     spec.check(raw, out)
     _check_cross_fields(out, spec)
+    _check_scheduler(raw, out, spec)
     return out
 
 
@@ -345,6 +360,128 @@ def _check_cross_fields(cfg: dict, spec):
         raise ConfigError("stop: give at least one of " + ", ".join(stop))
 
 
+# -- Population Based Training ---------------------------------------------------------
+
+PBT_KEYS = ("perturbation_interval", "hyperparam_mutations", "quantile_fraction", "resample_probability")
+ASHA_KEYS = ("grace_period", "reduction_factor")
+# What PBT may mutate: the YAML key path -> its key in the RLlib config (Tune's param_space).
+# Each is read from the config when a trial's Algorithm is built, and none travels in a
+# checkpoint: a trial that exploits another gets a new actor built from the perturbed config,
+# then restores the other's checkpoint (the learner then steps with the config's lr, not the
+# lr saved with the optimizer state: agents.algorithms.base.use_configured_lr).
+PBT_MUTABLE = {"training.lr": "lr", "training.entropy_coeff": "entropy_coeff", "training.clip_param": "clip_param",
+               "training.vf_loss_coeff": "vf_loss_coeff", "training.vf_clip_param": "vf_clip_param",
+               "training.gamma": "gamma", "training.lambda": "lambda"}
+PBT_SPACES = ("grid_search", "choice", "uniform", "loguniform")
+
+
+def _flat_mutations(value: dict) -> dict:
+    """`{training: {lr: X}}` (as `--set tune.hyperparam_mutations.training.lr=X` writes it) as
+    `{"training.lr": X}`; search spaces and lists are leaves."""
+    out = {}
+    for key, v in value.items():
+        if isinstance(v, dict) and v and not _is_search_space(v):
+            out.update({f"{key}.{k}": x for k, x in _flat_mutations(v).items()})
+        else:
+            out[str(key)] = v
+    return out
+
+
+def _check_scheduler(raw: dict, cfg: dict, spec) -> None:
+    """Refuses one scheduler's keys with another, and checks the PBT set-up."""
+    t = cfg["tune"]
+    given = raw.get("tune") if isinstance(raw.get("tune"), dict) else {}
+    scheduler = t["scheduler"]
+    for keys, owner in ((PBT_KEYS, "pbt"), (ASHA_KEYS, "asha")):
+        for key in keys:
+            if given.get(key) is not None and scheduler != owner and (owner == "pbt" or scheduler == "pbt"):
+                raise ConfigError(f"tune.{key}: only used by tune.scheduler {owner} (this config's scheduler is "
+                                  f"{scheduler!r})")
+    if scheduler != "pbt":
+        return
+    path = "tune.hyperparam_mutations"
+    mutations = _flat_mutations(t["hyperparam_mutations"])
+    if not mutations:
+        raise ConfigError(f"{path}: PBT needs at least one hyperparameter to mutate, e.g. "
+                          "{training.lr: {loguniform: [1.0e-4, 1.0e-2]}}")
+    full = schema()
+    leaves = [f"{sec}.{k}" for sec, fields in full.items() if isinstance(fields, dict) for k in fields]
+    reads = COMMON_TRAINING + spec.training_keys
+    checked = {}
+    for key, space in mutations.items():
+        where = f"{path}.{key}"
+        section, _, leaf = key.partition(".")
+        if key not in leaves:
+            if key in full and not leaf:
+                raise ConfigError(f"{where}: name one hyperparameter by its key path, e.g. training.lr")
+            raise unknown_key(path, key, leaves, what="not a hyperparameter of the run")
+        if key not in PBT_MUTABLE:
+            why = (" (its KL controller's coefficient is restored with the cloned trial's checkpoint)"
+                   if key == "reward.kl_coef" else "")
+            raise ConfigError(f"{where}: not mutable by PBT{why}; it mutates {', '.join(PBT_MUTABLE)}")
+        if section == "training" and leaf not in reads:
+            raise ConfigError(f"{where}: not used by algorithm {cfg['algorithm']!r}")
+        if key == "training.lr" and cfg["training"]["lr_decay_steps"] is not None:
+            raise ConfigError(f"{where}: PBT mutates a constant lr; training.lr_end and training.lr_decay_steps "
+                              "make it a schedule")
+        field = full[section][leaf]
+        if isinstance(space, list) and space:
+            checked[key] = [field.check(where, v) for v in space]
+        elif _is_search_space(space) and next(iter(space)) in PBT_SPACES:
+            checked[key] = _check_search_space(where, field, space)
+        elif _is_search_space(space):
+            raise ConfigError(f"{where}: {next(iter(space))} is not a PBT mutation; use {', '.join(PBT_SPACES)} "
+                              "or a list of values")
+        else:
+            raise ConfigError(f"{where}: expected a search space ({{loguniform: [low, high]}}, {{uniform: ..}}, "
+                              f"{{choice: [..]}}, {{grid_search: [..]}}) or a list of values, got {space!r}")
+        if (given_section := raw.get(section)) is None or leaf not in given_section:
+            # Not set in the YAML: each trial starts from a draw of the mutation's space (as Tune does).
+            cfg[section][leaf] = _initial_space(checked[key])
+    t["hyperparam_mutations"] = checked
+    if (n := population(cfg)) < 2:
+        raise ConfigError(f"tune.num_samples: PBT needs a population of at least 2 trials (tune.num_samples x the "
+                          f"grid_search values), got {n}")
+    ck, given_ck = cfg["checkpoint"], raw.get("checkpoint") or {}
+    if "frequency" not in given_ck:
+        # PBT has each trial it may clone save at the perturbation itself; periodic checkpoints
+        # on top would save those iterations twice. Set checkpoint.frequency for --resume/max_failures.
+        ck["frequency"] = 0
+    if "num_to_keep" not in given_ck:
+        # A top trial saves at every perturbation, and the checkpoint a trial clones must still be
+        # there when its new actor restores it: keep them all unless the YAML says otherwise.
+        ck["num_to_keep"] = None
+    elif ck["num_to_keep"] is not None and ck["num_to_keep"] <= 2:
+        raise ConfigError(f"checkpoint.num_to_keep: PBT restores trials from other trials' checkpoints, which must "
+                          f"outlive the restore: keep 3 or more (or null: all), got {ck['num_to_keep']}")
+
+
+def _initial_space(mutation):
+    """The search space a trial's starting value is drawn from: one of the listed values, or the range."""
+    if isinstance(mutation, list):
+        return {"choice": mutation}
+    (kind, args), = mutation.items()
+    return {"choice": args} if kind == "grid_search" else mutation
+
+
+def population(cfg: dict) -> int:
+    """How many trials the experiment runs: tune.num_samples times the grid searches' product."""
+    return cfg["tune"]["num_samples"] * _grid_size({k: cfg[k] for k in searchable_sections()})
+
+
+def _grid_size(value) -> int:
+    """How many trials the grid searches in `value` make (their cross product)."""
+    if _is_search_space(value):
+        kind, args = next(iter(value.items()))
+        return len(args) if kind == "grid_search" else 1
+    if isinstance(value, dict):
+        n = 1
+        for v in value.values():
+            n *= _grid_size(v)
+        return n
+    return 1
+
+
 def parse_override(text: str) -> tuple[list[str], object]:
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected key=value, e.g. training.lr=3e-4")
@@ -404,6 +541,29 @@ def to_tune(value):
     if isinstance(value, dict):
         return {k: to_tune(v) for k, v in value.items()}
     return value
+
+
+def pbt_mutations(cfg: dict) -> tuple[dict, dict]:
+    """`tune.hyperparam_mutations` as PopulationBasedTraining takes them, keyed by the RLlib
+    config's names: a list (grid_search, choice, or a plain list: PBT moves to a neighbouring
+    value, or resamples) or a Tune domain (uniform, loguniform: PBT multiplies the value by 0.8
+    or 1.2, or resamples). Also returns each domain's (low, high), which agents.pbt.KeepInBounds
+    holds perturbed values to."""
+    from ray import tune
+
+    mutations, bounds = {}, {}
+    for key, space in cfg["tune"]["hyperparam_mutations"].items():
+        name = PBT_MUTABLE[key]
+        if isinstance(space, list):
+            mutations[name] = list(space)
+            continue
+        (kind, args), = space.items()
+        if kind in ("grid_search", "choice"):
+            mutations[name] = list(args)
+        else:
+            mutations[name] = getattr(tune, kind)(*args)
+            bounds[name] = (args[0], args[1])
+    return mutations, bounds
 
 
 def _check_model_kind(cfg: dict, kind: str | None) -> str | None:

@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import time
+import warnings
 
 
 
@@ -234,9 +235,12 @@ def make_progress_csv_logger():
     return ContinuousProgressCsv()
 
 
-def make_scheduler(cfg: dict):
-    """ASHA early stopping on the run's metric, or None (FIFO: every trial runs to its stop criteria)."""
+def make_scheduler(cfg: dict, *, keep_running: bool = False):
+    """ASHA early stopping or Population Based Training on the run's metric, or None (FIFO:
+    every trial runs to its stop criteria). keep_running: see make_pbt."""
     t = cfg["tune"]
+    if t["scheduler"] == "pbt":
+        return make_pbt(cfg, keep_running=keep_running)
     if t["scheduler"] != "asha":
         return None
     from ray.tune.schedulers import ASHAScheduler
@@ -246,6 +250,44 @@ def make_scheduler(cfg: dict):
         max_t=cfg["stop"]["training_iteration"] or 10**6, grace_period=t["grace_period"],
         reduction_factor=t["reduction_factor"],
     )
+
+
+def make_pbt(cfg: dict, *, keep_running: bool = False):
+    """Tune's PopulationBasedTraining over `tune.hyperparam_mutations`, every
+    `tune.perturbation_interval` training iterations. A trial that gets there is ranked against
+    the others' latest scores: in the top quantile PBT has it save a checkpoint; in the bottom
+    one it is paused, given a top trial's config with the mutated keys perturbed, and restarted
+    in a new actor (RLlib's Algorithm has no reset_config, so Tune does not reuse actors) that
+    restores that trial's last PBT checkpoint.
+
+    Asynchronous only: in Tune's synch mode a trial paused to wait for the others was once saved
+    twice at the perturbation (by the pause, it seems, then by PBT), and its next checkpoint went into
+    the second save's directory, which PBT had handed to the exploiting trial: that trial
+    restored later weights than PBT logged (docs/results/pbt.md).
+
+    keep_running: the whole population runs at once, so a trial that reaches a perturbation
+    while another waits to restart goes on instead of being paused (agents.pbt.KeepRunningPBT)."""
+    from agents.config import pbt_mutations
+    from agents.pbt import KeepInBounds, KeepRunningPBT
+
+    t = cfg["tune"]
+    mutations, bounds = pbt_mutations(cfg)
+    return KeepRunningPBT(
+        time_attr="training_iteration", metric=t["metric"], mode=t["mode"],
+        perturbation_interval=t["perturbation_interval"], hyperparam_mutations=mutations,
+        quantile_fraction=t["quantile_fraction"], resample_probability=t["resample_probability"],
+        custom_explore_fn=KeepInBounds(bounds) if bounds else None, synch=False, keep_running=keep_running,
+    )
+
+
+def population_runs_at_once(cfg: dict, available: dict) -> bool:
+    """Whether every trial of the experiment can run at the same time: within
+    tune.max_concurrent_trials and within `available` (the Ray cluster's resources)."""
+    from agents.config import population
+
+    n, need = population(cfg), trial_resources(cfg)
+    return n <= cfg["tune"]["max_concurrent_trials"] and all(
+        n * need[k] <= available.get(k, 0) + 1e-9 for k in ("CPU", "GPU") if need[k])
 
 
 def wandb_logged_steps(folder: str, run_id: str) -> list[int]:
@@ -462,7 +504,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
             param_space=param_space,
             tune_config=tune.TuneConfig(
                 num_samples=tune_cfg["num_samples"], max_concurrent_trials=tune_cfg["max_concurrent_trials"],
-                scheduler=make_scheduler(cfg),
+                scheduler=make_scheduler(cfg, keep_running=population_runs_at_once(cfg, ray.cluster_resources())),
             ),
             run_config=run_config,
         )
@@ -470,7 +512,11 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
     print(f"Training {algo.upper()} on task {cfg['task']['name']!r} with model "
           f"{cfg['model']['name_or_path']!r}; results in {experiment}", flush=True)
     start = time.time()
-    grid = tuner.fit()
+    with warnings.catch_warnings():
+        # Tune suggests reuse_actors for PBT; RLlib's Algorithm has no reset_config, so an
+        # exploiting trial gets a new actor built from its new config (see make_pbt).
+        warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
+        grid = tuner.fit()
     return grid, progress, experiment, time.time() - start
 
 
@@ -518,10 +564,14 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float) -> int:
 
 
 def _searched_training_keys(cfg: dict) -> list[tuple[str, str]]:
-    """(section, key) of the training/reward values the config searches over."""
+    """(section, key) of the training/reward values the config searches over (or PBT mutates)."""
     from env.validation import is_search_space as _is_search_space
 
-    return [(sec, k) for sec in ("training", "reward") for k, v in cfg[sec].items() if _is_search_space(v)]
+    keys = [(sec, k) for sec in ("training", "reward") for k, v in cfg[sec].items() if _is_search_space(v)]
+    if cfg["tune"]["scheduler"] == "pbt":  # PBT changes these as it goes: the table shows each trial's last value
+        mutated = (tuple(path.split(".", 1)) for path in cfg["tune"]["hyperparam_mutations"])
+        keys += [key for key in mutated if key not in keys]
+    return keys
 
 
 def _trial_row(cfg: dict, result, progress) -> dict:

@@ -25,6 +25,20 @@ def plain(value):
     return candidates(value)[0]
 
 
+def use_configured_lr(learner) -> None:
+    """Sets each optimizer of `learner` to its module's configured lr, when that is a constant.
+    A restored optimizer state carries the lr it was saved with, and RLlib applies the config's
+    lr only after the next update: a trial restored with another lr (PBT's exploit) would take
+    its first iteration at the checkpoint's. A schedule keeps the restored (scheduled) value."""
+    for module_id in learner.module.keys():
+        lr = learner.config.get_config_for_module(module_id).lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+            continue
+        for _name, optimizer in learner.get_optimizers_for_module(module_id):
+            for group in optimizer.param_groups:
+                group["lr"] = float(lr)
+
+
 def _same_seed(spec) -> int:
     return spec.config["seed"]
 

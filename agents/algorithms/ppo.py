@@ -28,7 +28,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.torch_utils import explained_variance
 
-from agents.algorithms.base import AlgorithmSpec, plain
+from agents.algorithms.base import AlgorithmSpec, plain, use_configured_lr
 from agents.algorithms.kl_control import AdaptiveKLController, ReferenceKLPenalty
 from agents.algorithms.mle import ReferencePairs, reference_nll
 from agents.algorithms.sequence_batching import AddSequenceIds, sequence_minibatches
@@ -212,6 +212,7 @@ class LMPPOTorchLearner(PPOTorchLearner):
 
     def set_state(self, state):
         super().set_state(state)
+        use_configured_lr(self)
         self.num_updates = int(state.get("num_updates", self.num_updates))
         if self.kl_penalty is not None and "ref_kl_coef" in state:
             self.kl_penalty.controller.coef = float(state["ref_kl_coef"])

@@ -1,0 +1,240 @@
+"""Population Based Training from YAML (`tune.scheduler: pbt`): the config's checks, the
+mutations as Tune and RLlib get them, and a run in which the weak trial takes the strong one's
+checkpoint and goes on with a perturbed learning rate that its learner really steps with."""
+import glob
+import json
+import math
+import os
+
+import pytest
+
+from agents.config import ConfigError, PBT_MUTABLE, algorithm_config, load, pbt_mutations
+from agents.pbt import KeepInBounds
+from tests.conftest import QUICKSTART, ROOT, one_line_cli_error
+from tests.conftest import run_module as run
+
+PBT_YAML = os.path.join(ROOT, "tune_configs", "pbt_quickstart.yaml")
+PBT = ["tune.scheduler=pbt", "tune.num_samples=2", "tune.hyperparam_mutations={training.lr: [1.0e-4, 1.0e-3]}"]
+
+
+def error(*overrides, path=QUICKSTART) -> str:
+    with pytest.raises(ConfigError) as e:
+        load(path, list(overrides))
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["tune.hyperparam_mutations={training.lrr: [1.0e-4]}"],
+     "tune.hyperparam_mutations.training.lrr: not a hyperparameter of the run (did you mean 'training.lr'?)"),
+    (["tune.hyperparam_mutations={reward.kl_coef: [0.0, 0.01]}"],
+     "tune.hyperparam_mutations.reward.kl_coef: not mutable by PBT (its KL controller's coefficient is restored"),
+    (["tune.hyperparam_mutations={training.num_epochs: [2, 4]}"],
+     "tune.hyperparam_mutations.training.num_epochs: not mutable by PBT; it mutates training.lr, "),
+    (["tune.hyperparam_mutations={model.name_or_path: [tiny-gpt2]}"],
+     "tune.hyperparam_mutations.model.name_or_path: not mutable by PBT"),
+    (["tune.hyperparam_mutations={training: [1, 2]}"],
+     "tune.hyperparam_mutations.training: name one hyperparameter by its key path, e.g. training.lr"),
+    (["tune.hyperparam_mutations={training.lr: {randint: [1, 3]}}"],
+     "tune.hyperparam_mutations.training.lr: randint is not a PBT mutation"),
+    (["tune.hyperparam_mutations={training.lr: 0.001}"],
+     "tune.hyperparam_mutations.training.lr: expected a search space"),
+    (["tune.hyperparam_mutations={training.gamma: {uniform: [0.9, 1.1]}}"],
+     "tune.hyperparam_mutations.training.gamma: expected a number in [0.0, 1.0], got 1.1"),
+    (["tune.hyperparam_mutations={training.lr: {loguniform: [0.0, 1.0e-3]}}"],
+     "tune.hyperparam_mutations.training.lr.loguniform: bounds must be > 0"),
+    (["tune.hyperparam_mutations={training.lr: []}"], "tune.hyperparam_mutations.training.lr: expected a search space"),
+    (["training.lr_end=1.0e-5", "training.lr_decay_steps=1000"],
+     "tune.hyperparam_mutations.training.lr: PBT mutates a constant lr; training.lr_end and training.lr_decay_steps"),
+    (["tune.hyperparam_mutations={}"], "tune.hyperparam_mutations: PBT needs at least one hyperparameter to mutate"),
+    (["tune.num_samples=1"], "tune.num_samples: PBT needs a population of at least 2 trials"),
+    (["checkpoint.num_to_keep=2"], "checkpoint.num_to_keep: PBT restores trials from other trials' checkpoints"),
+    (["tune.grace_period=3"], "tune.grace_period: only used by tune.scheduler asha (this config's scheduler is 'pbt')"),
+    (["tune.quantile_fraction=0.6"], "tune.quantile_fraction: expected a number in (0.0, 0.5], got 0.6"),
+    (["tune.perturbation_interval=0"], "tune.perturbation_interval: expected an integer >= 1, got 0"),
+])
+def test_pbt_config_errors_name_the_field_in_one_line(overrides, message):
+    assert error(*PBT, *overrides).startswith(message)
+
+
+def test_a_key_the_algorithm_does_not_read_is_refused():
+    got = error("algorithm=dqn", *PBT, "tune.hyperparam_mutations={training.entropy_coeff: [0.0, 0.01]}",
+                path=os.path.join(ROOT, "tune_configs", "dqn_synthetic.yaml"))
+    assert got == "tune.hyperparam_mutations.training.entropy_coeff: not used by algorithm 'dqn'"
+
+
+@pytest.mark.parametrize("key", ["perturbation_interval=5", "hyperparam_mutations={training.lr: [1.0e-3]}",
+                                 "quantile_fraction=0.5", "resample_probability=0.5"])
+@pytest.mark.parametrize("scheduler", ["fifo", "asha"])
+def test_pbt_keys_with_another_scheduler_are_refused(scheduler, key):
+    got = error(f"tune.scheduler={scheduler}", f"tune.{key}")
+    name = key.split("=")[0]
+    assert got == f"tune.{name}: only used by tune.scheduler pbt (this config's scheduler is {scheduler!r})"
+
+
+def test_the_cli_refuses_an_unmutable_key_in_one_line(capsys):
+    from agents.train import main
+
+    err = one_line_cli_error(capsys, main, QUICKSTART, *[f"--set={o}" for o in PBT],
+                             "--set", "tune.hyperparam_mutations.env.max_new_tokens=[10, 20]")
+    assert err.startswith("error: tune.hyperparam_mutations.env.max_new_tokens: not mutable by PBT")
+
+
+def test_mutations_reach_the_rllib_config_under_the_names_tune_perturbs():
+    """Each mutable key path names the RLlib config key that carries the YAML's value (the key
+    PBT perturbs in a trial's config), and an Algorithm config built from that dict reads it back."""
+    from ray.rllib.algorithms.ppo import PPOConfig
+
+    for i, path in enumerate(PBT_MUTABLE):
+        section, key = path.split(".")
+        value = 0.4321 + i / 1000  # a value no other key holds
+        cfg = load(QUICKSTART, [*PBT, f"{path}={value}"])
+        params = algorithm_config(cfg).to_dict()
+        assert params[PBT_MUTABLE[path]] == value, path
+        assert [k for k, v in params.items() if v == value] == [PBT_MUTABLE[path]], path
+        rebuilt = PPOConfig().update_from_dict({PBT_MUTABLE[path]: value})
+        assert rebuilt.to_dict()[PBT_MUTABLE[path]] == value
+
+
+def test_mutations_as_tune_gets_them_and_the_starting_values():
+    from ray.tune.schedulers import PopulationBasedTraining
+    from ray.tune.search.sample import Float
+
+    from agents.train import make_scheduler
+
+    cfg = load(PBT_YAML)
+    mutations, bounds = pbt_mutations(cfg)
+    assert set(mutations) == {"lr", "entropy_coeff"}
+    assert isinstance(mutations["lr"], Float) and bounds == {"lr": (1e-4, 1e-2)}
+    assert mutations["entropy_coeff"] == [0.0, 0.002, 0.005, 0.01]
+    assert isinstance(make_scheduler(cfg), PopulationBasedTraining)
+    # Set in the YAML: trials start there (here a grid, one trial per value) ...
+    assert cfg["training"]["lr"] == {"grid_search": [1e-5, 1e-4, 1e-3, 3e-3]}
+    assert cfg["training"]["entropy_coeff"] == 0.005
+    # ... not set: each trial starts from a draw of the mutation's space, as Tune does.
+    cfg = load(QUICKSTART, [*PBT, "tune.hyperparam_mutations={training.clip_param: {grid_search: [0.1, 0.3]}, "
+                                  "training.vf_clip_param: {uniform: [1.0, 5.0]}}"])
+    assert cfg["training"]["clip_param"] == {"choice": [0.1, 0.3]}
+    assert cfg["training"]["vf_clip_param"] == {"uniform": [1.0, 5.0]}
+    assert pbt_mutations(cfg)[0]["clip_param"] == [0.1, 0.3]
+    # --set writes the key path as nested sections: the same mutation.
+    nested = load(QUICKSTART, [*PBT, "tune.hyperparam_mutations.training.lr=[1.0e-4, 1.0e-3]"])
+    assert nested["tune"]["hyperparam_mutations"] == {"training.lr": [1e-4, 1e-3]}
+
+
+def test_perturbed_values_are_kept_within_the_search_space():
+    keep = KeepInBounds({"lr": (1e-4, 1e-2), "gamma": (0.9, 1.0)})
+    assert keep({"lr": 1.2e-2, "gamma": 0.99, "other": 7}) == {"lr": 1e-2, "gamma": 0.99, "other": 7}
+    assert keep({"lr": 0.8e-4, "gamma": 1.188}) == {"lr": 1e-4, "gamma": 1.0}
+
+
+def test_pbt_checkpoints_what_it_clones_so_periodic_checkpoints_default_to_off_and_all_are_kept():
+    ck = load(PBT_YAML)["checkpoint"]  # neither is set there: not the schema's 10 and 3
+    assert ck["frequency"] == 0 and ck["num_to_keep"] is None
+    ck = load(PBT_YAML, ["checkpoint.frequency=4", "checkpoint.num_to_keep=5"])["checkpoint"]  # as written
+    assert ck["frequency"] == 4 and ck["num_to_keep"] == 5
+    assert load(QUICKSTART, PBT)["checkpoint"]["frequency"] == 10  # quickstart.yaml sets 10
+    assert load(QUICKSTART)["checkpoint"]["num_to_keep"] == 3  # other schedulers: the schema's default
+
+
+def test_trials_keep_running_at_perturbations_only_when_the_whole_population_fits():
+    from agents.config import population
+    from agents.train import population_runs_at_once
+
+    cfg = load(PBT_YAML)  # 4 trials of 0.5 CPU, 4 at a time
+    assert population(cfg) == 4
+    assert population_runs_at_once(cfg, {"CPU": 2.0})
+    assert not population_runs_at_once(cfg, {"CPU": 1.5})  # they take turns: Tune pauses them
+    assert not population_runs_at_once(load(PBT_YAML, ["tune.max_concurrent_trials=3"]), {"CPU": 8.0})
+    assert population(load(PBT_YAML, ["tune.num_samples=3"])) == 12
+
+
+def test_a_restored_learner_steps_with_its_configured_constant_lr():
+    """A loaded optimizer state carries the lr it was saved with; use_configured_lr (called after
+    the learners' set_state) puts the config's back, and leaves a scheduled lr alone."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from agents.algorithms.base import use_configured_lr
+
+    def learner(lr):
+        optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=3e-3)  # as restored
+        return optimizer, SimpleNamespace(
+            module={"default_policy": None}, get_optimizers_for_module=lambda mid: [("default_optimizer", optimizer)],
+            config=SimpleNamespace(get_config_for_module=lambda mid: SimpleNamespace(lr=lr)))
+
+    optimizer, restored = learner(3.6e-3)
+    use_configured_lr(restored)
+    assert [g["lr"] for g in optimizer.param_groups] == [3.6e-3]
+    optimizer, restored = learner([[0, 1e-3], [1000, 1e-5]])  # a schedule: the restored value stays
+    use_configured_lr(restored)
+    assert [g["lr"] for g in optimizer.param_groups] == [3e-3]
+
+
+@pytest.mark.slow
+def test_pbt_run_clones_the_strong_trials_checkpoint_into_the_weak_one_with_a_perturbed_lr(tmp_path):
+    """Two trials of the PBT example, shrunk: lr 3e-3 and lr 1e-7 (which barely moves the policy).
+    Every 2 iterations a trial that gets there is ranked against the other's last score: the
+    strong one, on top, is saved by PBT (checkpoint.frequency is 0, and all are kept); the weak one, below, takes
+    the strong one's last PBT checkpoint (iteration c) and its lr times 0.8 or 1.2
+    (resample_probability 0). Which perturbation that is depends on when each trial gets there
+    (the weak trial's actor may start seconds later; the strong one must not have finished, and
+    must have been saved at a perturbation where the weak one had a score): 14 iterations leave
+    room for a lag of a few iterations.
+
+    On CPU with one process the project's checkpoints resume bit for bit, so at iteration c + 1
+    the cloned trial samples exactly what the strong trial sampled then: same weights, env and
+    RNG state. Its learner must step differently, though: with the strong trial's lr (which the
+    restored optimizer state carries, and RLlib replaces only after the first update) its
+    losses would be identical too."""
+    out = run("agents.train", PBT_YAML, "--set", "training.lr={grid_search: [3.0e-3, 1.0e-7]}",
+              "--set", "tune.hyperparam_mutations={training.lr: {loguniform: [1.0e-4, 1.0e-2]}}",
+              "--set", "tune.perturbation_interval=2", "--set", "tune.resample_probability=0",
+              "--set", "stop.training_iteration=14", "--set", "tune.max_concurrent_trials=2",
+              "--set", "training.train_batch_size=512", "--set", "env_runners.num_envs_per_env_runner=8",
+              "--set", "generate.num_samples=0", "--set", f"tune.storage_path={tmp_path}", "--set", "tune.name=pbt",
+              "--set", "tune.dashboard=false", timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    experiment = tmp_path / "pbt"
+    trials = {}
+    for d in glob.glob(str(experiment / "LMPPO_*")):
+        rows = {r["training_iteration"]: r for r in map(json.loads, open(os.path.join(d, "result.json")))}
+        # Its first lr (PBT rewrites params.json with the config it gives a trial).
+        trials["strong" if rows[1]["config"]["lr"] == 3e-3 else "weak"] = (d, rows)
+    (strong_dir, strong), (weak_dir, weak) = trials["strong"], trials["weak"]
+    assert sorted(strong) == sorted(weak) == list(range(1, 15))
+
+    # PBT's log: first, the weak trial cloned the strong one, from its lr 3e-3 to a perturbed one.
+    with open(experiment / "pbt_global.txt") as f:
+        exploits = [json.loads(line) for line in f]
+    target, donor, _, _, donor_config, new_config = exploits[0]
+    assert target.startswith("1_") and donor.startswith("0_") and donor_config["lr"] == 3e-3
+    new_lr = new_config["lr"]
+    assert any(math.isclose(new_lr, 3e-3 * f) for f in (0.8, 1.2)), new_lr
+    assert os.path.exists(experiment / f"pbt_policy_{weak[1]['trial_id']}.txt")
+    # PBT saved the strong trial at a perturbation: a checkpoint besides the final one.
+    assert len(glob.glob(os.path.join(strong_dir, "checkpoint_*"))) >= 2
+    # Both trials fit at once, so only a trial that cloned another restarted (no pause at a
+    # perturbation; a clone's restored rows can replace an earlier clone's, hence <=).
+    restarts = [i for _, rows in trials.values() for i, r in rows.items()
+                if i > 1 and r["iterations_since_restore"] == 1]
+    assert 1 <= len(restarts) <= len(exploits), (restarts, exploits)
+
+    # The weak trial's curve: its own iterations up to c, then the clone's from c + 1 (the
+    # project drops the repeated iterations of a restored trial from result.json).
+    c = min(i for i, r in weak.items() if r["config"]["lr"] != 1e-7) - 1
+    assert c % 2 == 0 and weak[c + 1]["iterations_since_restore"] == 1, c
+    reward = "episode_return_mean"
+    assert weak[c]["env_runners"][reward] < strong[c]["env_runners"][reward]
+    # It runs the perturbed config, and its learner reports that lr.
+    assert weak[c + 1]["config"]["lr"] == new_lr
+    assert weak[c + 1]["learners"]["default_policy"]["default_optimizer_learning_rate"] == new_lr
+    # It continued from the strong trial's checkpoint: it sampled what the strong trial sampled.
+    for key in (reward, "num_env_steps_sampled_lifetime"):
+        assert weak[c + 1]["env_runners"][key] == strong[c + 1]["env_runners"][key], key
+    assert weak[c + 1]["env_runners"][reward] > weak[c]["env_runners"][reward]
+    # ... and its updates used the new lr from the first minibatch on: same batch, other losses.
+    for key in ("policy_loss", "entropy", "total_loss"):
+        assert weak[c + 1]["learners"]["default_policy"][key] != strong[c + 1]["learners"]["default_policy"][key], key
