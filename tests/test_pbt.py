@@ -203,7 +203,7 @@ def test_pbt_run_clones_the_strong_trials_checkpoint_into_the_weak_one_with_a_pe
         rows = {r["training_iteration"]: r for r in map(json.loads, open(os.path.join(d, "result.json")))}
         # Its first lr (PBT rewrites params.json with the config it gives a trial).
         trials["strong" if rows[1]["config"]["lr"] == 3e-3 else "weak"] = (d, rows)
-    (strong_dir, strong), (weak_dir, weak) = trials["strong"], trials["weak"]
+    (strong_dir, strong), (_, weak) = trials["strong"], trials["weak"]
     assert sorted(strong) == sorted(weak) == list(range(1, 15))
 
     # PBT's log: first, the weak trial cloned the strong one, from its lr 3e-3 to a perturbed one.
