@@ -39,6 +39,33 @@ def is_builtin(name_or_path: str) -> bool:
     return name_or_path in BUILTIN_CONFIGS or name_or_path in SEQ2SEQ_CONFIGS
 
 
+def check_local_path(field: str, name) -> None:
+    """Refuses a model or tokenizer name written as a local path that is not a directory, in one
+    line naming the field (a hub name passes: loading it says what is wrong)."""
+    from env.validation import missing_local_path
+
+    if isinstance(name, str) and os.path.isfile(os.path.expanduser(name)):
+        raise ValueError(f"{field}: {name!r} is a file; expected a save_pretrained directory or a hub name")
+    if missing_local_path(name):
+        raise ValueError(f"{field}: no such directory {name!r}")
+
+
+def check_pretrained(field: str, name, *, tokenizer: bool = False) -> None:
+    """A model (or tokenizer) name loads: a built-in, a local directory, or a hub name this machine
+    can reach or has cached. One line naming the field otherwise ("no such directory" for a path)."""
+    from env.validation import first_line
+
+    if name is None or is_builtin(name) or os.path.isdir(os.path.expanduser(name)):
+        return
+    check_local_path(field, name)
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        (AutoTokenizer if tokenizer else AutoConfig).from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{field}: cannot load {name!r}: not a local directory; {first_line(e)}") from None
+
+
 def declared_kind(model_config: dict, actual: str | None = None) -> str | None:
     """The model's kind when it is known without loading anything: `model.kind` when set, a
     built-in's kind, or a local directory's `config.json` (or `actual`, when the caller looked it

@@ -409,6 +409,10 @@ def main(argv=None, prog: str = "python -m agents.pretrain") -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         cfg = load_config(args.config, args.overrides)
+        from agents.models import check_local_path
+
+        check_local_path("model.name_or_path", cfg["model"]["name_or_path"])
+        check_local_path("model.tokenizer", cfg["model"]["tokenizer"])
         result = pretrain(cfg, log=lambda line: print(line, flush=True))
     except (ConfigError, DataError, ValueError, OSError) as e:
         print(f"error: {first_line(e)}", file=sys.stderr)

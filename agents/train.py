@@ -25,7 +25,6 @@ import time
 import warnings
 
 
-
 def _fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 2
@@ -35,6 +34,7 @@ def preflight(cfg: dict) -> None:
     """Builds the env (task, tokenizer, data) and checks the model spec in this process,
     so that bad input fails here with one line instead of inside a Ray worker."""
     from agents.config import algorithm_spec, env_config
+    from agents.models import check_pretrained
     from env.text_env import TokenGenerationEnv
 
     guided = cfg.get("guide") and algorithm_spec(cfg).section == "guide"
@@ -46,26 +46,6 @@ def preflight(cfg: dict) -> None:
     env.reset(seed=0)
     if guided:
         preflight_guide(cfg, env)
-
-
-def check_pretrained(field: str, name, *, tokenizer: bool = False) -> None:
-    """A model (or tokenizer) name loads: a built-in, a local directory, or a hub name this machine
-    can reach or has cached. One line naming the field otherwise ("no such directory" for a path)."""
-    from agents.models import is_builtin
-    from env.validation import first_line, missing_local_path
-
-    if name is None or is_builtin(name) or os.path.isdir(os.path.expanduser(name)):
-        return
-    if os.path.exists(os.path.expanduser(name)):
-        raise ValueError(f"{field}: {name!r} is a file; expected a save_pretrained directory or a hub name")
-    if missing_local_path(name):
-        raise ValueError(f"{field}: no such directory {name!r}")
-    from transformers import AutoConfig, AutoTokenizer
-
-    try:
-        (AutoTokenizer if tokenizer else AutoConfig).from_pretrained(name)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{field}: cannot load {name!r}: not a local directory; {first_line(e)}") from None
 
 
 def preflight_guide(cfg: dict, env) -> None:

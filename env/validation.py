@@ -85,9 +85,13 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def missing_local_path(name) -> bool:
-    """A name written as a local path (`/`, `./`, `../`, `~`, or two or more `/`) that does not exist:
-    never a hub name (`org/name`), so the error says "no such directory", not the hub's words."""
-    if not isinstance(name, str) or os.path.exists(os.path.expanduser(name)):
-        return False
+def written_as_path(name: str) -> bool:
+    """Whether a model or data name is written as a local path (`/`, `./`, `../`, `~`, or two or
+    more `/`): never a hub name (`org/name`), whether or not it exists."""
     return name.startswith(("/", "./", "../", "~")) or name.count("/") >= 2 or "\\" in name
+
+
+def missing_local_path(name) -> bool:
+    """A name written as a local path that does not exist, so the error says "no such directory",
+    not the hub's words."""
+    return isinstance(name, str) and not os.path.exists(os.path.expanduser(name)) and written_as_path(name)

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from env.validation import written_as_path
+
 SPLITS = ("train", "validation", "test")
 DEFAULT_FRACTIONS = (("train", 0.8), ("validation", 0.1), ("test", 0.1))
 FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
@@ -132,7 +134,7 @@ def _looks_local(name: str) -> bool:
     """A local path (existing, or written like one); anything else is a hub name."""
     if os.path.exists(os.path.expanduser(name)):
         return True
-    return name.startswith(("/", "./", "../", "~")) or os.path.splitext(name)[1].lower() in FILE_TYPES
+    return written_as_path(name) or os.path.splitext(name)[1].lower() in FILE_TYPES
 
 
 # -- reading -----------------------------------------------------------------------------------
