@@ -3,7 +3,6 @@ import glob
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ import time
 import pytest
 import yaml
 
+from benchmarks.serve_load import free_port
 from tests.conftest import ROOT
 from tests.test_plugins import PLUGINS, plugin_experiment
 
@@ -73,12 +73,6 @@ def test_kuberay_manifests_have_the_required_fields_and_matching_versions(name):
         assert "working_dir" in yaml.safe_load(doc["spec"]["runtimeEnvYAML"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_job_submitted_to_a_local_head_trains_and_leaves_a_checkpoint(tmp_path):
     """`ray start --head` on loopback, the Jobs API, the checked-in runtime env; token auth as Ray sets it up.
@@ -87,7 +81,7 @@ def test_job_submitted_to_a_local_head_trains_and_leaves_a_checkpoint(tmp_path):
 
     import tempfile
 
-    gcs, dashboard, agent, agent_grpc, metrics, runtime_env_agent, client_port = (_free_port() for _ in range(7))
+    gcs, dashboard, agent, agent_grpc, metrics, runtime_env_agent, client_port = (free_port() for _ in range(7))
     temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     # The head's `python` is this environment's, as a cluster image's would be.

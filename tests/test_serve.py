@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 import torch
 
-from benchmarks.serve_load import Lines
+from benchmarks.serve_load import Lines, free_port
 from tests.conftest import QUICKSTART, ROOT
 from tests.conftest import run_module as run
 
@@ -333,10 +333,6 @@ def test_replica_flags_give_serves_options_and_bad_combinations_are_refused_in_o
 # -- serving --------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body, timeout: float = 60, with_headers: bool = False):
@@ -531,7 +527,10 @@ def test_two_replicas_both_answer(checkpoint, tmp_path):
         replicas, replies = set(), queue.Queue()
 
         def ask(seed):
-            replies.put(post(url, {"prompt": "3 7", "max_tokens": 20, "n": 4, "seed": seed}, with_headers=True))
+            try:
+                replies.put(post(url, {"prompt": "3 7", "max_tokens": 20, "n": 4, "seed": seed}, with_headers=True))
+            except Exception as e:  # a lost request fails the test below, not silently in its thread
+                replies.put(e)
 
         for round_ in range(5):  # concurrent requests until both replicas have answered
             threads = [threading.Thread(target=ask, args=(round_ * 16 + i,)) for i in range(16)]
@@ -539,8 +538,11 @@ def test_two_replicas_both_answer(checkpoint, tmp_path):
                 t.start()
             for t in threads:
                 t.join(timeout=120)
-            while not replies.empty():
-                status, reply, headers = replies.get()
+            answered = [replies.get() for _ in range(replies.qsize())]
+            assert len(answered) == len(threads), f"{len(threads) - len(answered)} requests got no reply"
+            for got in answered:
+                assert not isinstance(got, Exception), got
+                status, reply, headers = got
                 assert status == 200 and len(reply["choices"]) == 4, reply
                 replicas.add(headers["X-Replica"])
             if len(replicas) == 2:
