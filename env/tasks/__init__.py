@@ -40,11 +40,17 @@ def task_class(name, where: str = "task.name"):
                              f"or your own class as 'module:Class')")
     if not callable(cls):
         raise ValueError(f"{where}: {name!r} is not a task class (it is a {type(cls).__name__})")
-    missing = [m for m in TASK_METHODS if not callable(getattr(cls, m, None))]
-    if inspect.isclass(cls) and missing:
+    if inspect.isclass(cls):  # a factory function is checked on what it returns
+        require_task_methods(cls, name, where)
+    return cls
+
+
+def require_task_methods(obj, name: str, where: str = "task.name") -> None:
+    """ValueError naming the task methods `obj` (a task class or instance) lacks."""
+    missing = [m for m in TASK_METHODS if not callable(getattr(obj, m, None))]
+    if missing:
         raise ValueError(f"{where}: {name!r} is not a task: it has no {', '.join(m + '()' for m in missing)} "
                          f"(a task has examples(split), reward(prompts, generations, metas) and tokenizer())")
-    return cls
 
 
 def make_task(spec: dict, *, max_new_tokens: int):
@@ -89,9 +95,7 @@ def _plugin_task(cls, name: str, options: dict, max_new_tokens: int):
         raise
     except Exception as e:  # a user's constructor: one line, its own words
         raise ValueError(f"task {name!r}: could not be built: {type(e).__name__}: {first_line(e)}") from None
-    missing = [m for m in TASK_METHODS if not callable(getattr(task, m, None))]
-    if missing:
-        raise ValueError(f"task.name: {name!r} is not a task: it has no {', '.join(m + '()' for m in missing)}")
+    require_task_methods(task, name)
     return PluginTask(task, name)
 
 
