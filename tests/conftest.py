@@ -64,3 +64,24 @@ def logged_iterations(trial_dir: str) -> dict[str, list[int]]:
     tag = "ray/tune/env_runners/episode_return_mean"
     return {"result.json": from_json, "progress.csv": from_csv,
             "tensorboard": [e.step for e in events.Scalars(tag)]}
+
+
+def served_in_process(policy):
+    """The served FastAPI app (agents.serve) in this process, answering with `policy` (an
+    agents.serve.Policy): a context manager giving a TestClient."""
+    import contextlib
+
+    from fastapi.testclient import TestClient
+
+    from agents.serve import app, replica_policy
+
+    @contextlib.contextmanager
+    def serving():
+        app.dependency_overrides[replica_policy] = lambda: policy
+        try:
+            with TestClient(app) as client:
+                yield client
+        finally:
+            app.dependency_overrides.clear()
+
+    return serving()

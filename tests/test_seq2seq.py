@@ -1,7 +1,6 @@
 """Encoder-decoder (T5/BART) policies: env observation, cached decoder stepping, encoder once per
 episode, whole-sequence learner pass, config checks, warm start, and PPO raising BLEU."""
 import math
-import os
 
 import numpy as np
 import pytest
@@ -223,16 +222,12 @@ def test_samplers_learned_masking_separate_value_model_and_a3c_build_and_update(
         assert torch.equal(argmax[0], argmax[1])
         # The served application (in-process, no Ray) answers for a seq2seq checkpoint too:
         # greedy, it writes what agents.evaluate wrote for the same source.
-        from fastapi.testclient import TestClient
-
-        from agents.serve import Policy, app, replica_policy
+        from agents.serve import Policy
+        from tests.conftest import served_in_process
 
         def post(**request):
-            app.dependency_overrides[replica_policy] = lambda: served
-            try:
-                response = TestClient(app).post("/generate", json=request)
-            finally:
-                app.dependency_overrides.clear()
+            with served_in_process(served) as client:
+                response = client.post("/generate", json=request)
             return response.status_code, response.json()
 
         served = Policy(checkpoint)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from benchmarks.serve_load import Lines, free_port
-from tests.conftest import QUICKSTART, ROOT
+from tests.conftest import QUICKSTART, ROOT, served_in_process
 from tests.conftest import run_module as run
 
 TOP_K = 3
@@ -129,9 +129,7 @@ def client(checkpoint):
     """The served FastAPI app in this process, answering with a `Policy` of the checkpoint whose
     LM never writes <pad> (so a completion's text shows every token it wrote but EOS) and writes
     EOS more often (so both finish reasons occur)."""
-    from fastapi.testclient import TestClient
-
-    from agents.serve import Policy, app, replica_policy
+    from agents.serve import Policy
 
     local = Policy(checkpoint, max_samples=MAX_SAMPLES)
     tok = local.tokenizer
@@ -140,13 +138,9 @@ def client(checkpoint):
     bias[[t for t in tok.all_special_ids if t != tok.eos_token_id]] = -1e4
     bias[tok.eos_token_id] = EOS_BIAS
     head.bias = torch.nn.Parameter(bias, requires_grad=False)
-    app.dependency_overrides[replica_policy] = lambda: local
-    try:
-        with TestClient(app) as test_client:
-            test_client.policy = local
-            yield test_client
-    finally:
-        app.dependency_overrides.clear()
+    with served_in_process(local) as test_client:
+        test_client.policy = local
+        yield test_client
 
 
 def call(client, route: str, body, content_type="application/json"):
