@@ -22,6 +22,7 @@ __all__ = ["ConfigError", "Field", "algorithm_config", "algorithm_spec", "env_co
 
 F = Field
 POS_INT, NONNEG_INT = dict(lo=1), dict(lo=0)
+PRECISIONS = ["fp32", "bf16", "fp16"]
 
 # The generic sections. `algorithm` takes the names of agents/algorithms/ (each algorithm's
 # module declares its own section, e.g. `dqn`, `guide`, `reinforce`); `schema()` adds them.
@@ -39,6 +40,9 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         "kind": F(str, "auto", choices=["auto", "causal", "seq2seq"]),
         "kv_cache": F(bool, True),
         "overrides": F(dict, {}),
+        # LoRA adapters (PEFT): {r, alpha, dropout, target_modules}; only they and the value head
+        # train, and the KL reference is the base model (adapters off), so no copy is kept.
+        "lora": F(dict, None, optional=True),
     },
     "env": {
         "max_prompt_len": F(int, 5, **POS_INT),
@@ -87,6 +91,11 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         # prompts (mle_batch_size pairs per loss computation); 0: pure RL.
         "mle_coef": F(float, 0.0, lo=0.0),
         "mle_batch_size": F(int, 16, **POS_INT),
+        # The learner's passes under autocast (fp16 with a loss scaler); weights and optimizer
+        # state stay float32 (LoRA: the frozen base is stored in this precision). Log-probs, the
+        # PPO ratio and the KL are computed from float32 logits.
+        "precision": F(str, "fp32", choices=PRECISIONS),
+        "gradient_checkpointing": F(bool, False),  # recompute activations in the backward pass
     },
     "evaluation": {  # greedy (explore off) evaluation episodes every `interval` iterations; 0: none
         "interval": F(int, 0, **NONNEG_INT),
@@ -102,6 +111,7 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         # (agents/env_runner.py); stock: RLlib's SingleAgentEnvRunner. auto: fast where the
         # algorithm samples whole episodes, else stock.
         "runner": F(str, "auto", choices=("auto", "fast", "stock")),
+        "precision": F(str, "fp32", choices=PRECISIONS),  # the rollout copy of the LM is stored in it
     },
     "learners": {
         "num_learners": F(int, 0, **NONNEG_INT),
@@ -247,6 +257,7 @@ def validate(raw: dict) -> dict:
     _check_algorithm_fields(raw, out, spec)
     spec.check(raw, out)
     _check_cross_fields(out, spec)
+    _check_scale(raw, out, spec)
     _check_scheduler(raw, out, spec)
     return out
 
@@ -358,6 +369,40 @@ def _check_cross_fields(cfg: dict, spec):
     stop = cfg["stop"]
     if all(v is None for v in stop.values()):
         raise ConfigError("stop: give at least one of " + ", ".join(stop))
+
+
+LORA_FIELDS = {"r": F(int, 8, **POS_INT), "alpha": F(float, 16.0, lo=0.0, lo_open=True),
+               "dropout": F(float, 0.0, lo=0.0, hi=1.0), "target_modules": F(list, None, optional=True),
+               "modules_to_save": F(list, None, optional=True)}
+
+
+def _check_scale(raw: dict, cfg: dict, spec) -> None:
+    """LoRA, precision and gradient checkpointing: the `model.lora` section's keys, and a one-line
+    refusal for an algorithm they do not apply to."""
+    if _is_search_space(cfg["training"]["precision"]):
+        raise ConfigError("training.precision: not searchable (it sets the learner's loss scaling); run one "
+                          "experiment per precision")
+    lora = cfg["model"]["lora"]
+    if lora is not None:
+        checked = {}
+        for key in lora:
+            if key not in LORA_FIELDS:
+                raise unknown_key("model.lora", key, LORA_FIELDS)
+        for key, field in LORA_FIELDS.items():
+            checked[key] = field.check(f"model.lora.{key}", lora[key]) if key in lora else field.default
+        for key in ("target_modules", "modules_to_save"):
+            names = checked[key]
+            if names is not None and (not names or not all(isinstance(t, str) and t for t in names)):
+                raise ConfigError(f"model.lora.{key}: expected a non-empty list of module names, got {names!r}")
+        cfg["model"]["lora"] = checked
+    if spec.scale_refusal is None:
+        return
+    given = (["model.lora"] if lora is not None else []) + [
+        f"{section}.{k}" for section, keys in (("training", ("precision", "gradient_checkpointing")),
+                                               ("env_runners", ("precision",)))
+        for k in keys if k in (raw.get(section) or {})]
+    if given:
+        raise ConfigError(f"{given[0]}: not supported by algorithm {cfg['algorithm']!r}: {spec.scale_refusal}")
 
 
 # -- Population Based Training ---------------------------------------------------------
@@ -673,6 +718,8 @@ def algorithm_config(cfg: dict):
     # RLModuleSpec object), so that Tune resolves search spaces in it (the sampler section).
     model_config = {"model": c["model"], "env": env_cfg, "seed": module_seed(cfg, c),
                     "reference_model": _plain(cfg["reward"]["kl_coef"]) > 0, "sampler": c["sampler"],
+                    "train_precision": c["training"]["precision"], "rollout_precision": er["precision"],
+                    "gradient_checkpointing": c["training"]["gradient_checkpointing"],
                     **spec.module_config(cfg, c)}
     runner_env_cfg = spec.env_config(cfg, c, env_cfg)
     register_env(TOKEN_ENV, make_token_env)  # RLlib builds one row, or the vector env through its entry point
@@ -708,6 +755,10 @@ def algorithm_config(cfg: dict):
     config.training(lr=lr, train_batch_size=t["train_batch_size"], gamma=t["gamma"], grad_clip=t["grad_clip"],
                     **spec.training(cfg, c))
     spec.configure(config, cfg, c)
+    if cfg["training"]["precision"] == "fp16":  # loss scaling (the learner unscales before clipping)
+        from agents.algorithms.ppo import LossScaler
+
+        config.experimental(_torch_grad_scaler_class=LossScaler)
     ev = cfg["evaluation"]
     if ev["interval"]:
         config.evaluation(

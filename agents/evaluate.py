@@ -110,17 +110,15 @@ class Model:
             self.env_config = dict(self.policy.model_config["env"])
             self.tokenizer_spec = self.env_config.get("tokenizer")
         else:
-            from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
-            from agents.models import declared_kind, disable_dropout
+            from agents.models import disable_dropout, is_encoder_decoder, load_pretrained_lm
             from env.tokenization import load_tokenizer
 
-            if not os.path.isfile(os.path.join(self.path, "config.json")):
+            if not any(os.path.isfile(os.path.join(self.path, f)) for f in ("config.json", "adapter_config.json")):
                 raise EvalError(f"{path}: neither a checkpoint from agents.train nor a model directory "
-                                "(no config.json)")
-            seq2seq = declared_kind({"name_or_path": self.path, "kind": "auto"}) == "seq2seq"
+                                "(no config.json or adapter_config.json)")
             try:
-                self.lm = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(self.path)
+                self.lm = load_pretrained_lm(self.path)  # a plain model, or a LoRA adapter merged into its base
+                seq2seq = is_encoder_decoder(self.lm)
                 self.tokenizer = load_tokenizer(self.path)
                 disable_dropout(self.lm)
                 self.policy = HFSeq2SeqPolicy(self.lm) if seq2seq else HFPolicy(self.lm)

@@ -21,6 +21,15 @@ becomes the directory's generation config (`do_sample=True` with `top_k`,
 reported, not exported. The exported config turns the LM's KV cache back on
 (`use_cache=True`) for `generate`; the weights and logits are the policy's.
 
+A LoRA policy (`model.lora`) is exported merged by default (`--lora merge`: each adapter folded
+into its base weight, a plain model as above). `--lora adapter` writes the PEFT adapter instead
+(`adapter_config.json`, `adapter_model.safetensors`, the tokenizer); its base is the policy's
+`model.name_or_path`, or, for a built-in (randomly initialised) base, the base model written to
+`DIR/base_model`:
+
+    from peft import PeftModel
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DIR + "/base_model"), DIR)
+
 DIR must not exist or be empty, unless `--force` (files already there are
 overwritten, others are left alone). Errors are one line on stderr, exit 2.
 """
@@ -73,7 +82,7 @@ def _check_out_dir(out_dir: str, force: bool) -> str:
     return out_dir
 
 
-def export_policy(checkpoint: str, out_dir: str, *, force: bool = False) -> dict:
+def export_policy(checkpoint: str, out_dir: str, *, force: bool = False, lora: str = "merge") -> dict:
     """Writes the policy's LM and tokenizer in `checkpoint` to `out_dir` with `save_pretrained`.
 
     Raises FileNotFoundError when `checkpoint` holds no policy and FileExistsError when
@@ -87,7 +96,15 @@ def export_policy(checkpoint: str, out_dir: str, *, force: bool = False) -> dict
     if hasattr(module, "q_head"):
         raise ValueError(f"--checkpoint: {checkpoint} holds a DQN policy; it acts by argmax of its Q-head, "
                          "which a plain causal LM cannot carry (serve it with agents.serve instead)")
+    from agents.models import has_lora, is_builtin, without_adapters
+
     lm, tokenizer = module.lm, module.tokenizer
+    adapter = has_lora(lm) and lora == "adapter"
+    if lora == "adapter" and not has_lora(lm):
+        raise ValueError(f"--lora adapter: the policy in {checkpoint} has no LoRA adapters (model.lora); "
+                         "export it without --lora")
+    if has_lora(lm) and not adapter:
+        lm = without_adapters(lm, merge=True)
     fields, notes = generation_settings(module.model_config.get("sampler"))
     lm.config.use_cache = True  # training turned it off; generate() wants it
     for key, value in fields.items():
@@ -97,12 +114,40 @@ def export_policy(checkpoint: str, out_dir: str, *, force: bool = False) -> dict
         if value is not None:
             setattr(lm.generation_config, key, value)
     os.makedirs(out_dir, exist_ok=True)
-    lm.save_pretrained(out_dir)
+    base = None
+    if adapter:
+        base = module.model_config["model"]["name_or_path"]
+        if is_builtin(base):  # randomly initialised: nothing to load it from but this copy
+            plain = without_adapters(lm, merge=False)
+            plain.config.use_cache = True
+            plain.save_pretrained(os.path.join(out_dir, BASE_SUBDIR))
+            tokenizer.save_pretrained(os.path.join(out_dir, BASE_SUBDIR))
+            base = BASE_SUBDIR
+        lm.save_pretrained(out_dir)  # the adapters (and modules_to_save) only
+        _set_adapter_base(out_dir, base)
+    else:
+        lm.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     from agents.models import is_encoder_decoder
 
     auto_class = "AutoModelForSeq2SeqLM" if is_encoder_decoder(lm) else "AutoModelForCausalLM"
-    return {"out_dir": out_dir, "generation_config": fields, "notes": notes, "auto_class": auto_class}
+    return {"out_dir": out_dir, "generation_config": fields, "notes": notes, "auto_class": auto_class,
+            "adapter_base": base}
+
+
+BASE_SUBDIR = "base_model"  # where an adapter export keeps a built-in base model
+
+
+def _set_adapter_base(out_dir: str, base: str) -> None:
+    """Names the adapter's base model in its adapter_config.json."""
+    import json
+
+    path = os.path.join(out_dir, "adapter_config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["base_model_name_or_path"] = base
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
 
 
 def main(argv=None, prog: str = "python -m agents.export") -> int:
@@ -110,18 +155,29 @@ def main(argv=None, prog: str = "python -m agents.export") -> int:
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory from agents.train")
     parser.add_argument("--out", required=True, help="directory to write the model and tokenizer to")
     parser.add_argument("--force", action="store_true", help="write into an existing non-empty directory")
+    parser.add_argument("--lora", choices=("merge", "adapter"), default="merge",
+                        help="a LoRA policy: merge the adapters into a plain model (default), or write the "
+                             "PEFT adapter directory")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        result = export_policy(args.checkpoint, args.out, force=args.force)
+        result = export_policy(args.checkpoint, args.out, force=args.force, lora=args.lora)
     except (FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for note in result["notes"]:
         print(f"note: {note}", file=sys.stderr)
-    print(f"exported the policy's model and tokenizer to {result['out_dir']}")
-    print(f"  load with {result['auto_class']}.from_pretrained({result['out_dir']!r}) "
-          f"and AutoTokenizer.from_pretrained({result['out_dir']!r})")
+    out = result["out_dir"]
+    if result["adapter_base"] is not None:
+        base = result["adapter_base"]
+        base_path = os.path.join(out, base) if os.path.isdir(os.path.join(out, base)) else base
+        print(f"exported the policy's LoRA adapter and tokenizer to {out} (base: {base_path})")
+        print(f"  load with PeftModel.from_pretrained({result['auto_class']}.from_pretrained({base_path!r}), "
+              f"{out!r})")
+        return 0
+    print(f"exported the policy's model and tokenizer to {out}")
+    print(f"  load with {result['auto_class']}.from_pretrained({out!r}) "
+          f"and AutoTokenizer.from_pretrained({out!r})")
     return 0
 
 

@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 import torch
+import copy
 import json
 import os
+import warnings
 
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
@@ -207,3 +209,142 @@ def disable_dropout(model: PreTrainedModel) -> None:
         for attr in ("attention_dropout", "dropout"):
             if isinstance(getattr(module, attr, None), float):
                 setattr(module, attr, 0.0)
+
+
+# -- parameter-efficient policies and precision ----------------------------------------------
+
+# `model.lora` keys and their defaults; target_modules null: PEFT's default for the architecture
+# (GPT-2: c_attn; T5: q, v; BART: q_proj, v_proj).
+# modules_to_save: modules trained whole beside the adapters (e.g. a final layer norm), their
+# originals kept for the reference.
+LORA_DEFAULTS = {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": None, "modules_to_save": None}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_lora(lm: PreTrainedModel, lora: dict, *, seed: int = 0) -> PreTrainedModel:
+    """Injects LoRA adapters (PEFT) into `lm` in place: only the adapters are trainable after
+    this; the base weights are frozen, and `adapters_disabled(lm)` gives the base model back.
+    Adapters start as a no-op (B = 0), so at first the policy is exactly the base model."""
+    from peft import LoraConfig
+
+    lora = {**LORA_DEFAULTS, **(lora or {})}
+    targets = lora["target_modules"]
+    try:
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():  # the same adapters in every process
+            warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")  # GPT-2's Conv1D: PEFT sets it
+            torch.manual_seed(seed)
+            lm.add_adapter(LoraConfig(r=int(lora["r"]), lora_alpha=float(lora["alpha"]),
+                                      lora_dropout=float(lora["dropout"]), bias="none",
+                                      target_modules=list(targets) if targets else None,
+                                      modules_to_save=list(lora["modules_to_save"] or []) or None))
+    except ValueError as e:  # e.g. a target module the model does not have
+        from env.validation import first_line
+
+        raise ValueError(f"model.lora.target_modules: {first_line(e)}") from None
+    names = {name.rpartition(".")[2] for name, _ in lm.named_modules()}
+    for name in lora["modules_to_save"] or []:
+        if name not in names:
+            raise ValueError(f"model.lora.modules_to_save: the model has no module named {name!r}")
+    return lm
+
+
+def has_lora(lm) -> bool:
+    return bool(getattr(lm, "peft_config", None))
+
+
+def is_adapter_key(key: str) -> bool:
+    """A state-dict key of what a LoRA policy trains: an adapter's weights, or a trained copy of a
+    `modules_to_save` module."""
+    return ".lora_" in key or ".modules_to_save." in key
+
+
+class adapters_disabled:
+    """Context: `lm` computes as its base model (its LoRA adapters and the trained copies of its
+    `modules_to_save` switched off). Both are toggled here: transformers' `enable_adapters`
+    leaves `modules_to_save` copies off once `disable_adapters` turned them off."""
+
+    def __init__(self, lm):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils import ModulesToSaveWrapper
+
+        self.layers = [m for m in lm.modules() if isinstance(m, (BaseTunerLayer, ModulesToSaveWrapper))]
+
+    def __enter__(self):
+        for layer in self.layers:
+            layer.enable_adapters(False)
+
+    def __exit__(self, *exc):
+        for layer in self.layers:
+            layer.enable_adapters(True)
+
+
+def cast_frozen(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Stores every frozen (requires_grad False) floating-point parameter of `module` in `dtype`;
+    trainable ones stay float32 (LoRA's base weights in bf16, its adapters full precision)."""
+    for p in module.parameters():
+        if not p.requires_grad and p.is_floating_point():
+            p.data = p.data.to(dtype)
+
+
+def without_adapters(lm: PreTrainedModel, *, merge: bool) -> PreTrainedModel:
+    """A plain `transformers` model (float32, no adapters) with `lm`'s weights: with `merge`,
+    each adapter folded into its base weight (W + BA * alpha/r), computing what the adapted
+    `lm` does; without, the base model. `lm` is left as it was."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in lm.modules() if isinstance(m, BaseTunerLayer)]
+    dtypes = {name: p.dtype for name, p in lm.named_parameters()}
+    lm.float()
+    try:
+        if merge:
+            for layer in layers:
+                layer.merge()
+        # a modules_to_save module: its trained copy (merged) or its original (the base)
+        keep, drop = (".modules_to_save.default.", ".original_module.") if merge else \
+            (".original_module.", ".modules_to_save.default.")
+        state = {k.replace(".base_layer.", ".").replace(keep, "."): v.clone() for k, v in lm.state_dict().items()
+                 if ".lora_" not in k and drop not in k}
+    finally:
+        if merge:
+            for layer in layers:
+                layer.unmerge()
+        for name, p in lm.named_parameters():
+            p.data = p.data.to(dtypes[name])
+    config = copy.deepcopy(lm.config)
+    for untie in (False, True):  # trained copies of tied embeddings (modules_to_save) stay two matrices
+        if untie:
+            config.tie_word_embeddings = False
+        with torch.device("meta"):
+            plain = type(lm)(config)
+        missing, unexpected = plain.load_state_dict(state, strict=False, assign=True)
+        plain.tie_weights()
+        loaded = plain.state_dict()
+        if all(torch.equal(loaded[k], v) for k, v in state.items() if k in loaded):
+            break
+    if unexpected or any(p.is_meta for p in plain.parameters()):
+        raise RuntimeError(f"the model without adapters does not match its weights: missing {missing}, "
+                           f"unexpected {unexpected}")
+    plain.generation_config = copy.deepcopy(lm.generation_config)
+    return plain.eval()
+
+
+def load_pretrained_lm(path: str) -> PreTrainedModel:
+    """A model directory from `agents.export` (or any save_pretrained directory): a plain model,
+    or a PEFT LoRA adapter directory whose base is its `base_model_name_or_path` (relative to the
+    adapter's directory when it is a folder there), merged into a plain model."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    adapter_config = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(adapter_config):
+        seq2seq = declared_kind({"name_or_path": path, "kind": "auto"}) == "seq2seq"
+        return (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(path)
+    from peft import PeftModel
+
+    with open(adapter_config, encoding="utf-8") as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{path}: adapter_config.json names no base_model_name_or_path")
+    if os.path.isdir(os.path.join(path, base)):
+        base = os.path.join(path, base)
+    lm = load_pretrained_lm(base)
+    return PeftModel.from_pretrained(lm, path).merge_and_unload()

@@ -23,7 +23,8 @@ class Field:
     def describe(self) -> str:
         if self.choices:
             return "one of " + ", ".join(repr(c) for c in self.choices)
-        name = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}[self.kind]
+        name = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping",
+                list: "a list"}[self.kind]
         if self.lo is not None and self.hi is not None:
             return f"{name} in {'(' if self.lo_open else '['}{self.lo}, {self.hi}]"
         if self.lo is not None:
@@ -44,6 +45,7 @@ class Field:
             bool: isinstance(value, bool),
             str: isinstance(value, str),
             dict: isinstance(value, dict),
+            list: isinstance(value, list),
         }[self.kind]
         if self.kind is float and ok_type:
             value = float(value)

@@ -81,6 +81,7 @@ PINNED = {
     "_try_env_reset", "_create_iterator_if_necessary", "_make_batch_if_necessary", "_learner_connector",
     "_create_local_replay_buffer_if_necessary", "_local_tuner", "_trial_writer", "_trial_result",
     "_summary_writer_cls", "_trial_files", "_setup_trial", "_WandbLoggingActor", "_wandb", "_logger_actor_cls",
+    "_grad_scalers", "_module_optimizers",
 }
 THIRD_PARTY_PRIVATE_OK = {"_model"}  # bert_score's scorer (env/rewards/bertscore.py), not Ray's or transformers'
 
@@ -146,3 +147,19 @@ def test_no_unpinned_private_library_method_is_overridden():
                         overridden[f"{module_name}.{cls.__name__}.{name}"] = f"{base.__module__}.{base.__name__}"
                     break
     assert not overridden, f"private library methods overridden without a pin in this file: {overridden}"
+
+
+def test_torch_learner_grad_scaler_hooks_used_by_fp16_training():
+    # agents/config.py sets config.experimental(_torch_grad_scaler_class=LossScaler) for
+    # training.precision fp16; agents/algorithms/ppo.py LMPPOTorchLearner.postprocess_gradients
+    # unscales through self._grad_scalers / self._module_optimizers before clipping.
+    from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
+    from ray.rllib.core.learner.torch.torch_learner import TorchLearner
+
+    assert "_torch_grad_scaler_class" in params(AlgorithmConfig.experimental)
+    init, update = inspect.getsource(TorchLearner.__init__), inspect.getsource(TorchLearner._uncompiled_update)
+    assert "self._grad_scalers" in init and "_torch_grad_scaler_class" in init
+    assert update.index("compute_gradients(") < update.index("postprocess_gradients(") < update.index(
+        "apply_gradients(")
+    assert "scaler.step(" in inspect.getsource(TorchLearner.apply_gradients)
+    assert "self._module_optimizers" in inspect.getsource(Learner)

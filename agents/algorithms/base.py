@@ -12,7 +12,9 @@ from __future__ import annotations
 from env.validation import Field, is_search_space
 
 # `training` keys every algorithm reads (the learning rate and its schedule, the batch, the discount, clipping).
-COMMON_TRAINING = ("lr", "lr_end", "lr_decay_steps", "train_batch_size", "gamma", "grad_clip")
+# And the learner's precision and gradient checkpointing (refused where `scale_refusal` says why).
+COMMON_TRAINING = ("lr", "lr_end", "lr_decay_steps", "train_batch_size", "gamma", "grad_clip", "precision",
+                   "gradient_checkpointing")
 
 
 def candidates(value) -> list:
@@ -69,6 +71,8 @@ class AlgorithmSpec:
     # Why truncation samplers (the `sampler` section) do not apply to it; None: they do.
     sampler_refusal: str | None = None
     kl_adaptive: bool = True  # reward.kl_adaptive applies
+    # Why LoRA, reduced precision and gradient checkpointing do not apply to it; None: they do.
+    scale_refusal: str | None = None
 
     def config_class(self):
         """The RLlib AlgorithmConfig subclass (imported on use)."""

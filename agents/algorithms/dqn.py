@@ -177,6 +177,9 @@ class DQNSpec(AlgorithmSpec):
     sampler_refusal = ("DQN acts epsilon-greedy on its Q-values; truncation samplers and their masking (current or "
                        "learned) apply to the policy-gradient algorithms")
     kl_adaptive = False  # the per-token reference term has a fixed coefficient
+    scale_refusal = ("DQN's Q-network (a Q-head on the LM, its target copy updated from the online weights) "
+                     "trains all weights in float32; LoRA, bf16/fp16 and gradient checkpointing apply to the "
+                     "policy-gradient algorithms")
 
     def config_class(self):
         return LMDQNConfig

@@ -81,6 +81,13 @@ def policy_shift_metrics(batch, logp, fwd_out, mean) -> dict:
     return out
 
 
+class LossScaler(torch.amp.GradScaler):
+    """fp16's loss scaler (RLlib's `_torch_grad_scaler_class`) on the learner's device type."""
+
+    def __init__(self):
+        super().__init__("cuda" if torch.cuda.is_available() else "cpu")
+
+
 class LMPPOTorchLearner(PPOTorchLearner):
     def build(self) -> None:
         super().build()
@@ -125,6 +132,15 @@ class LMPPOTorchLearner(PPOTorchLearner):
         return sequence_minibatches(batch, num_epochs=num_epochs, minibatch_size=minibatch_size,
                                     shuffle=shuffle_batch_per_epoch, rng=self._minibatch_rng,
                                     num_total_minibatches=num_total_minibatches)
+
+    def postprocess_gradients(self, gradients_dict):
+        """With fp16's loss scaler, the gradients are unscaled before they are clipped (RLlib
+        would clip the scaled ones); the scaler's step then skips an update with inf/nan."""
+        if self._grad_scalers is not None:
+            for module_id, names in self._module_optimizers.items():
+                for name in names:
+                    self._grad_scalers[module_id].unscale_(self.get_optimizer(module_id, name))
+        return super().postprocess_gradients(gradients_dict)
 
     def configure_optimizers_for_module(self, module_id, config=None):
         params = [p for p in self.get_parameters(self.module[module_id]) if p.requires_grad]

@@ -30,6 +30,7 @@ tokens where its roll-in plan says so and store each step's role).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -40,7 +41,8 @@ from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, ValueFunctionAPI
 from ray.rllib.core.rl_module.torch import TorchRLModule
 
 from agents.algorithms.sequence_batching import SEQ_ID
-from agents.models import build_causal_lm, build_tokenizer
+from agents.models import (DTYPES, adapters_disabled, add_lora, build_causal_lm, build_tokenizer, cast_frozen,
+                           has_lora, is_adapter_key)
 from agents.modules.kv_cache import (ROW_CONTINUES, WindowKVCache, position_ids_for, rows_that_continue,
                                      sequence_groups)
 from agents.samplers import MASKED, Sampler
@@ -95,6 +97,16 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         self.tokenizer = build_tokenizer(env_cfg)
         seq_len = env_cfg.get("max_prompt_len", 5) + env_cfg.get("max_new_tokens", 20)
         self.lm = self._build_lm(cfg, seq_len)
+        if cfg["model"].get("lora"):  # only the adapters train; the reference is the base (adapters off)
+            add_lora(self.lm, cfg["model"]["lora"], seed=cfg.get("seed", 0))
+        # Rollouts: the whole LM in `rollout_precision`. Learner: float32 weights under autocast
+        # in `train_precision`; with LoRA the frozen base weights are stored in it too.
+        self.precision = cfg.get("rollout_precision" if self.inference_only else "train_precision") or "fp32"
+        if self.precision != "fp32":
+            if self.inference_only:
+                self.lm.to(DTYPES[self.precision])
+            elif has_lora(self.lm):
+                cast_frozen(self.lm, DTYPES[self.precision])
         # Rollouts (forward_inference / forward_exploration) step the LM incrementally.
         self.kv_cache = self._new_cache() if cfg["model"].get("kv_cache", True) else None
         self.sampler = Sampler(cfg.get("sampler") or {"name": "none"})
@@ -117,13 +129,23 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             self.eval()  # rollouts only; see act
             return
         hidden = self.lm.config.hidden_size
+        if cfg.get("gradient_checkpointing"):  # recompute each block's activations in the backward pass
+            self.lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if cfg["model"].get("value_model", "shared") == "separate":
             self.value_trunk = copy.deepcopy(self._trunk(self.lm))
         self.value_head = nn.Linear(hidden, 1)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
-        if cfg.get("reference_model", False):
+        if cfg.get("reference_model", False) and not has_lora(self.lm):
             self.ref_model = copy.deepcopy(self.lm).requires_grad_(False).eval()
+
+    def autocast(self):
+        """The learner's passes in its `train_precision` (a no-op in fp32); losses, log-probs and
+        the PPO ratio are computed from float32 logits either way."""
+        if self.precision == "fp32" or self.inference_only:
+            return contextlib.nullcontext()
+        device = next(self.lm.parameters()).device.type
+        return torch.autocast(device_type=device, dtype=DTYPES[self.precision])
 
     # -- what depends on the kind of LM (Seq2SeqActorCritic overrides these) ------------
 
@@ -208,9 +230,10 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
 
     def _forward_train(self, batch, **kwargs):
         obs, seq_ids = batch[Columns.OBS], batch.get(SEQ_ID)
-        hidden = self._hidden(self._trunk(self.lm), obs, seq_ids)
-        embeddings = self._hidden(self.value_trunk, obs, seq_ids) if hasattr(self, "value_trunk") else hidden
-        logits = self._logits(self.lm, hidden)
+        with self.autocast():
+            hidden = self._hidden(self._trunk(self.lm), obs, seq_ids)
+            embeddings = self._hidden(self.value_trunk, obs, seq_ids) if hasattr(self, "value_trunk") else hidden
+            logits = self._logits(self.lm, hidden).float()
         out = {Columns.ACTION_DIST_INPUTS: logits, Columns.EMBEDDINGS: embeddings}
         if self.sampler.active:  # the loss sees the same renormalised masked distribution as the rollout
             source = self._mask_lm_logits(obs, seq_ids) if self.sampler.learned else logits.detach().float()
@@ -225,16 +248,54 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         gradient, so no autograd graph is recorded for a pass nothing differentiates."""
         if embeddings is None:
             trunk = self.value_trunk if hasattr(self, "value_trunk") else self._trunk(self.lm)
-            with torch.no_grad():
-                return self.value_head(self._hidden(trunk, batch[Columns.OBS], batch.get(SEQ_ID))).squeeze(-1)
-        return self.value_head(embeddings).squeeze(-1)
+            with torch.no_grad(), self.autocast():
+                embeddings = self._hidden(trunk, batch[Columns.OBS], batch.get(SEQ_ID))
+            return self.value_head(embeddings.float()).squeeze(-1)
+        return self.value_head(embeddings.float()).squeeze(-1)
 
     def reference_logp(self, batch) -> torch.Tensor:
-        """log p_ref(a_t | s_t) of the batch's actions under the frozen initial policy."""
-        return reference_logp(self.ref_model, batch)
+        """log p_ref(a_t | s_t) of the batch's actions under the frozen initial policy: its copy,
+        or with LoRA the policy's own base weights with the adapters switched off."""
+        with self.autocast():
+            if hasattr(self, "ref_model"):
+                return self._reference_logp(self.ref_model, batch)
+            with adapters_disabled(self.lm):
+                return self._reference_logp(self.lm, batch)
+
+    def _reference_logp(self, lm, batch) -> torch.Tensor:
+        return reference_logp(lm, batch)
+
+    def get_state(self, *args, inference_only: bool = False, **kwargs):
+        """RLlib's state (numpy arrays), bf16 weights as float32 (numpy has no bfloat16). With
+        LoRA, the state EnvRunners receive (inference_only) holds the adapters only: the base
+        weights are frozen, and every module builds the same ones from the config."""
+        if not any(t.dtype == torch.bfloat16 for t in self.state_dict().values()):
+            state = super().get_state(*args, inference_only=inference_only, **kwargs)
+        else:
+            from ray.rllib.utils.numpy import convert_to_numpy
+
+            state = self.state_dict()
+            if inference_only and not self.inference_only:  # as TorchRLModule.get_state
+                drop = tuple(a + "." for a in self.get_non_inference_attributes())
+                state = {k: v for k, v in state.items() if not k.startswith(drop)}
+            state = convert_to_numpy({k: v.float() if v.dtype == torch.bfloat16 else v for k, v in state.items()})
+        if inference_only and has_lora(self.lm):
+            state = {k: v for k, v in state.items() if not self._frozen_base_key(k)}
+        return state
+
+    @staticmethod
+    def _frozen_base_key(key: str) -> bool:
+        return key.startswith(("lm.", "mask_lm.")) and not is_adapter_key(key)
 
     def set_state(self, state) -> None:
-        super().set_state(state)
+        if has_lora(self.lm) and self.inference_only:  # adapters only (see get_state)
+            from ray.rllib.utils.torch_utils import convert_to_torch_tensor
+
+            missing, _ = self.load_state_dict(convert_to_torch_tensor(state), strict=False)
+            if [k for k in missing if not self._frozen_base_key(k)]:
+                raise ValueError(f"the policy's state lacks {[k for k in missing if not self._frozen_base_key(k)]}")
+        else:
+            super().set_state(state)
         for cache in (self.kv_cache, getattr(self, "mask_kv_cache", None)):
             if cache is not None:  # new weights: every cached key/value is stale
                 cache.invalidate()

@@ -267,5 +267,5 @@ class Seq2SeqActorCritic(CausalLMActorCritic):
     def _logits(lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return lm_logits(lm, hidden)
 
-    def reference_logp(self, batch) -> torch.Tensor:
-        return seq2seq_reference_logp(self.ref_model, self.start_id, batch)
+    def _reference_logp(self, lm, batch) -> torch.Tensor:
+        return seq2seq_reference_logp(lm, self.start_id, batch)
