@@ -31,11 +31,14 @@ def find_module_dir(path: str) -> str:
 
 
 def load_policy(checkpoint: str):
-    """The RLModule stored in `checkpoint`, in eval mode."""
+    """The RLModule stored in `checkpoint`, in eval mode, in float32."""
     from ray.rllib.core.rl_module.rl_module import RLModule
 
     module = RLModule.from_checkpoint(find_module_dir(checkpoint))
     module.eval()
+    if any(p.dtype != torch.float32 for p in module.parameters() if p.is_floating_point()):
+        module.float()  # a bf16/fp16 learner's stored weights, computed in float32 when generating
+        module.precision = "fp32"
     return module
 
 

@@ -279,10 +279,12 @@ class adapters_disabled:
 
 
 def cast_frozen(module: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Stores every frozen (requires_grad False) floating-point parameter of `module` in `dtype`;
-    trainable ones stay float32 (LoRA's base weights in bf16, its adapters full precision)."""
+    """Stores every frozen (requires_grad False) weight matrix of `module` in `dtype`; trainable
+    parameters stay float32 (LoRA's base matrices in bf16, its adapters full precision), and so
+    do the frozen vectors (norms, biases: a norm must take float32 activations, e.g. from a
+    trained float32 copy of the embeddings, and they are a negligible share of the memory)."""
     for p in module.parameters():
-        if not p.requires_grad and p.is_floating_point():
+        if not p.requires_grad and p.is_floating_point() and p.dim() >= 2:
             p.data = p.data.to(dtype)
 
 

@@ -12,8 +12,8 @@ Each (shape, setting, part) runs in a fresh process, so every peak is its own:
   envrunner: the inference-only module in the rollout precision, --rows rows stepping --new
              tokens through its KV cache.
 Settings (model.lora, training.precision, training.gradient_checkpointing, env_runners.precision):
-  full-fp32 (the reference), full-bf16, full-fp32-ckpt, full-bf16-ckpt, lora-fp32, lora-bf16,
-  lora-bf16-ckpt. LoRA: rank 16 on every attention and MLP projection (c_attn, c_proj, c_fc).
+  full-fp32 (the reference), full-bf16, full-fp32-ckpt, full-bf16-ckpt, lora-fp32,
+  lora-fp32-ckpt, lora-bf16, lora-bf16-ckpt. LoRA: rank 16 on every attention and MLP projection (c_attn, c_proj, c_fc).
 Memory: on CPU, the process's peak RSS (ru_maxrss) minus its RSS before the model was built
 (Python, torch and the imports: printed as `base`); on CUDA (--device cuda) peak allocated.
 Ratios are against full-fp32 of the same shape and part. The weights are random (no download);
@@ -37,6 +37,7 @@ VARIANTS = {  # name -> (lora, train/rollout precision, gradient checkpointing)
     "full-fp32-ckpt": (False, "fp32", True),
     "full-bf16-ckpt": (False, "bf16", True),
     "lora-fp32": (True, "fp32", False),
+    "lora-fp32-ckpt": (True, "fp32", True),
     "lora-bf16": (True, "bf16", False),
     "lora-bf16-ckpt": (True, "bf16", True),
 }
@@ -191,6 +192,8 @@ def main(argv=None) -> int:
         for part in args.parts:
             ref = None
             for variant in args.variants:
+                if part == "envrunner" and variant.endswith("-ckpt"):
+                    continue  # checkpointing is a learner setting: the EnvRunner is the one without it
                 proc = subprocess.run([sys.executable, __file__, *common, f"--shape={shape}", f"--variant={variant}",
                                        f"--part={part}"], capture_output=True, text=True)
                 if proc.returncode != 0:
