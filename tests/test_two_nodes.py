@@ -163,8 +163,10 @@ def two_node_job(tmp_path_factory):
                     time.sleep(1)
                 replacement = Node(f"--address=127.0.0.1:{gcs}", f"--resources={{\"{RESOURCE}\": 2}}")
                 nodes.append(replacement)
-            if replacement is not None and not seen["after"] and rows and rows[-1][1] > seen["killed_at_steps"]:
-                seen["after"] = replacement.env_runners()
+            if replacement is not None and rows and rows[-1][1] > seen["killed_at_steps"]:  # sampling again
+                now = replacement.env_runners()
+                if len(now) >= len(seen["after"]):
+                    seen["after"] = now
             if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
                 break
             time.sleep(1)
