@@ -1,6 +1,6 @@
 """Nothing is left behind: after a training run ends, is interrupted with Ctrl-C, or has its driver
-killed with SIGKILL, every process it started (Ray's GCS, raylet, dashboard, agents, workers) is gone,
-and a second Ray instance (a server) runs beside it with no port picked by hand."""
+killed with SIGKILL, every process it started (Ray's GCS, raylet, dashboard, agents, workers) is gone.
+The three runs and a server run at the same time, each its own Ray instance, with no port picked by hand."""
 import json
 import os
 import re
@@ -90,38 +90,61 @@ def _stopped_and_gone(proc, stop: str, at_iteration: int):
             proc.wait()
 
 
+@pytest.fixture(scope="module")
+def three_runs_beside_a_server(tmp_path_factory):
+    """A server (agents.serve, its own Ray instance) and, beside it and at the same time, three
+    training runs (three more Ray instances; no Ray port given to any): one ends normally, one gets
+    Ctrl-C at iteration 2, one has its driver killed at iteration 2. Returns each run's
+    observations, and whether the server answered a request after them."""
+    import threading
+
+    from benchmarks.serve_load import Server, build_tiny_checkpoint
+
+    tmp = tmp_path_factory.mktemp("leftovers")
+    server = Server(build_tiny_checkpoint(str(tmp / "tiny")), replicas=1, num_cpus=0.5, max_samples=4, extra=[])
+    try:
+        runs = {"end": _train(tmp / "end", "stop.training_iteration=3"),
+                "sigint": _train(tmp / "sigint", "stop.training_iteration=50"),
+                "sigkill": _train(tmp / "sigkill", "stop.training_iteration=50")}
+        seen = {}
+
+        def watch(stop):
+            seen[stop] = _stopped_and_gone(runs[stop], stop, at_iteration=2)
+
+        threads = [threading.Thread(target=watch, args=(stop,)) for stop in runs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        request = urllib.request.Request(server.base + "/v1/completions", method="POST",
+                                         data=json.dumps({"prompt": "3 7 12", "max_tokens": 5}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            answered = reply.status == 200 and bool(json.loads(reply.read())["choices"])
+        yield {"runs": seen, "server_answered": answered, "server_running": server.proc.poll() is None}
+    finally:
+        server.stop()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", ["sigint", "sigkill"])
-def test_an_interrupted_or_killed_run_leaves_no_process_behind(tmp_path, stop):
-    proc = _train(tmp_path, "stop.training_iteration=50")
-    out, code, procs, ports, left = _stopped_and_gone(proc, stop, at_iteration=2)
+@pytest.mark.parametrize("stop", ["end", "sigint", "sigkill"])
+def test_a_run_that_ends_is_interrupted_or_killed_leaves_no_process_behind(three_runs_beside_a_server, stop):
+    out, code, procs, ports, left = three_runs_beside_a_server["runs"][stop]
     assert procs, out[-3000:]
     names = " ".join(procs.values())
     assert "gcs_server" in names and "raylet" in names and "ray::DashboardAgent" in names, names
     assert not left, f"still running after the driver's exit: {left} (ports they listened on: {ports})"
     iterations = [int(i) for i in re.findall(r"^iter +(\d+) ", out, re.M)]
-    assert iterations[:2] == [1, 2] and iterations[-1] < 50, out[-2000:]
-    if stop == "sigint":  # Tune stops the trial, and the driver exits on its own
-        assert code in (0, 1, 130) and code != -signal.SIGKILL, out[-2000:]
+    assert iterations[:2] == [1, 2], out[-2000:]
+    if stop == "end":
+        assert code == 0 and iterations == [1, 2, 3] and "Summary (1 trial" in out, out[-3000:]
+    elif stop == "sigint":  # Tune stops the trial, and the driver exits on its own
+        assert code in (0, 1, 130) and iterations[-1] < 50, out[-2000:]
     else:
-        assert code == -signal.SIGKILL
+        assert code == -signal.SIGKILL and iterations[-1] < 50
 
 
 @pytest.mark.slow
-def test_a_run_beside_a_server_ends_cleanly_and_the_server_keeps_answering(tmp_path):
-    """Two Ray instances on one machine (agents.serve and agents.train), no Ray port given to either."""
-    from benchmarks.serve_load import Server, build_tiny_checkpoint
-
-    server = Server(build_tiny_checkpoint(str(tmp_path / "tiny")), replicas=1, num_cpus=0.5, max_samples=4, extra=[])
-    try:
-        out, code, procs, ports, left = _stopped_and_gone(_train(tmp_path, "stop.training_iteration=3"), "end", 2)
-        assert code == 0 and "Summary (1 trial" in out, out[-3000:]
-        assert not left, f"still running after the run ended: {left} (ports they listened on: {ports})"
-        request = urllib.request.Request(server.base + "/v1/completions", method="POST",
-                                         data=json.dumps({"prompt": "3 7 12", "max_tokens": 5}).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            assert reply.status == 200 and json.loads(reply.read())["choices"]
-        assert server.proc.poll() is None
-    finally:
-        server.stop()
+def test_a_server_beside_three_runs_keeps_answering(three_runs_beside_a_server):
+    """Four Ray instances on one machine at once (a server, three runs), no Ray port given to any."""
+    assert three_runs_beside_a_server["server_running"] and three_runs_beside_a_server["server_answered"]
