@@ -107,6 +107,7 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         "num_cpus_per_env_runner": F(float, 1.0, lo=0.0),
         "num_gpus_per_env_runner": F(float, 0.0, lo=0.0),
         "max_restarts": F(int, 3, **NONNEG_INT),
+        "custom_resources": F(dict, {}),  # per EnvRunner, e.g. {rollout_node: 1}: pins them to nodes that have it
         # fast: whole episodes from the vector env, one module call per token step
         # (agents/env_runner.py); stock: RLlib's SingleAgentEnvRunner. auto: fast where the
         # algorithm samples whole episodes, else stock.
@@ -734,6 +735,7 @@ def algorithm_config(cfg: dict):
             num_envs_per_env_runner=er["num_envs_per_env_runner"],
             num_cpus_per_env_runner=er["num_cpus_per_env_runner"],
             num_gpus_per_env_runner=er["num_gpus_per_env_runner"],
+            custom_resources_per_env_runner=er["custom_resources"],
             # Whole generations (exact per-sequence KL, one forward per sequence), or n-step fragments
             # for a replay buffer.
             batch_mode="complete_episodes" if spec.whole_episodes else "truncate_episodes",

@@ -94,7 +94,8 @@ min is 0). Serve's other autoscaling settings keep their defaults (it scales
 up after 30 s above the target and down after 600 s below it).
 
 The CLI prints the URLs it serves at and runs until Ctrl-C (or SIGTERM), then
-shuts Serve and its Ray instance down. Without RAY_ADDRESS it starts a private
+shuts Serve and its Ray instance down (killed with SIGKILL, a watcher process stops
+what Ray leaves running: agents/reaper.py). Without RAY_ADDRESS it starts a private
 local Ray instance (never one that `ray start` left running) without the
 dashboard (`--dashboard-port N` turns it on at port N); with RAY_ADDRESS it
 deploys the application to that cluster and on exit deletes only this
@@ -827,6 +828,9 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
             dashboard = {"include_dashboard": args.dashboard_port is not None}
             if args.dashboard_port is not None:
                 dashboard["dashboard_port"] = args.dashboard_port
+            from agents.reaper import watch_this_process
+
+            watch_this_process()  # stops this instance's processes should this one be killed
             context = ray.init(address="local", logging_level="ERROR", log_to_driver=False,
                                runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}}, **dashboard)
             if context.dashboard_url:

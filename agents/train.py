@@ -414,6 +414,23 @@ def check_trial_fits(cfg: dict, available: dict) -> None:
         raise ValueError(
             f"one trial needs {need['GPU']:g} GPUs (env_runners.num_gpus_per_env_runner, learners.num_gpus_per_learner)"
             f" but this Ray instance has {available.get('GPU', 0):g}")
+    runners = cfg["env_runners"]["num_env_runners"]
+    for name, amount in cfg["env_runners"]["custom_resources"].items():
+        if runners and runners * amount > available.get(name, 0) + 1e-9:
+            raise ValueError(
+                f"env_runners.custom_resources: {runners} EnvRunners x {amount:g} {name!r} need {runners * amount:g} but "
+                f"this Ray instance has {available.get(name, 0):g} (custom resources come from the nodes' "
+                f"`ray start --resources`; run on such a cluster with RAY_ADDRESS)")
+
+
+def check_custom_resources(cfg: dict) -> None:
+    """Raises ValueError naming the field when env_runners.custom_resources is not {name: amount >= 0}."""
+    for name, amount in cfg["env_runners"]["custom_resources"].items():
+        if not isinstance(name, str) or not name or name in ("CPU", "GPU", "memory", "object_store_memory"):
+            raise ValueError(f"env_runners.custom_resources: {name!r} is not a custom resource name "
+                             f"(CPUs and GPUs have their own fields: num_cpus_per_env_runner, num_gpus_per_env_runner)")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount >= 0:
+            raise ValueError(f"env_runners.custom_resources.{name}: expected a number >= 0, got {amount!r}")
 
 
 def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
@@ -432,6 +449,10 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
             # Local cluster: workers import the installed package, and (as Ray does for every
             # driver) modules from the directory the run starts in, like your own rewards and tasks.
             runtime_env = {"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}}
+            # Ray starts here: a watcher stops its processes should this one be killed (agents/reaper.py).
+            from agents.reaper import watch_this_process
+
+            watch_this_process()
         context = ray.init(runtime_env=runtime_env, logging_level="ERROR", log_to_driver=verbose, **local)
         if context.dashboard_url:
             print(f"Ray dashboard: http://{context.dashboard_url}", flush=True)
@@ -656,6 +677,7 @@ def main(argv=None, prog: str = "python -m agents.train") -> int:
     if args.resume and not cfg["tune"]["name"]:
         return _fail("--resume: set tune.name in the config (or --set tune.name=...) to name the run to resume")
     try:
+        check_custom_resources(cfg)
         preflight(cfg)
     except (ValueError, OSError, TypeError) as e:
         return _fail(str(e))

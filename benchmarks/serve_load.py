@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/serve_load.py [--replicas 1 2] [--clients 8] [--requests 200]
         [--route completions|generate] [--max-tokens 20] [--n 1] [--bad-every K]
         [--checkpoint PATH | --url URL] [--num-cpus 0.5] [--serve-args "--max-replicas 2"]
+        [--kill-replica-after S [--recovery-timeout 180]]
 
 Without --url it starts `python -m agents.serve` once per value of --replicas (a private Ray
 instance on a free loopback port, each replica reserving --num-cpus CPUs), serving --checkpoint
@@ -19,12 +20,23 @@ every K-th request is a malformed one instead (a cycle of bad bodies on both rou
 a 4xx whose JSON is {"error": "<field>: ..."} naming the field the body got wrong, else it counts
 as a wrong answer.
 
+With --kill-replica-after S (a server this script starts), S seconds into the timed requests it
+kills one replica's process (SIGKILL to the `ray::ServeReplica` process below the server) and keeps
+sending, past --requests if need be, until a request is answered by a replica that was not serving
+before the kill (Serve's replacement) or --recovery-timeout passes. It then prints how many good
+requests failed after the kill (and their statuses), how long after the kill the first and last of
+them ended, and how long until the replacement replica answered its first request. Without a kill,
+a reply from more distinct replicas than were started means a replica was restarted, and counts as
+a failure.
+
 Prints, per run: requests answered 200, errors (a good request not answered 200, or no answer),
 bad requests answered as expected / wrongly, throughput (good requests/s and completion tokens/s:
 usage.completion_tokens of /v1/completions; /generate reports no token counts), latency p50/p95 of
 the good requests, how many each replica answered (the X-Replica header), and the load average
 before and after (the machine may be shared: read the figures next to it). It never passes or
-fails on a figure; the exit status is 1 only if a request failed or a bad one was answered wrongly.
+fails on a figure; the exit status is 1 only if a request failed (with a kill: before the kill),
+a bad one was answered wrongly, a replica restarted without a kill, or a killed replica was not
+replaced in time.
 """
 from __future__ import annotations
 
@@ -156,18 +168,39 @@ def good_request(args, i: int) -> tuple[str, dict]:
     return "/generate", {"prompt": PROMPT, "max_new_tokens": args.max_tokens, "num_samples": args.n, "seed": i}
 
 
-def run_load(base: str, args) -> dict:
-    """Sends --warmup, then --requests requests from --clients threads; the figures of the timed part."""
+def replica_processes(server_pid: int) -> list[int]:
+    """The process ids of the Serve replicas below the server's process."""
+    import psutil
+
+    pids = []
+    for p in psutil.Process(server_pid).children(recursive=True):
+        try:
+            if p.cmdline() and p.cmdline()[0].startswith("ray::ServeReplica"):
+                pids.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
+def run_load(base: str, args, server_pid: int | None = None) -> dict:
+    """Sends --warmup, then --requests requests from --clients threads (with --kill-replica-after,
+    kills a replica of the server `server_pid` on the way); the figures of the timed part."""
     url = urllib.parse.urlsplit(base)
     prefix = url.path.rstrip("/")
-    counter, lock = iter(range(args.requests)), threading.Lock()
+    counter, lock = iter(range(10**9)), threading.Lock()
     records: list[dict] = []
+    kill: dict = {}  # at (s into the timed part), pid, replicas (that answered before it)
 
     def send(conn, route: str, body) -> tuple[int, dict, str | None]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         conn.request("POST", prefix + route, body=data, headers={"Content-Type": "application/json"})
         response = conn.getresponse()
-        return response.status, json.loads(response.read() or b"null"), response.getheader("X-Replica")
+        body = response.read()
+        try:
+            reply = json.loads(body or b"null")
+        except json.JSONDecodeError:  # e.g. the proxy's plain-text 500 when a replica dies mid-request
+            reply = {"error": f"not JSON: {body[:200].decode(errors='replace')}"}
+        return response.status, reply, response.getheader("X-Replica")
 
     def client(numbers):
         conn = http.client.HTTPConnection(url.hostname, url.port, timeout=args.timeout)
@@ -177,12 +210,13 @@ def run_load(base: str, args) -> dict:
             start = time.perf_counter()
             try:
                 status, reply, replica = send(conn, route, body)
-            except (OSError, http.client.HTTPException, json.JSONDecodeError) as e:
+            except (OSError, http.client.HTTPException) as e:
                 conn.close()
                 conn = http.client.HTTPConnection(url.hostname, url.port, timeout=args.timeout)
                 status, reply, replica = None, {"error": f"{type(e).__name__}: {e}"}, None
-            seconds = time.perf_counter() - start
-            record = {"bad": bool(bad), "status": status, "seconds": seconds, "replica": replica, "reply": reply}
+            end = time.perf_counter()
+            record = {"bad": bool(bad), "status": status, "seconds": end - start, "replica": replica, "reply": reply,
+                      "start": start - t0, "end": end - t0}
             if bad:
                 error = reply.get("error", "") if isinstance(reply, dict) else ""
                 record["ok"] = (status is not None and 400 <= status < 500 and set(reply) == {"error"}
@@ -194,13 +228,33 @@ def run_load(base: str, args) -> dict:
                 records.append(record)
         conn.close()
 
+    def recovered() -> bool:
+        return any(r["ok"] and not r["bad"] and r["replica"] and r["replica"] not in kill["replicas"]
+                   and r["start"] >= kill["at"] for r in records)
+
     def numbers():
         while True:
             with lock:
-                i = next(counter, None)
-            if i is None:
+                i = next(counter)
+                more = i < args.requests
+                if args.kill_replica_after is not None and not more:  # go on until the replacement answered
+                    now = time.perf_counter() - t0
+                    more = not kill or (not recovered() and now < kill["at"] + args.recovery_timeout)
+            if not more:
                 return
             yield i
+
+    def kill_one():
+        with lock:
+            answered = {r["replica"] for r in records if r["replica"]}
+        pids = replica_processes(server_pid)
+        if not pids:
+            print("  --kill-replica-after: no replica process found", flush=True)
+            return
+        os.kill(pids[0], signal.SIGKILL)
+        with lock:
+            kill.update(at=time.perf_counter() - t0, pid=pids[0], replicas=answered)
+        print(f"  killed replica process {pids[0]} at {kill['at']:.1f} s ({len(pids)} replica processes)", flush=True)
 
     warm = http.client.HTTPConnection(url.hostname, url.port, timeout=args.timeout)
     for i in range(args.warmup):
@@ -212,11 +266,17 @@ def run_load(base: str, args) -> dict:
 
     load_before = os.getloadavg()
     threads = [threading.Thread(target=client, args=(numbers(),)) for _ in range(args.clients)]
-    start = time.perf_counter()
+    t0 = start = time.perf_counter()
+    killer = None
+    if args.kill_replica_after is not None:
+        killer = threading.Timer(args.kill_replica_after, kill_one)
+        killer.start()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if killer:
+        killer.cancel()
     wall = time.perf_counter() - start
     load_after = os.getloadavg()
 
@@ -228,7 +288,7 @@ def run_load(base: str, args) -> dict:
 
     bad = [r for r in records if r["bad"]]
     failures = [r for r in records if not r["ok"]]
-    return {
+    result = {
         "requests": len(records), "wall_s": wall, "ok": len(answered), "errors": len(good) - len(answered),
         "bad_ok": sum(r["ok"] for r in bad), "bad_wrong": len(bad) - sum(r["ok"] for r in bad),
         "req_per_s": len(answered) / wall, "tokens_per_s": sum(r.get("tokens", 0) for r in good) / wall,
@@ -236,7 +296,22 @@ def run_load(base: str, args) -> dict:
         "replicas": dict(collections.Counter(r["replica"] for r in good if r["ok"] and r["replica"])),
         "load_before": load_before, "load_after": load_after,
         "first_failure": failures[0] if failures else None,
+        "failures_before_kill": len([r for r in failures if not kill or r["end"] < kill["at"]]),
+        "kill": None,
     }
+    if kill:
+        after = [r for r in good if not r["ok"] and r["end"] >= kill["at"]]
+        new = [r for r in good if r["ok"] and r["replica"] not in kill["replicas"] and r["start"] >= kill["at"]]
+        result["kill"] = {
+            "at_s": kill["at"], "pid": kill["pid"], "failed": len(after),
+            "answered_after": sum(r["ok"] for r in good if r["end"] >= kill["at"]),
+            "statuses": dict(collections.Counter(str(r["status"]) for r in after)),
+            "failed_from_s": min((r["end"] - kill["at"] for r in after), default=None),
+            "failed_until_s": max((r["end"] - kill["at"] for r in after), default=None),
+            "replacement_s": min((r["end"] - kill["at"] for r in new), default=None),
+            "example": after[0]["reply"] if after else None,
+        }
+    return result
 
 
 def report(label: str, r: dict, route: str) -> str:
@@ -262,6 +337,10 @@ def main(argv=None) -> int:
     parser.add_argument("--num-cpus", type=float, default=0.5, help="CPUs each replica reserves (default 0.5)")
     parser.add_argument("--serve-args", default="", help="more agents.serve flags, e.g. \"--max-replicas 2\"")
     parser.add_argument("--timeout", type=float, default=120, help="seconds a request may take (default 120)")
+    parser.add_argument("--kill-replica-after", type=float, default=None, metavar="S",
+                        help="kill one replica's process S seconds into the timed requests (default: no kill)")
+    parser.add_argument("--recovery-timeout", type=float, default=180,
+                        help="with a kill: seconds to keep sending for the replacement replica (default 180)")
     args = parser.parse_args(argv)
     for flag in ("clients", "requests", "max_tokens", "n"):
         if getattr(args, flag) < 1:
@@ -270,6 +349,8 @@ def main(argv=None) -> int:
         parser.error("--bad-every and --warmup must be >= 0, --replicas >= 1")
     if args.url and args.checkpoint:
         parser.error("--url sends to a running server; --checkpoint is for one this script starts")
+    if args.kill_replica_after is not None and (args.url or args.kill_replica_after < 0):
+        parser.error("--kill-replica-after needs a server this script starts (no --url) and S >= 0")
 
     print(f"route /{'v1/completions' if args.route == 'completions' else 'generate'}, {args.clients} clients, "
           f"{args.requests} requests, {args.max_tokens} new tokens x {args.n}, bad every "
@@ -288,15 +369,38 @@ def main(argv=None) -> int:
                 else:
                     server = Server(checkpoint, replicas, args.num_cpus, max(16, args.n), shlex.split(args.serve_args))
                     base = server.base
-                result = run_load(base, args)
+                result = run_load(base, args, server.proc.pid if server else None)
             finally:
                 if server:
                     server.stop()
             rows.append(report(label, result, args.route))
             print(rows[-1], flush=True)
-            if result["first_failure"]:
-                failed = True
-                print(f"  first failure: {json.dumps(result['first_failure'])[:500]}", flush=True)
+            kill = result["kill"]
+            if args.kill_replica_after is None:
+                if result["first_failure"]:
+                    failed = True
+                    print(f"  first failure: {json.dumps(result['first_failure'])[:500]}", flush=True)
+                if replicas and "replicas" not in args.serve_args and len(result["replicas"]) > replicas:
+                    failed = True  # a replacement's tag: a replica was restarted during the run
+                    print(f"  {len(result['replicas'])} replicas answered, {replicas} were started", flush=True)
+            else:
+                if result["failures_before_kill"] or result["bad_wrong"]:
+                    failed = True
+                    print(f"  first failure: {json.dumps(result['first_failure'])[:500]}", flush=True)
+                if kill is None or kill["replacement_s"] is None:
+                    failed = True
+                    print("  THE KILLED REPLICA WAS NOT REPLACED within --recovery-timeout" if kill else
+                          "  no replica was killed", flush=True)
+                if kill:
+                    span = (f", ending {kill['failed_from_s']:.2f}-{kill['failed_until_s']:.2f} s after the kill "
+                            f"(statuses {kill['statuses']}; first: {json.dumps(kill['example'])[:200]})"
+                            if kill["failed"] else "")
+                    came = (f"{kill['replacement_s']:.1f} s" if kill["replacement_s"] is not None else "never")
+                    line = (f"  replica kill at {kill['at_s']:.1f} s: {kill['failed']} good requests failed{span}; "
+                            f"{kill['answered_after']} answered 200 after the kill; the replacement replica "
+                            f"answered its first request {came} after the kill")
+                    rows.append(line)
+                    print(line, flush=True)
     print("\n" + header + "\n" + "\n".join(rows))
     return 1 if failed else 0
 

@@ -53,6 +53,23 @@ def test_a_trial_that_needs_more_than_the_instance_has_is_refused_naming_the_fie
         check_trial_fits(load(QUICKSTART, ["learners.num_gpus_per_learner=1"]), {"CPU": 2.0})
 
 
+def test_env_runners_custom_resources_reach_rllib_and_are_checked():
+    from agents.train import check_custom_resources, check_trial_fits
+
+    sets = ["env_runners.num_env_runners=2", "env_runners.num_cpus_per_env_runner=0.25"]
+    cfg = load(QUICKSTART, sets + ["env_runners.custom_resources.rollout_node=1"])
+    assert algorithm_config(cfg).custom_resources_per_env_runner == {"rollout_node": 1}
+    check_custom_resources(cfg)
+    check_trial_fits(cfg, {"CPU": 2.0, "rollout_node": 2.0})
+    with pytest.raises(ValueError, match=r"^env_runners.custom_resources: 2 EnvRunners x 1 'rollout_node' need 2 "
+                                         r"but this Ray instance has 0"):
+        check_trial_fits(cfg, {"CPU": 2.0})
+    for bad, message in (("CPU=1", "not a custom resource name"), ("rollout_node=-1", "expected a number >= 0"),
+                         ("rollout_node=many", "expected a number >= 0")):
+        with pytest.raises(ValueError, match=message):
+            check_custom_resources(load(QUICKSTART, sets + [f"env_runners.custom_resources.{bad}"]))
+
+
 @pytest.mark.slow  # starts a local Ray instance through the train CLI
 def test_a_trial_too_big_for_the_local_machine_is_refused_in_one_line(tmp_path):
     out = run("agents.train", QUICKSTART, "--set", "env_runners.num_env_runners=4",

@@ -413,3 +413,21 @@ def test_train_cli_prints_one_error_line_for_malformed_data(tmp_path, case, caps
         f"  max_prompt_len: 8\n  max_new_tokens: 8\n")
     line = one_line_cli_error(capsys, main, str(config))
     assert line.startswith("error: ") and str(bad) in line and "field 'text'" in line
+
+
+def test_a_data_file_rewritten_again_and_again_keeps_the_caches_bounded(tmp_path):
+    """Cache keys carry each file's size and mtime; a file rewritten in place during a long run is
+    read again each time, and the per-process caches keep a bounded number of entries."""
+    from env.tasks import data, text_tasks
+
+    path = tmp_path / "train.jsonl"
+    spec = {"name": "imdb", "dataset": {"train": str(path)}}
+    for i in range(80):
+        rows = imdb_rows("train", 3)
+        rows[0]["text"] = f"version {i}"
+        write(path, rows)
+        os.utime(path, ns=(i * 10**9, i * 10**9))  # a new mtime even within the file system's resolution
+        assert make_task(spec, max_new_tokens=8).examples("train")[0]["meta"]["review"] == f"version {i}"
+    assert len(text_tasks._EXAMPLES) <= text_tasks._EXAMPLES.maxsize < 80
+    assert len(data._ROWS) <= data._ROWS.maxsize < 2 * 80
+    assert len(data._DATASETS) <= data._DATASETS.maxsize < 80

@@ -26,6 +26,7 @@ Loaded splits are cached per process (keyed by the spec and the files' size and 
 from __future__ import annotations
 
 import codecs
+import collections
 import csv
 import difflib
 import json
@@ -139,8 +140,29 @@ def _looks_local(name: str) -> bool:
 
 # -- reading -----------------------------------------------------------------------------------
 
-_DATASETS: dict = {}  # source key -> Dataset or {split: Dataset}
-_ROWS: dict = {}  # (spec, split, columns, stamps) -> rows
+class BoundedCache(collections.OrderedDict):
+    """A dict that keeps its `maxsize` most recently stored or read entries. Cache keys include the
+    files' size and mtime, so a data file rewritten during a long run adds a key each time; the
+    oldest are dropped instead of accumulating for the life of the process."""
+
+    def __init__(self, maxsize: int):
+        super().__init__()
+        self.maxsize = maxsize
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        self.move_to_end(key)
+        return value
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.maxsize:
+            self.popitem(last=False)
+
+
+_DATASETS = BoundedCache(16)  # source key -> Dataset or {split: Dataset}
+_ROWS = BoundedCache(64)  # (spec, split, columns, stamps) -> rows
 
 
 def _stamp(path: str):

@@ -24,8 +24,8 @@ from env.tasks import data as _data
 from env.tasks.data import DATA_OPTIONS, DataError, DataSpec, load_rows
 from env.validation import unknown_key
 
-_EXAMPLES: dict = {}  # (task, options, split) -> examples, shared by the envs of a process
-_REWARDS: dict = {}  # (reward spec, task, options, split) -> built reward
+_EXAMPLES = _data.BoundedCache(64)  # (task, options, split, file stamps) -> examples, shared by the envs of a process
+_REWARDS = _data.BoundedCache(32)  # (reward spec, task, options, split) -> built reward
 
 
 def _key(value) -> str:

@@ -1,0 +1,150 @@
+"""Nothing is left behind: after a training run ends, is interrupted with Ctrl-C, or has its driver
+killed with SIGKILL, every process it started (Ray's GCS, raylet, dashboard, agents, workers) is gone.
+The three runs and a server run at the same time, each its own Ray instance, with no port picked by hand."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from tests.conftest import QUICKSTART, ROOT
+
+
+def _tree(pid: int) -> dict[tuple[int, float], str]:
+    """(pid, start time) -> name of every process below `pid`."""
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return {}
+    out = {}
+    for p in kids:
+        try:
+            out[(p.pid, p.create_time())] = " ".join(p.cmdline()) or p.name()
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _listening(procs) -> dict[int, list[int]]:
+    ports = {}
+    for pid, _ in procs:
+        try:
+            ports[pid] = sorted({c.laddr.port for c in psutil.Process(pid).net_connections(kind="inet")
+                                 if c.status == psutil.CONN_LISTEN})
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return {pid: p for pid, p in ports.items() if p}
+
+
+def _alive(procs: dict) -> dict:
+    left = {}
+    for (pid, started), name in procs.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
+                left[pid] = name[:100]
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def _train(tmp_path, *sets):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("RAY_ADDRESS", None)
+    args = [QUICKSTART, "--set", f"tune.storage_path={tmp_path}", "--set", "generate.num_samples=0",
+            "--set", "checkpoint.frequency=1", "--set", "tune.name=run", *sum((["--set", s] for s in sets), [])]
+    # Its own session, as a run started from a terminal is; the dashboard on, as by default.
+    return subprocess.Popen([sys.executable, "-m", "agents.train", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stopped_and_gone(proc, stop: str, at_iteration: int):
+    """Runs `proc` until iteration `at_iteration` is printed, notes the processes below it, stops it
+    as `stop` says (end: let it finish; sigint: Ctrl-C to its process group; sigkill: the driver
+    alone); returns (its output, its exit code, the processes it had, those still alive 60 s on)."""
+    lines, procs = [], {}
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if re.match(rf"iter +{at_iteration} ", line):
+                procs = _tree(proc.pid)
+                ports = _listening(procs)
+                if stop == "sigint":
+                    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends
+                elif stop == "sigkill":
+                    os.kill(proc.pid, signal.SIGKILL)  # the driver only (OOM killer, kill -9)
+        code = proc.wait(timeout=300)
+        deadline = time.time() + 60
+        while _alive(procs) and time.time() < deadline:
+            time.sleep(1)
+        return "".join(lines), code, procs, ports, _alive(procs)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def three_runs_beside_a_server(tmp_path_factory):
+    """A server (agents.serve, its own Ray instance) and, beside it and at the same time, three
+    training runs (three more Ray instances; no Ray port given to any): one ends normally, one gets
+    Ctrl-C at iteration 2, one has its driver killed at iteration 2. Returns each run's
+    observations, and whether the server answered a request after them."""
+    import threading
+
+    from benchmarks.serve_load import Server, build_tiny_checkpoint
+
+    tmp = tmp_path_factory.mktemp("leftovers")
+    server = Server(build_tiny_checkpoint(str(tmp / "tiny")), replicas=1, num_cpus=0.5, max_samples=4, extra=[])
+    try:
+        runs = {"end": _train(tmp / "end", "stop.training_iteration=3"),
+                "sigint": _train(tmp / "sigint", "stop.training_iteration=50"),
+                "sigkill": _train(tmp / "sigkill", "stop.training_iteration=50")}
+        seen = {}
+
+        def watch(stop):
+            seen[stop] = _stopped_and_gone(runs[stop], stop, at_iteration=2)
+
+        threads = [threading.Thread(target=watch, args=(stop,)) for stop in runs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        request = urllib.request.Request(server.base + "/v1/completions", method="POST",
+                                         data=json.dumps({"prompt": "3 7 12", "max_tokens": 5}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            answered = reply.status == 200 and bool(json.loads(reply.read())["choices"])
+        yield {"runs": seen, "server_answered": answered, "server_running": server.proc.poll() is None}
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["end", "sigint", "sigkill"])
+def test_a_run_that_ends_is_interrupted_or_killed_leaves_no_process_behind(three_runs_beside_a_server, stop):
+    out, code, procs, ports, left = three_runs_beside_a_server["runs"][stop]
+    assert procs, out[-3000:]
+    names = " ".join(procs.values())
+    assert "gcs_server" in names and "raylet" in names and "ray::DashboardAgent" in names, names
+    assert not left, f"still running after the driver's exit: {left} (ports they listened on: {ports})"
+    iterations = [int(i) for i in re.findall(r"^iter +(\d+) ", out, re.M)]
+    assert iterations[:2] == [1, 2], out[-2000:]
+    if stop == "end":
+        assert code == 0 and iterations == [1, 2, 3] and "Summary (1 trial" in out, out[-3000:]
+    elif stop == "sigint":  # Tune stops the trial, and the driver exits on its own
+        assert code in (0, 1, 130) and iterations[-1] < 50, out[-2000:]
+    else:
+        assert code == -signal.SIGKILL and iterations[-1] < 50
+
+
+@pytest.mark.slow
+def test_a_server_beside_three_runs_keeps_answering(three_runs_beside_a_server):
+    """Four Ray instances on one machine at once (a server, three runs), no Ray port given to any."""
+    assert three_runs_beside_a_server["server_running"] and three_runs_beside_a_server["server_answered"]
