@@ -14,8 +14,10 @@ Each (shape, setting, part) runs in a fresh process, so every peak is its own:
 Settings (model.lora, training.precision, training.gradient_checkpointing, env_runners.precision):
   full-fp32 (the reference), full-bf16, full-fp32-ckpt, full-bf16-ckpt, lora-fp32,
   lora-fp32-ckpt, lora-bf16, lora-bf16-ckpt. LoRA: rank 16 on every attention and MLP projection (c_attn, c_proj, c_fc).
-Memory: on CPU, the process's peak RSS (ru_maxrss) minus its RSS before the model was built
-(Python, torch and the imports: printed as `base`); on CUDA (--device cuda) peak allocated.
+Memory: on CPU, the process's peak RSS (ru_maxrss) and its RSS after the update or rollout
+(`held`: what the setting keeps), each minus its RSS before the model was built (Python, torch
+and the imports: printed as `base`); on CUDA (--device cuda) peak and current allocated. The
+model is built in float32 and then cast, so on CPU the peak includes that float32 build.
 Ratios are against full-fp32 of the same shape and part. The weights are random (no download);
 the vocabulary is --vocab tokens (GPT-2's size by default: the synthetic task's number tokens).
 """
@@ -160,9 +162,12 @@ def one(args) -> None:
         torch.cuda.reset_peak_memory_stats()
     fn = learner_update if args.part == "learner" else envrunner_rollout
     result = fn(args, args.variant)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else peak_rss_mib() - base
+    if args.device == "cuda":
+        peak, held = torch.cuda.max_memory_allocated() / 2**20, torch.cuda.memory_allocated() / 2**20
+    else:
+        peak, held = peak_rss_mib() - base, rss_mib() - base
     print(json.dumps({"shape": args.shape, "variant": args.variant, "part": args.part, "base_mib": base,
-                      "peak_mib": peak, **result}))
+                      "peak_mib": peak, "held_mib": held, **result}))
 
 
 def main(argv=None) -> int:
@@ -188,10 +193,11 @@ def main(argv=None) -> int:
         return 0
     common = [f"--{k}={getattr(args, k)}" for k in ("sequences", "rows", "prompt", "new", "vocab", "threads", "device")]
     rows = []
-    print(f"{'shape':20} {'part':9} {'setting':15} {'peak MiB':>9} {'x full-fp32':>11} {'trained':>12} {'s':>6}")
+    print(f"{'shape':20} {'part':9} {'setting':15} {'peak MiB':>9} {'x full-fp32':>11} {'held MiB':>9} "
+          f"{'x full-fp32':>11} {'trained':>12} {'s':>6}")
     for shape in args.shapes:
         for part in args.parts:
-            ref = None
+            ref = ref_held = None
             for variant in args.variants:
                 if part == "envrunner" and variant.endswith("-ckpt"):
                     continue  # checkpointing is a learner setting: the EnvRunner is the one without it
@@ -203,11 +209,12 @@ def main(argv=None) -> int:
                 row = json.loads(proc.stdout.strip().splitlines()[-1])
                 rows.append(row)
                 if variant == "full-fp32":
-                    ref = row["peak_mib"]
+                    ref, ref_held = row["peak_mib"], row["held_mib"]
                 ratio = f"{row['peak_mib'] / ref:.2f}" if ref else "-"
+                ratio_held = f"{row['held_mib'] / ref_held:.2f}" if ref_held else "-"
                 trained = f"{row['trained']:,}" if "trained" in row else "-"
-                print(f"{shape:20} {part:9} {variant:15} {row['peak_mib']:9.0f} {ratio:>11} {trained:>12} "
-                      f"{row['seconds']:6.1f}", flush=True)
+                print(f"{shape:20} {part:9} {variant:15} {row['peak_mib']:9.0f} {ratio:>11} {row['held_mib']:9.0f} "
+                      f"{ratio_held:>11} {trained:>12} {row['seconds']:6.1f}", flush=True)
     if rows:
         print(f"(base RSS before building, not counted: {min(r['base_mib'] for r in rows):.0f}-"
               f"{max(r['base_mib'] for r in rows):.0f} MiB)")
