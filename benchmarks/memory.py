@@ -59,6 +59,13 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def held_mib(args) -> float:
+    """Memory in use now, while the module (and its optimizer) are alive."""
+    import torch
+
+    return torch.cuda.memory_allocated() / 2**20 if args.device == "cuda" else rss_mib()
+
+
 def build(args, variant: str, inference_only: bool):
     from agents.modules import CausalLMActorCritic
     from env.text_env import TokenGenerationEnv
@@ -125,7 +132,7 @@ def learner_update(args, variant: str) -> dict:
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return {"rows": int(obs_ids.shape[0]), "seconds": time.perf_counter() - start,
+    return {"rows": int(obs_ids.shape[0]), "seconds": time.perf_counter() - start, "held": held_mib(args),
             "params": sum(p.numel() for p in module.parameters()), "trained": sum(p.numel() for p in params)}
 
 
@@ -146,7 +153,7 @@ def envrunner_rollout(args, variant: str) -> dict:
         a = out[Columns.ACTIONS].cpu()
         ids = torch.cat([ids[:, 1:], a[:, None]], 1)
         mask = torch.cat([mask[:, 1:], torch.ones(args.rows, 1, dtype=torch.long)], 1)
-    return {"rows": args.rows, "seconds": time.perf_counter() - start,
+    return {"rows": args.rows, "seconds": time.perf_counter() - start, "held": held_mib(args),
             "params": sum(p.numel() for p in module.parameters())}
 
 
@@ -162,10 +169,8 @@ def one(args) -> None:
         torch.cuda.reset_peak_memory_stats()
     fn = learner_update if args.part == "learner" else envrunner_rollout
     result = fn(args, args.variant)
-    if args.device == "cuda":
-        peak, held = torch.cuda.max_memory_allocated() / 2**20, torch.cuda.memory_allocated() / 2**20
-    else:
-        peak, held = peak_rss_mib() - base, rss_mib() - base
+    peak = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else peak_rss_mib() - base
+    held = result.pop("held") - (0 if args.device == "cuda" else base)
     print(json.dumps({"shape": args.shape, "variant": args.variant, "part": args.part, "base_mib": base,
                       "peak_mib": peak, "held_mib": held, **result}))
 
