@@ -365,3 +365,32 @@ def test_lora_checkpointed_ppo_run_learns_and_leaves_a_checkpoint_that_exports(t
     export = run_module("agents.export", "--checkpoint", checkpoints[-1], "--out", str(out), timeout=180)
     assert export.returncode == 0, export.stderr[-2000:]
     assert "adapter_config.json" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
+
+
+@pytest.mark.parametrize("name", ["tiny-t5", "tiny-bart"])
+def test_seq2seq_lora_policy_keeps_no_reference_copy_and_its_reference_is_the_base(name):
+    import numpy as np
+
+    from agents.modules.seq2seq import Seq2SeqActorCritic
+
+    env_cfg = {"task": {"name": "sort_numbers"}, "max_prompt_len": 5, "max_new_tokens": 6, "encoder_decoder": True}
+
+    def build(model):
+        return Seq2SeqActorCritic(model_config={"model": {"name_or_path": name, **model}, "env": env_cfg, "seed": 0,
+                                                "reference_model": True}, inference_only=False).eval()
+
+    lora, base = build({"lora": {"r": 4}}), build({})  # target_modules: PEFT's default for T5 / BART
+    assert not hasattr(lora, "ref_model") and hasattr(base, "ref_model")
+    env = TokenGenerationEnv(env_cfg)
+    obs = [env.reset(seed=0)[0]]
+    for a in (5, 6, 7):
+        obs.append(env.step(a)[0])
+    batch = {Columns.OBS: {k: torch.as_tensor(np.stack([o[k] for o in obs])) for k in obs[0]},
+             Columns.ACTIONS: torch.tensor([5, 6, 7, 8]), "seq_id": torch.zeros(4, dtype=torch.long)}
+    perturb_adapters(lora)
+    with torch.no_grad():
+        ref, want = lora.reference_logp(batch), base.reference_logp(batch)
+        moved = lora.forward_train(batch)[Columns.ACTION_DIST_INPUTS]
+    torch.testing.assert_close(ref, want)
+    assert not torch.allclose(torch.log_softmax(moved, -1).gather(-1, batch[Columns.ACTIONS][:, None])[:, 0], want,
+                              atol=1e-3)
