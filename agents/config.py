@@ -372,17 +372,14 @@ def _check_cross_fields(cfg: dict, spec):
         raise ConfigError("stop: give at least one of " + ", ".join(stop))
 
 
-LORA_FIELDS = {"r": F(int, 8, **POS_INT), "alpha": F(float, 16.0, lo=0.0, lo_open=True),
-               "dropout": F(float, 0.0, lo=0.0, hi=1.0), "target_modules": F(list, None, optional=True),
-               "modules_to_save": F(list, None, optional=True)}
-
-
 def _check_scale(raw: dict, cfg: dict, spec) -> None:
     """LoRA, precision and gradient checkpointing: the `model.lora` section's keys, and a one-line
     refusal for an algorithm they do not apply to."""
     if _is_search_space(cfg["training"]["precision"]):
         raise ConfigError("training.precision: not searchable (it sets the learner's loss scaling); run one "
                           "experiment per precision")
+    from agents.models import LORA_FIELDS
+
     lora = cfg["model"]["lora"]
     if lora is not None:
         checked = {}

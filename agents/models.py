@@ -213,11 +213,20 @@ def disable_dropout(model: PreTrainedModel) -> None:
 
 # -- parameter-efficient policies and precision ----------------------------------------------
 
-# `model.lora` keys and their defaults; target_modules null: PEFT's default for the architecture
-# (GPT-2: c_attn; T5: q, v; BART: q_proj, v_proj).
+def _lora_fields() -> dict:
+    from env.validation import Field
+
+    return {"r": Field(int, 8, lo=1), "alpha": Field(float, 16.0, lo=0.0, lo_open=True),
+            "dropout": Field(float, 0.0, lo=0.0, hi=1.0),
+            "target_modules": Field(list, None, optional=True), "modules_to_save": Field(list, None, optional=True)}
+
+
+# The `model.lora` keys (agents.config checks a config's section against them). target_modules
+# null: PEFT's default for the architecture (GPT-2: c_attn; T5: q, v; BART: q_proj, v_proj).
 # modules_to_save: modules trained whole beside the adapters (e.g. a final layer norm), their
 # originals kept for the reference.
-LORA_DEFAULTS = {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": None, "modules_to_save": None}
+LORA_FIELDS = _lora_fields()
+LORA_DEFAULTS = {key: field.default for key, field in LORA_FIELDS.items()}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -48,11 +48,9 @@ LORA = {"r": 16, "alpha": 32.0, "target_modules": ["c_attn", "c_proj", "c_fc"]}
 
 
 def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
 
 
 def peak_rss_mib() -> float:

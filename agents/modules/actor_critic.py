@@ -269,7 +269,7 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         """RLlib's state (numpy arrays), bf16 weights as float32 (numpy has no bfloat16). With
         LoRA, the state EnvRunners receive (inference_only) holds the adapters only: the base
         weights are frozen, and every module builds the same ones from the config."""
-        if not any(t.dtype == torch.bfloat16 for t in self.state_dict().values()):
+        if not any(p.dtype == torch.bfloat16 for p in self.parameters()):
             state = super().get_state(*args, inference_only=inference_only, **kwargs)
         else:
             from ray.rllib.utils.numpy import convert_to_numpy
@@ -292,8 +292,9 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             from ray.rllib.utils.torch_utils import convert_to_torch_tensor
 
             missing, _ = self.load_state_dict(convert_to_torch_tensor(state), strict=False)
-            if [k for k in missing if not self._frozen_base_key(k)]:
-                raise ValueError(f"the policy's state lacks {[k for k in missing if not self._frozen_base_key(k)]}")
+            lacking = [k for k in missing if not self._frozen_base_key(k)]
+            if lacking:
+                raise ValueError(f"the policy's state lacks {lacking}")
         else:
             super().set_state(state)
         for cache in (self.kv_cache, getattr(self, "mask_kv_cache", None)):
