@@ -275,3 +275,28 @@ def test_run_killed_after_a_checkpoint_and_resumed_matches_the_uninterrupted_run
     assert len(steps) == len(set(steps)) and set(steps) <= set(range(1, 7)), (killed_steps, resumed_steps)
     assert all(s > max(killed_steps, default=0) for s in resumed_steps), (killed_steps, resumed_steps)
     assert resumed_steps, "the resumed run logged nothing to W&B"
+
+
+def test_saving_the_experiment_state_does_not_grow_the_driver():
+    # Tune saves each trial's recent metric values (deques, numpy scalars) through its JSON
+    # encoder every few seconds; each distinct value used to stay in the driver for good.
+    import collections
+    import json
+
+    import numpy as np
+    from ray.tune.utils.serialization import TuneFunctionEncoder
+    from ray.util import debug
+
+    from agents.train import make_log_once_pruner
+
+    pruner = make_log_once_pruner(every_s=0.0)
+    debug._logged.add("an unrelated warning")
+    sizes = []
+    for save in range(5):
+        for metric in range(200):
+            json.dumps({"last-5": collections.deque([save * 1000 + metric + 0.5], maxlen=5),
+                        "last": np.float32(save * 1000 + metric)}, cls=TuneFunctionEncoder)
+        pruner.on_step_end(iteration=save, trials=[])
+        sizes.append(len(debug._logged))
+    assert sizes == [sizes[0]] * 5, sizes
+    assert "an unrelated warning" in debug._logged  # Ray's other one-time warnings stay once

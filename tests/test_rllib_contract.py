@@ -163,3 +163,14 @@ def test_torch_learner_grad_scaler_hooks_used_by_fp16_training():
         "apply_gradients(")
     assert "scaler.step(" in inspect.getsource(TorchLearner.apply_gradients)
     assert "self._module_optimizers" in inspect.getsource(Learner)
+
+
+def test_tune_encoder_log_once_keys_forgotten_by_the_driver():
+    # agents/train.py forget_encoded_values drops Tune's encoder keys from ray.util.debug._logged
+    from ray.tune.utils import serialization
+    from ray.util import debug
+
+    from agents.train import ENCODER_LOG_KEY
+
+    assert isinstance(debug._logged, set)
+    assert f'log_once(f"{ENCODER_LOG_KEY}{{str(obj)}}")' in inspect.getsource(serialization.TuneFunctionEncoder)
