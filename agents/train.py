@@ -74,7 +74,7 @@ def _metric(result: dict, path: str):
     return None if math.isnan(value) else value
 
 
-def make_progress_callback(eval_interval: int = 0):
+def make_progress_callback(eval_interval: int = 0, quiet: bool = False):
     from ray.tune import Callback
 
     class ProgressPrinter(Callback):
@@ -118,7 +118,8 @@ def make_progress_callback(eval_interval: int = 0):
                 self.mask.setdefault(trial.trial_id, []).append(mask)
             fields.append(f"{result.get('time_total_s', 0):.0f}s")
             prefix = f"[{trial.trial_id}] " if len(trials) > 1 else ""
-            print(prefix + "  ".join(fields), flush=True)
+            if not quiet:
+                print(prefix + "  ".join(fields), flush=True)
 
     return ProgressPrinter()
 
@@ -467,7 +468,7 @@ def check_custom_resources(cfg: dict) -> None:
             raise ValueError(f"env_runners.custom_resources.{name}: expected a number >= 0, got {amount!r}")
 
 
-def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
+def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool = False):
     import ray
     from ray import tune
 
@@ -504,7 +505,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
         if cfg["stop"][key] is not None:
             stop[result_key] = cfg["stop"][key]
 
-    progress = make_progress_callback(cfg["evaluation"]["interval"])
+    progress = make_progress_callback(cfg["evaluation"]["interval"], quiet=quiet)
     callbacks = [progress, make_curve_logger(), make_progress_csv_logger(), make_log_once_pruner()]
     if tune_cfg["wandb"] or os.environ.get("WANDB_PROJECT"):
         callbacks.append(make_wandb_callback(cfg, name))
@@ -544,8 +545,9 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False):
             run_config=run_config,
         )
     algo = cfg["algorithm"] if isinstance(cfg["algorithm"], str) else "/".join(next(iter(cfg["algorithm"].values())))
-    print(f"Training {algo.upper()} on task {cfg['task']['name']!r} with model "
-          f"{cfg['model']['name_or_path']!r}; results in {experiment}", flush=True)
+    if not quiet:
+        print(f"Training {algo.upper()} on task {cfg['task']['name']!r} with model "
+              f"{cfg['model']['name_or_path']!r}; results in {experiment}", flush=True)
     start = time.time()
     with warnings.catch_warnings():
         # Tune suggests reuse_actors for PBT; RLlib's Algorithm has no reset_config, so an

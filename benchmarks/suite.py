@@ -1,0 +1,536 @@
+"""Every algorithm on tasks where they should differ, several seeds each, one report.
+
+    python -m benchmarks.suite [--quick] [--tasks T ...] [--algorithms A ...] [--seeds N]
+                               [--out DIR] [--tune] [--tuned FILE] [--report-only]
+
+Tasks (all offline, built-in tiny models, CPU-sized):
+  increasing  the increasing-numbers task, per-token reward: dense progress, easy exploration (control)
+  lock        combination_lock: reward only for writing a 3-number pattern (random exploration
+              sees it in about 1 episode of 7,000); a scripted guide knows the pattern
+  sentiment   the offline review task: a warm-started tiny GPT-2, VADER reward, KL to the warm start
+  sort        sort_numbers with a warm-started tiny T5 (seq2seq), sentence BLEU against the sorted list
+
+Each (task, algorithm) runs its seeds as one Ray Tune experiment (so a cluster runs it
+unchanged) from the same YAML a user would train with (`tune_configs/...`, listed per pair
+below), with the stop criterion replaced by a fixed budget of env steps. Per run it records
+the reward at the budget (the mean sampled reward over the last 10% of the budget; for guided
+algorithms the episodes the policy wrote alone, with no guide token) and the env steps at
+which the reward first reached the task's threshold. It writes, under --out:
+
+  summary.csv            one row per run (task, algorithm, seed, lr, reward at budget, steps to threshold, ...)
+  report.md              per task: mean and 95% interval over seeds; the claim comparisons
+  curves_<task>.png      mean reward against env steps per algorithm, shaded 95% band
+  configs/               the exact config of every experiment (train any of them with `tokenmdp train`)
+  runs/                  the Tune experiments (result.json per run)
+
+Learning rates: `--tune` runs each pair with the YAML's lr x {1/3, 1, 3} on a separate seed
+(1000) and writes the best (reward at budget) to --tuned (default benchmarks/suite_tuned.json);
+reported runs read that file (pairs missing from it keep the YAML's lr). The tuning runs are
+never among the reported ones. Nothing here passes or fails: it measures.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import glob
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+TUNING_SEED = 1000
+TUNE_FACTORS = (1 / 3, 1.0, 3.0)
+FINAL_FRACTION = 0.1  # "reward at the budget": mean over the results in the last 10% of the budget
+
+
+@dataclass
+class Pair:
+    """One algorithm on one task: the YAML it starts from and what the suite changes in it."""
+    config: str
+    overrides: list = field(default_factory=list)
+
+
+@dataclass
+class Task:
+    about: str
+    threshold: float
+    budget: int         # env steps per run (full)
+    quick_budget: int   # env steps per run (--quick)
+    pairs: dict         # algorithm -> Pair
+    common: list = field(default_factory=list)  # overrides for every algorithm of the task
+    prepare: str | None = None  # name of a function below that builds data / a warm start
+
+    def overrides(self, algorithm: str, prepared: dict) -> list:
+        out = []
+        for o in (*self.common, *self.pairs[algorithm].overrides):
+            for key, value in prepared.items():  # <name> placeholders: data, warm_start, algorithm, switch
+                o = o.replace(f"<{key}>", str(value))
+            out.append(o)
+        return out
+
+
+NLPO = "sampler={name: top_p, p: 0.9, masking: learned, sync_every: 10}"
+SYNTHETIC = {  # the synthetic tasks' algorithms: their own tuned YAMLs
+    "ppo": Pair("tune_configs/quickstart.yaml"),
+    "nlpo": Pair("tune_configs/quickstart.yaml", [NLPO]),
+    "a2c": Pair("tune_configs/a3c_synthetic.yaml",  # A3C's config in one process: synchronous A2C
+                ["env_runners.num_env_runners=0", "-env_runners.num_cpus_per_env_runner",
+                 "env_runners.num_envs_per_env_runner=64", "-training.lr_end", "-training.lr_decay_steps",
+                 "training.train_batch_size=2048"]),
+    "reinforce": Pair("tune_configs/reinforce_synthetic.yaml"),
+    "self_critical": Pair("tune_configs/self_critical_synthetic.yaml"),
+    "ppo_pp": Pair("tune_configs/ppo_pp_synthetic.yaml"),
+    "aggrevated": Pair("tune_configs/aggrevated_synthetic.yaml"),
+    "lols": Pair("tune_configs/lols_synthetic.yaml"),
+    "dlols": Pair("tune_configs/dlols_synthetic.yaml", ["-guide.switch_fraction", "guide.switch_iteration=<switch>"]),
+    "dqn_logits": Pair("tune_configs/dqn_synthetic.yaml", ["dqn.head=logits", "-evaluation"]),
+    "dqn_mlp": Pair("tune_configs/dqn_synthetic.yaml", ["dqn.head=mlp", "-evaluation"]),
+}
+SENTIMENT_PATHS = ["model.name_or_path=<warm_start>", "task.dataset.train=<data>/train.jsonl",
+                   "task.dataset.validation=<data>/validation.jsonl", "task.dataset.test=<data>/test.jsonl"]
+LOCK_GUIDE = "guide.callable=agents.guides:combination_lock"
+# A2C on a PPO config: one gradient step per batch, no minibatches or clipping.
+A2C_SETS = ["algorithm=a3c", "-training.minibatch_size", "-training.num_epochs"]
+
+TASKS = {
+    "increasing": Task(
+        "increasing_numbers (50 numbers, 20 tokens), per-token reward; random policy about 0.37",
+        threshold=0.7, budget=60_000, quick_budget=4_096, pairs=SYNTHETIC,
+        common=["env.dense_reward=true"]),
+    "lock": Task(
+        "combination_lock (pattern of 3 of 50 numbers in 20 tokens); random policy about 1.4e-4",
+        threshold=0.5, budget=60_000, quick_budget=4_096,
+        pairs={**{k: SYNTHETIC[k] for k in ("ppo", "nlpo", "reinforce")},
+               **{k: Pair(SYNTHETIC[k].config, [*SYNTHETIC[k].overrides, LOCK_GUIDE])
+                  for k in ("ppo_pp", "aggrevated", "lols", "dlols")}},
+        common=["task.name=combination_lock", "env.dense_reward=true"]),
+    "sentiment": Task(
+        "offline reviews, warm-started tiny GPT-2, VADER reward, KL 0.02 to the warm start",
+        threshold=0.8, budget=24_576, quick_budget=2_048, prepare="prepare_sentiment",
+        pairs={
+            "ppo": Pair("tune_configs/sentiment_offline.yaml"),
+            "nlpo": Pair("tune_configs/sentiment_offline.yaml", [NLPO]),
+            "ppo_mle": Pair("tune_configs/sentiment_offline.yaml", ["training.mle_coef=0.1"]),
+            "reinforce": Pair("tune_configs/reinforce_sentiment_offline.yaml"),
+            "self_critical": Pair("tune_configs/self_critical_sentiment_offline.yaml"),
+            "dlols": Pair("tune_configs/dlols_sentiment_offline.yaml",
+                          ["guide.name_or_path=<warm_start>", "-guide.switch_fraction",
+                           "guide.switch_iteration=<switch>"]),
+        },
+        common=SENTIMENT_PATHS),
+    "sort": Task(
+        "sort_numbers (5 of 20 numbers), warm-started tiny T5, sentence BLEU",
+        threshold=0.6, budget=20_480, quick_budget=1_024, prepare="prepare_sort",
+        pairs={
+            "ppo": Pair("tune_configs/seq2seq_sort_numbers.yaml"),
+            "a2c": Pair("tune_configs/seq2seq_sort_numbers.yaml", A2C_SETS),
+        },
+        common=["model.name_or_path=<warm_start>"]),
+}
+QUICK_ALGORITHMS = {"increasing": ["ppo", "reinforce"], "lock": ["ppo", "ppo_pp"],
+                    "sentiment": ["ppo"], "sort": ["ppo"]}
+
+# The source papers' directional claims, as comparisons of (task, algorithm) pairs.
+CLAIMS = [
+    ("Guided RL >= PPO when exploration is hard (RLGF)", "lock", "reward", [("ppo_pp", "ppo"), ("dlols", "ppo"),
+                                                                         ("aggrevated", "ppo"), ("lols", "ppo")]),
+    ("Guided RL on the control task (exploration easy)", "increasing", "reward", [("ppo_pp", "ppo"), ("dlols", "ppo")]),
+    ("Learned masking (NLPO) lowers the variance across seeds (CS224N report)", "*", "std", [("nlpo", "ppo")]),
+    ("Logits-initialised DQN head >= MLP head (CS224N report)", "increasing", "reward", [("dqn_logits", "dqn_mlp")]),
+    ("Self-critical >= REINFORCE with a mean baseline (SCST)", "*", "reward", [("self_critical", "reinforce")]),
+    ("Mixed MLE+RL raises the reward like RL", "sentiment", "reward", [("ppo_mle", "ppo")]),
+    ("RL beats its warm start", "sentiment", "start", [("ppo", "ppo")]),
+    ("RL beats its warm start", "sort", "start", [("ppo", "ppo"), ("a2c", "a2c")]),
+]
+
+
+# -- preparation --------------------------------------------------------------------------
+
+def _call(args: list[str]) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"error: {' '.join(args)} failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+
+
+def prepare_sentiment(folder: str, quick: bool) -> dict:
+    data, warm = os.path.join(folder, "data"), os.path.join(folder, "warm_start")
+    if not os.path.isfile(os.path.join(warm, "config.json")):
+        _call([sys.executable, "-m", "env.tasks.review_corpus", data, "--seed", "0"])
+        _call([sys.executable, "-m", "agents.pretrain", "tune_configs/pretrain_reviews.yaml",
+               "--set", f"output_dir={warm}", "--set", f"data.dataset.train={data}/train.jsonl",
+               "--set", f"data.dataset.validation={data}/validation.jsonl"])
+    return {"data": data, "warm_start": warm}
+
+
+def prepare_sort(folder: str, quick: bool) -> dict:
+    data, warm = os.path.join(folder, "data"), os.path.join(folder, "warm_start")
+    if not os.path.isfile(os.path.join(warm, "config.json")):
+        _call([sys.executable, "-m", "env.tasks.sort_numbers", data])
+        _call([sys.executable, "-m", "agents.pretrain", "tune_configs/pretrain_seq2seq_sort_numbers.yaml",
+               "--set", f"output_dir={warm}", "--set", f"data.dataset.train={data}/train.jsonl",
+               "--set", f"data.dataset.validation={data}/validation.jsonl",
+               "--set", f"model.tokenizer={data}/tokenizer"])
+    return {"data": data, "warm_start": warm}
+
+
+# -- configs ------------------------------------------------------------------------------
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """`a.b=value` sets (YAML value), `-a.b` removes a key."""
+    from agents.config import parse_override
+
+    raw = copy.deepcopy(raw)
+    for text in overrides:
+        if text.startswith("-"):
+            keys = text[1:].split(".")
+            node = raw
+            for k in keys[:-1]:
+                node = node.get(k) or {}
+            node.pop(keys[-1], None) if isinstance(node, dict) else None
+            continue
+        keys, value = parse_override(text)
+        node = raw
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return raw
+
+
+def experiment_config(task: str, algorithm: str, *, budget: int, seeds: list[int], lr: float | None,
+                      prepared: dict, runs: str, name: str, concurrent: int) -> dict:
+    """The raw (unvalidated) YAML dict of one experiment: the pair's YAML, the task's and the
+    pair's changes, and the suite's budget, seeds and storage."""
+    from agents.config import read_yaml
+
+    t = TASKS[task]
+    raw = read_yaml(os.path.join(ROOT, t.pairs[algorithm].config))
+    batch = int(raw.get("training", {}).get("train_batch_size") or 2048)
+    fields = {**prepared, "algorithm": algorithm, "switch": max(1, budget // batch // 5)}
+    raw = apply_overrides(raw, t.overrides(algorithm, fields))
+    raw["seed"] = {"grid_search": list(seeds)} if len(seeds) > 1 else seeds[0]
+    if lr is not None:
+        raw["training"]["lr"] = float(lr)
+    raw["stop"] = {"num_env_steps_sampled_lifetime": int(budget), "training_iteration": None,
+                   "time_total_s": None, "episode_return_mean": None}
+    raw["checkpoint"] = {"frequency": 0, "at_end": False}
+    raw.setdefault("tune", {})
+    raw["tune"].update({"name": name, "storage_path": runs, "dashboard": False,
+                        "max_concurrent_trials": concurrent, "num_cpus_per_trial": round(1.9 / concurrent, 2)})
+    raw.pop("generate", None)
+    return raw
+
+
+# -- results ------------------------------------------------------------------------------
+
+def trial_curve(trial_dir: str) -> list[tuple[int, float]]:
+    """(env steps, reward) per iteration; the policy-alone reward for guided runs."""
+    from benchmarks.guided_comparison import trial_curve as curve
+
+    return curve(trial_dir)
+
+
+def trial_seed(trial_dir: str) -> int | None:
+    try:
+        with open(os.path.join(trial_dir, "params.json")) as f:
+            return int(json.load(f).get("seed"))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def run_row(task: str, algorithm: str, trial_dir: str, budget: int, lr: float | None) -> dict:
+    curve = trial_curve(trial_dir)
+    # Tune stops after the iteration that crosses the budget: the curve up to that iteration.
+    end = next((i for i, (s, _) in enumerate(curve) if s >= budget), len(curve) - 1)
+    curve = curve[:end + 1]
+    last = [r for s, r in curve if s >= (1 - FINAL_FRACTION) * budget] or [r for _, r in curve[-1:]]
+    reached = next((s for s, r in curve if r >= TASKS[task].threshold), None)
+    return {"task": task, "algorithm": algorithm, "seed": trial_seed(trial_dir), "lr": lr,
+            "env_steps": curve[-1][0] if curve else 0, "start_reward": curve[0][1] if curve else None,
+            "reward_at_budget": sum(last) / len(last) if last else None,
+            "steps_to_threshold": reached, "threshold": TASKS[task].threshold, "trial_dir": trial_dir}
+
+
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def mean_ci(xs: list[float]) -> tuple[float, float, float]:
+    """Mean, sample standard deviation and the half-width of the 95% t interval."""
+    n = len(xs)
+    m = sum(xs) / n
+    if n < 2:
+        return m, 0.0, math.nan
+    s = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    return m, s, T975.get(n - 1, 1.96) * s / math.sqrt(n)
+
+
+def read_rows(path: str) -> list[dict]:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        for k in ("reward_at_budget", "start_reward", "lr"):
+            r[k] = float(r[k]) if r.get(k) not in (None, "", "None") else None
+        for k in ("env_steps", "steps_to_threshold", "seed"):
+            r[k] = int(float(r[k])) if r.get(k) not in (None, "", "None") else None
+    return rows
+
+
+COLUMNS = ["task", "algorithm", "seed", "lr", "env_steps", "start_reward", "reward_at_budget",
+           "steps_to_threshold", "threshold", "trial_dir"]
+
+
+def write_rows(path: str, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def stats(rows: list[dict], task: str, algorithm: str) -> dict | None:
+    mine = [r for r in rows if r["task"] == task and r["algorithm"] == algorithm and r["reward_at_budget"] is not None]
+    if not mine:
+        return None
+    m, s, ci = mean_ci([r["reward_at_budget"] for r in mine])
+    reached = [r["steps_to_threshold"] for r in mine if r["steps_to_threshold"] is not None]
+    start = mean_ci([r["start_reward"] for r in mine if r["start_reward"] is not None])[0]
+    return {"n": len(mine), "mean": m, "std": s, "ci": ci, "start": start, "reached": len(reached),
+            "steps": sum(reached) / len(reached) if reached else None,
+            "lr": mine[0]["lr"], "budget": max(r["env_steps"] for r in mine)}
+
+
+def _f(x, digits=3) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def claim_lines(rows: list[dict]) -> list[str]:
+    out = ["| claim | task | comparison | figures | difference (95% interval) |", "| --- | --- | --- | --- | --- |"]
+    tasks = sorted({r["task"] for r in rows})
+    for claim, where, kind, comparisons in CLAIMS:
+        for task in (tasks if where == "*" else [where]):
+            for a, b in comparisons:
+                sa, sb = stats(rows, task, a), stats(rows, task, b)
+                if not sa or not sb:
+                    continue
+                if kind == "start":
+                    figures = f"warm start / first iteration {_f(sa['start'])} -> {_f(sa['mean'])} at the budget"
+                    diff = _diff([r["reward_at_budget"] - r["start_reward"] for r in rows
+                                  if r["task"] == task and r["algorithm"] == a and r["start_reward"] is not None])
+                    out.append(f"| {claim} | {task} | {a}: budget vs start | {figures} | {diff} |")
+                elif kind == "std":
+                    out.append(f"| {claim} | {task} | {a} vs {b} | std over seeds {_f(sa['std'])} (n={sa['n']}) vs "
+                               f"{_f(sb['std'])} (n={sb['n']}); means {_f(sa['mean'])} vs {_f(sb['mean'])} | "
+                               f"std ratio {_f(sa['std'] / sb['std'] if sb['std'] else None, 2)} |")
+                else:
+                    d = sa["mean"] - sb["mean"]
+                    half = T975.get(min(sa["n"], sb["n"]) - 1, 1.96) * math.sqrt(
+                        sa["std"] ** 2 / sa["n"] + sb["std"] ** 2 / sb["n"])
+                    out.append(f"| {claim} | {task} | {a} vs {b} | {_f(sa['mean'])} ± {_f(sa['ci'])} vs "
+                               f"{_f(sb['mean'])} ± {_f(sb['ci'])} | {d:+.3f} ({d - half:+.3f} .. {d + half:+.3f}) |")
+    return out
+
+
+def _diff(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    m, _, ci = mean_ci(xs)
+    return f"{m:+.3f} ({m - ci:+.3f} .. {m + ci:+.3f})" if not math.isnan(ci) else f"{m:+.3f}"
+
+
+def report(rows: list[dict], out: str, command: str) -> str:
+    lines = ["# Algorithm benchmark suite", "",
+             f"Command: `{command}`", "",
+             f"Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Reward at budget: the mean "
+             f"sampled reward over the last {int(FINAL_FRACTION * 100)}% of the env-step budget (guided "
+             "algorithms: episodes the policy wrote alone). Intervals: 95% t interval of the mean over seeds. "
+             "Steps to threshold: the mean over the seeds that reached it (how many did is shown).", ""]
+    for task in [t for t in TASKS if any(r["task"] == t for r in rows)]:
+        t = TASKS[task]
+        lines += [f"## {task}", "", t.about + f"; threshold {t.threshold}.", "",
+                  "| algorithm | seeds | lr | first iteration | reward at budget | std | env steps to "
+                  f"{t.threshold} | reached |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for algorithm in t.pairs:
+            s = stats(rows, task, algorithm)
+            if s:
+                lines.append(f"| {algorithm} | {s['n']} | {s['lr']:.2g} | {_f(s['start'])} | {_f(s['mean'])} ± "
+                             f"{_f(s['ci'])} | {_f(s['std'])} | {_f(s['steps'], 0)} | {s['reached']}/{s['n']} |")
+        if os.path.isfile(os.path.join(out, f"curves_{task}.png")):
+            lines += ["", f"![{task}](curves_{task}.png)"]
+        lines.append("")
+    lines += ["## Claims: the comparisons", "", *claim_lines(rows), ""]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    written = []
+    for task in [t for t in TASKS if any(r["task"] == t for r in rows)]:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for algorithm in TASKS[task].pairs:
+            curves = [trial_curve(r["trial_dir"]) for r in rows if r["task"] == task and r["algorithm"] == algorithm
+                      and os.path.isdir(r["trial_dir"])]
+            curves = [c for c in curves if c]
+            if not curves:
+                continue
+            end = min(c[-1][0] for c in curves)
+            grid = np.linspace(max(c[0][0] for c in curves), end, 60)
+            ys = np.array([np.interp(grid, [s for s, _ in c], [r for _, r in c]) for c in curves])
+            m = ys.mean(0)
+            ax.plot(grid, m, label=f"{algorithm} (n={len(curves)})")
+            if len(curves) > 1:
+                half = T975.get(len(curves) - 1, 1.96) * ys.std(0, ddof=1) / math.sqrt(len(curves))
+                ax.fill_between(grid, m - half, m + half, alpha=0.15)
+        ax.axhline(TASKS[task].threshold, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("env steps")
+        ax.set_ylabel("mean sampled reward")
+        ax.set_title(task)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out, f"curves_{task}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+# -- running ------------------------------------------------------------------------------
+
+def run_experiment(raw: dict, configs: str) -> list[str]:
+    """Validates and trains one experiment through Tune; returns its trial directories."""
+    import yaml
+
+    from agents.config import validate
+    from agents.train import preflight, run
+
+    name = raw["tune"]["name"]
+    os.makedirs(configs, exist_ok=True)
+    with open(os.path.join(configs, name + ".yaml"), "w") as f:
+        yaml.safe_dump(raw, f, sort_keys=False)
+    cfg = validate(raw)
+    preflight(cfg)
+    experiment = os.path.join(raw["tune"]["storage_path"], name)
+    if os.path.isdir(experiment):
+        shutil.rmtree(experiment)  # a rerun replaces the old runs instead of mixing with them
+    run(cfg, quiet=True)
+    return sorted(d for d in glob.glob(os.path.join(experiment, "*")) if os.path.isfile(os.path.join(d, "result.json")))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small budgets, 2 seeds, a few algorithms (minutes)")
+    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), help="default: all")
+    parser.add_argument("--algorithms", nargs="+", help="default: every algorithm of each task")
+    parser.add_argument("--seeds", type=int, help="seeds per pair (default 5; --quick 2)")
+    parser.add_argument("--budget-scale", type=float, default=1.0, help="multiply every task's env-step budget")
+    parser.add_argument("--out", default="results/suite")
+    parser.add_argument("--tune", action="store_true", help="tune the learning rates (separate seed) and write --tuned")
+    parser.add_argument("--tuned", default=os.path.join(ROOT, "benchmarks", "suite_tuned.json"))
+    parser.add_argument("--concurrent", type=int, default=2, help="runs at once (default 2)")
+    parser.add_argument("--report-only", action="store_true", help="rewrite report and plots from summary.csv")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    command = "python -m benchmarks.suite " + " ".join(argv if argv is not None else sys.argv[1:])
+    summary = os.path.join(out, "summary.csv")
+    rows = read_rows(summary) if os.path.isfile(summary) else []
+    if args.report_only:
+        return finish(rows, out, command)
+
+    tasks = args.tasks or list(TASKS)
+    known = {a for t in tasks for a in TASKS[t].pairs}
+    bad = [a for a in args.algorithms or [] if a not in known]
+    if bad:
+        print(f"error: --algorithms: {', '.join(bad)} not in the suite's tasks {tasks} "
+              f"(known: {', '.join(sorted(known))})", file=sys.stderr)
+        return 2
+    seeds = list(range(args.seeds or (2 if args.quick else 5)))
+    tuned = {}
+    if os.path.isfile(args.tuned):
+        with open(args.tuned) as f:
+            tuned = json.load(f)
+
+    import ray
+
+    ray.init(logging_level="ERROR", include_dashboard=False, log_to_driver=False)
+    start = time.time()
+    try:
+        for task in tasks:
+            t = TASKS[task]
+            algorithms = [a for a in (args.algorithms or (QUICK_ALGORITHMS[task] if args.quick else t.pairs))
+                          if a in t.pairs]
+            if not algorithms:
+                continue
+            prepared = {}
+            if t.prepare:
+                print(f"[{task}] preparing data and warm start", flush=True)
+                prepared = globals()[t.prepare](os.path.join(out, "prep", task), args.quick)
+            budget = int((t.quick_budget if args.quick else t.budget) * args.budget_scale)
+            for algorithm in algorithms:
+                base_lr = None
+                if args.tune:
+                    from agents.config import read_yaml
+
+                    base_lr = float(read_yaml(os.path.join(ROOT, t.pairs[algorithm].config))["training"]["lr"])
+                    results = []
+                    for factor in TUNE_FACTORS:
+                        lr = base_lr * factor
+                        raw = experiment_config(task, algorithm, budget=budget, seeds=[TUNING_SEED], lr=lr,
+                                                prepared=prepared, runs=os.path.join(out, "tuning"),
+                                                name=f"{task}-{algorithm}-lr{lr:.2g}", concurrent=1)
+                        trials = run_experiment(raw, os.path.join(out, "configs", "tuning"))
+                        r = run_row(task, algorithm, trials[0], budget, lr)["reward_at_budget"] if trials else None
+                        print(f"[{task}/{algorithm}] tuning lr {lr:.2g}: reward at budget {_f(r)}", flush=True)
+                        results.append((-math.inf if r is None else r, lr))
+                    tuned[f"{task}/{algorithm}"] = max(results)[1]
+                    with open(args.tuned, "w") as f:
+                        json.dump(tuned, f, indent=1, sort_keys=True)
+                    continue
+                lr = tuned.get(f"{task}/{algorithm}")
+                raw = experiment_config(task, algorithm, budget=budget, seeds=seeds, lr=lr, prepared=prepared,
+                                        runs=os.path.join(out, "runs"), name=f"{task}-{algorithm}",
+                                        concurrent=args.concurrent)
+                lr = raw["training"]["lr"]
+                t0 = time.time()
+                trials = run_experiment(raw, os.path.join(out, "configs"))
+                new = [run_row(task, algorithm, d, budget, lr) for d in trials]
+                rows = [r for r in rows if not (r["task"] == task and r["algorithm"] == algorithm)] + new
+                write_rows(summary, rows)
+                s = stats(rows, task, algorithm)
+                print(f"[{task}/{algorithm}] {len(new)} runs of {budget:,} env steps in {time.time() - t0:.0f} s: "
+                      f"reward at budget {_f(s['mean']) if s else '-'} ± {_f(s['ci']) if s else '-'}", flush=True)
+    finally:
+        ray.shutdown()
+    print(f"suite: {time.time() - start:.0f} s", flush=True)
+    if args.tune:
+        print(f"tuned learning rates: {args.tuned}")
+        return 0
+    return finish(rows, out, command)
+
+
+def finish(rows: list[dict], out: str, command: str) -> int:
+    if not rows:
+        print("error: no runs in summary.csv", file=sys.stderr)
+        return 1
+    plot(rows, out)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(report(rows, out, command))
+    print(f"report: {os.path.join(out, 'report.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""benchmarks/suite.py: every (task, algorithm) experiment it would run is a valid config, the
+report's statistics are right, and `--quick` produces the report with the expected rows."""
+import csv
+import math
+import os
+
+import pytest
+
+from benchmarks import suite
+from tests.conftest import run_module
+
+PREPARED = {"data": "/nonexistent/data", "warm_start": "/nonexistent/warm_start"}
+
+
+@pytest.mark.parametrize("task,algorithm", [(t, a) for t, spec in suite.TASKS.items() for a in spec.pairs])
+def test_every_pair_is_a_valid_experiment_with_the_suite_budget(task, algorithm, tmp_path):
+    from agents.config import validate
+
+    raw = suite.experiment_config(task, algorithm, budget=12_345, seeds=[0, 1, 2], lr=7e-4, prepared=PREPARED,
+                                  runs=str(tmp_path), name=f"{task}-{algorithm}", concurrent=2)
+    cfg = validate(raw)
+    assert cfg["stop"]["num_env_steps_sampled_lifetime"] == 12_345
+    assert cfg["stop"]["training_iteration"] is None and cfg["stop"]["episode_return_mean"] is None
+    assert cfg["training"]["lr"] == 7e-4
+    assert raw["seed"] == {"grid_search": [0, 1, 2]}
+    expected = {"nlpo": "ppo", "ppo_mle": "ppo", "dqn_logits": "dqn", "dqn_mlp": "dqn", "a2c": "a3c"}
+    assert cfg["algorithm"] == expected.get(algorithm, algorithm)
+    if algorithm == "nlpo":
+        assert cfg["sampler"]["masking"] == "learned"
+    if algorithm.startswith("dqn"):
+        assert cfg["dqn"]["head"] == algorithm.split("_")[1]
+    if task == "lock":
+        assert cfg["task"]["name"] == "combination_lock"
+        if cfg["algorithm"] in ("ppo_pp", "aggrevated", "lols", "dlols"):
+            assert cfg["guide"]["callable"] == "agents.guides:combination_lock"
+    if suite.TASKS[task].prepare:
+        assert cfg["model"]["name_or_path"] == PREPARED["warm_start"]
+
+
+def test_reward_at_budget_and_steps_to_threshold_read_from_the_curve(tmp_path, monkeypatch):
+    curve = [(2000, 0.40), (4000, 0.55), (6000, 0.72), (8000, 0.70), (10000, 0.90), (12000, 0.99)]
+    monkeypatch.setattr(suite, "trial_curve", lambda d: curve)
+    monkeypatch.setattr(suite, "trial_seed", lambda d: 3)
+    row = suite.run_row("increasing", "ppo", "x", budget=9_000, lr=1e-3)
+    # The run stops at the iteration that crosses 9,000 (10,000); the last 10% of the budget holds only it.
+    assert row["reward_at_budget"] == pytest.approx(0.90)
+    assert row["steps_to_threshold"] == 6000 and row["start_reward"] == 0.40 and row["seed"] == 3
+
+
+def test_mean_and_interval_match_the_t_distribution():
+    from scipy import stats
+
+    xs = [0.61, 0.72, 0.66, 0.70, 0.58]
+    m, s, half = suite.mean_ci(xs)
+    assert m == pytest.approx(sum(xs) / 5)
+    assert s == pytest.approx(stats.tstd(xs))
+    assert half == pytest.approx(stats.t.ppf(0.975, 4) * stats.sem(xs), rel=1e-3)
+    assert math.isnan(suite.mean_ci([0.5])[2])
+
+
+@pytest.mark.slow
+def test_quick_suite_writes_summary_report_and_plots(tmp_path):
+    out = tmp_path / "suite"
+    r = run_module("benchmarks.suite", "--quick", "--tasks", "increasing", "lock", "--seeds", "2",
+                   "--out", str(out), timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(out / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    pairs = sorted({(r["task"], r["algorithm"]) for r in rows})
+    assert pairs == [("increasing", "ppo"), ("increasing", "reinforce"), ("lock", "ppo"), ("lock", "ppo_pp")]
+    for task, algorithm in pairs:
+        mine = [r for r in rows if (r["task"], r["algorithm"]) == (task, algorithm)]
+        assert sorted(int(r["seed"]) for r in mine) == [0, 1]
+        for r in mine:
+            assert int(r["env_steps"]) >= suite.TASKS[task].quick_budget
+            assert 0.0 <= float(r["reward_at_budget"]) <= 1.0
+    report = (out / "report.md").read_text()
+    for task, algorithm in pairs:
+        assert f"\n| {algorithm} | 2 |" in report.split(f"## {task}")[1].split("## ")[0]
+    assert "Guided RL >= PPO when exploration is hard" in report  # lock: ppo_pp vs ppo
+    assert os.path.getsize(out / "curves_increasing.png") > 5000 and os.path.getsize(out / "curves_lock.png") > 5000
+    assert (out / "configs" / "lock-ppo_pp.yaml").is_file()
