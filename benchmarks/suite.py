@@ -109,9 +109,9 @@ TASKS = {
     "lock": Task(
         "combination_lock (pattern of 3 of 50 numbers in 20 tokens); random policy about 1.4e-4",
         threshold=0.5, budget=60_000, quick_budget=4_096,
-        pairs={**{k: SYNTHETIC[k] for k in ("ppo", "nlpo", "reinforce")},
+        pairs={"ppo": SYNTHETIC["ppo"],
                **{k: Pair(SYNTHETIC[k].config, [*SYNTHETIC[k].overrides, LOCK_GUIDE])
-                  for k in ("ppo_pp", "aggrevated", "lols", "dlols")}},
+                  for k in ("ppo_pp", "aggrevated", "dlols")}},
         common=["task.name=combination_lock", "env.dense_reward=true"]),
     "sentiment": Task(
         "offline reviews, warm-started tiny GPT-2, VADER reward, KL 0.02 to the warm start",

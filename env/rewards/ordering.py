@@ -31,3 +31,22 @@ def increasing_pairs_reward(
         ascending = sum(1 for a, b in zip(nums, nums[1:]) if b > a)
         scores.append(min(ascending, pairs) / pairs)
     return scores
+
+
+def contains_pattern_reward(
+    prompts: list[str],
+    generations: list[str],
+    metas: list[dict] | None = None,
+    *,
+    pattern: tuple[int, ...] = (),
+) -> list[float]:
+    """1.0 when the generation's numbers contain `pattern` as a contiguous run, else 0.0
+    (non-number tokens are skipped, as in `increasing_pairs_reward`)."""
+    k = len(pattern)
+    target = list(pattern)
+    scores = []
+    for text in generations:
+        nums = _numbers(text)
+        hit = k > 0 and any(nums[i:i + k] == target for i in range(len(nums) - k + 1))
+        scores.append(1.0 if hit else 0.0)
+    return scores

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import inspect
 
+from env.tasks.combination_lock import CombinationLockTask
 from env.tasks.increasing_numbers import IncreasingNumbersTask
 from env.tasks.sort_numbers import SortNumbersTask
 from env.tasks.text_tasks import TEXT_TASKS  # imdb, commongen, dialogue, summarization, text (data sets)
 
-TASKS = {IncreasingNumbersTask.name: IncreasingNumbersTask, SortNumbersTask.name: SortNumbersTask, **TEXT_TASKS}
+TASKS = {IncreasingNumbersTask.name: IncreasingNumbersTask, CombinationLockTask.name: CombinationLockTask,
+         SortNumbersTask.name: SortNumbersTask, **TEXT_TASKS}
 
 
 TASK_METHODS = ("examples", "reward", "tokenizer")  # what every task has (see the module docstring)
@@ -62,7 +64,7 @@ def make_task(spec: dict, *, max_new_tokens: int):
     name = spec.pop("name", None)
     cls = task_class(name)
     if cls in TASKS.values():
-        if cls is IncreasingNumbersTask:
+        if cls in (IncreasingNumbersTask, CombinationLockTask):
             spec.setdefault("max_new_tokens", max_new_tokens)
         return cls(**spec)
     return _plugin_task(cls, name, spec, max_new_tokens)
