@@ -81,7 +81,7 @@ PINNED = {
     "_try_env_reset", "_create_iterator_if_necessary", "_make_batch_if_necessary", "_learner_connector",
     "_create_local_replay_buffer_if_necessary", "_local_tuner", "_trial_writer", "_trial_result",
     "_summary_writer_cls", "_trial_files", "_setup_trial", "_WandbLoggingActor", "_wandb", "_logger_actor_cls",
-    "_grad_scalers", "_module_optimizers",
+    "_grad_scalers", "_module_optimizers", "_logged",
 }
 THIRD_PARTY_PRIVATE_OK = {"_model"}  # bert_score's scorer (env/rewards/bertscore.py), not Ray's or transformers'
 
