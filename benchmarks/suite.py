@@ -11,8 +11,8 @@ Tasks (all offline, built-in tiny models, CPU-sized):
   sort        sort_numbers with a warm-started tiny T5 (seq2seq), sentence BLEU against the sorted list
 
 Each (task, algorithm) runs its seeds as one Ray Tune experiment (so a cluster runs it
-unchanged) from the same YAML a user would train with (`tune_configs/...`, listed per pair
-below), with the stop criterion replaced by a fixed budget of env steps. Per run it records
+unchanged) from the same YAML a user would train with (`tune_configs/...`, named per pair in
+`TASKS` below), with the stop criterion replaced by a fixed budget of env steps. Per run it records
 the reward at the budget (the mean sampled reward over the last 10% of the budget; for guided
 algorithms the episodes the policy wrote alone, with no guide token; AggreVaTeD is not in the
 suite because every one of its episodes has guide tokens) and the env steps at
