@@ -80,3 +80,33 @@ def test_quick_suite_writes_summary_report_and_plots(tmp_path):
     assert "Guided RL >= PPO when exploration is hard" in report  # lock: ppo_pp vs ppo
     assert os.path.getsize(out / "curves_increasing.png") > 5000 and os.path.getsize(out / "curves_lock.png") > 5000
     assert (out / "configs" / "lock-ppo_pp.yaml").is_file()
+
+
+def test_tune_keeps_the_best_lr_on_its_own_seed_and_reported_runs_use_it(tmp_path, monkeypatch):
+    """--tune runs lr x {1/3, 1, 3} on the tuning seed and writes the best; a later run reads it."""
+    import ray
+
+    seen = []
+
+    def fake_run(raw, configs):
+        lr, seeds = raw["training"]["lr"], raw["seed"]
+        seen.append((lr, seeds))
+        return [f"{raw['tune']['name']}-trial"]
+
+    monkeypatch.setattr(suite, "run_experiment", fake_run)
+    monkeypatch.setattr(suite, "run_row", lambda task, algo, d, budget, lr: {
+        "task": task, "algorithm": algo, "seed": 0, "lr": lr, "env_steps": budget, "start_reward": 0.3,
+        "reward_at_budget": 0.6 if abs(lr - 3e-3) < 1e-9 else 0.5,  # 3 x the YAML's lr wins
+        "steps_to_threshold": None, "threshold": 0.7, "trial_dir": d})
+    monkeypatch.setattr(suite, "plot", lambda rows, out: [])
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    tuned = tmp_path / "tuned.json"
+    args = ["--quick", "--tasks", "increasing", "--algorithms", "ppo", "--out", str(tmp_path), "--tuned", str(tuned)]
+    assert suite.main([*args, "--tune"]) == 0
+    assert [s for _, s in seen] == [suite.TUNING_SEED] * 3  # never a reported seed
+    assert sorted(lr for lr, _ in seen) == pytest.approx([1e-3 / 3, 1e-3, 3e-3])
+    assert __import__("json").loads(tuned.read_text()) == {"increasing/ppo": pytest.approx(3e-3)}
+    seen.clear()
+    assert suite.main(args) == 0
+    assert seen == [(pytest.approx(3e-3), {"grid_search": [0, 1]})]
