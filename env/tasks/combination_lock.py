@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import partial
 
 from env.rewards.ordering import contains_pattern_reward
-from env.tokenization import PAD_TOKEN, word_level_tokenizer
+from env.tasks.increasing_numbers import NumberWritingTask
 
 DEFAULT_PATTERN = "7 31 18"
 
@@ -35,23 +35,12 @@ def parse_pattern(pattern, num_numbers: int, max_new_tokens: int | None = None) 
     return numbers
 
 
-class CombinationLockTask:
+class CombinationLockTask(NumberWritingTask):
     name = "combination_lock"
     metrics = ("unlocked",)
 
     def __init__(self, num_numbers: int = 50, prompt_len: int = 5, pattern: str = DEFAULT_PATTERN,
                  max_new_tokens: int = 20):
-        if num_numbers < 2:
-            raise ValueError("task.num_numbers must be >= 2")
-        if prompt_len < 1:
-            raise ValueError("task.prompt_len must be >= 1")
-        self.num_numbers = num_numbers
-        self.prompt_len = prompt_len
+        super().__init__(num_numbers, prompt_len)
         self.pattern = parse_pattern(pattern, num_numbers, max_new_tokens)
         self.reward = partial(contains_pattern_reward, pattern=self.pattern)
-
-    def tokenizer(self):
-        return word_level_tokenizer([str(i) for i in range(self.num_numbers)])
-
-    def examples(self, split: str = "train") -> list[dict]:
-        return [{"prompt": " ".join([PAD_TOKEN] * self.prompt_len), "meta": {}}]
