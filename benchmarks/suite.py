@@ -7,6 +7,9 @@ Tasks (all offline, built-in tiny models, CPU-sized):
   increasing  the increasing-numbers task, per-token reward: dense progress, easy exploration (control)
   lock        combination_lock: reward only for writing a 3-number pattern (random exploration
               sees it in about 1 episode of 7,000); a scripted guide knows the pattern
+  lock_short  the same lock in 6 tokens instead of 20 (random: 1 episode of 31,000), so that a
+              guide roll-in, 1..5 tokens, often stops inside the pattern and leaves the policy
+              the rest to write
   sentiment   the offline review task: a warm-started tiny GPT-2, VADER reward, KL to the warm start
   sort        sort_numbers with a warm-started tiny T5 (seq2seq), sentence BLEU against the sorted list
 
@@ -16,18 +19,24 @@ unchanged) from the same YAML a user would train with (`tune_configs/...`, named
 the reward at the budget (the mean sampled reward over the last 10% of the budget; for guided
 algorithms the episodes the policy wrote alone, with no guide token; AggreVaTeD is not in the
 suite because every one of its episodes has guide tokens) and the env steps at
-which the reward first reached the task's threshold. It writes, under --out:
+which the reward first reached the task's threshold. On the sentiment task it also keeps each
+run's final checkpoint and measures the policy's language quality on the test split: the
+references' perplexity under the policy, its own continuations' perplexity under the warm
+start, and their distinct-2 (`language_quality`). It writes, under --out:
 
   summary.csv            one row per run (task, algorithm, seed, lr, reward at budget, steps to threshold, ...)
+  quality_reference.json the warm start's own language-quality figures
   report.md              per task: mean and 95% interval over seeds; the claim comparisons
   curves_<task>.png      mean reward against env steps per algorithm, shaded 95% band
   configs/               the exact config of every experiment (train any of them with `tokenmdp train`)
   runs/                  the Tune experiments (result.json per run)
 
 Learning rates: `--tune` runs each pair with the YAML's lr x {1/3, 1, 3} on a separate seed
-(1000) and writes the best (reward at budget) to --tuned (default benchmarks/suite_tuned.json);
-reported runs read that file (pairs missing from it keep the YAML's lr). The tuning runs are
-never among the reported ones. Nothing here passes or fails: it measures.
+(1000), one Tune experiment per pair (under tuning/, every run's row in tuning.csv), and writes
+the best (reward at budget, to 3 decimals; a tie keeps the YAML's lr) to --tuned (default
+benchmarks/suite_tuned.json); reported runs read that file (pairs missing from it keep the
+YAML's lr). The tuning runs are never among the reported ones. Nothing here passes or fails:
+it measures.
 """
 from __future__ import annotations
 
@@ -69,6 +78,7 @@ class Task:
     pairs: dict         # algorithm -> Pair
     common: list = field(default_factory=list)  # overrides for every algorithm of the task
     prepare: str | None = None  # name of a function below that builds data / a warm start
+    quality: bool = False  # measure the final policy's language quality (perplexities, distinct-2)
 
     def overrides(self, algorithm: str, prepared: dict) -> list:
         out = []
@@ -113,6 +123,11 @@ TASKS = {
                **{k: Pair(SYNTHETIC[k].config, [*SYNTHETIC[k].overrides, LOCK_GUIDE])
                   for k in ("ppo_pp", "dlols")}},
         common=["task.name=combination_lock", "env.dense_reward=true"]),
+    "lock_short": Task(
+        "combination_lock in 6 tokens: random policy about 3.2e-5; a guide roll-in (1..5 tokens) stops "
+        "inside the pattern 2 times in 5",
+        threshold=0.5, budget=60_000, quick_budget=4_096, pairs={},  # the lock's pairs, filled in below
+        common=["task.name=combination_lock", "env.dense_reward=true", "env.max_new_tokens=6"]),
     "sentiment": Task(
         "offline reviews, warm-started tiny GPT-2, VADER reward, KL 0.02 to the warm start",
         threshold=0.8, budget=24_576, quick_budget=2_048, prepare="prepare_sentiment",
@@ -126,7 +141,7 @@ TASKS = {
                           ["guide.name_or_path=<warm_start>", "-guide.switch_fraction",
                            "guide.switch_iteration=<switch>"]),
         },
-        common=SENTIMENT_PATHS),
+        common=SENTIMENT_PATHS, quality=True),
     "sort": Task(
         "sort_numbers (5 of 20 numbers), warm-started tiny T5, sentence BLEU",
         threshold=0.6, budget=20_480, quick_budget=1_024, prepare="prepare_sort",
@@ -136,17 +151,24 @@ TASKS = {
         },
         common=["model.name_or_path=<warm_start>"]),
 }
-QUICK_ALGORITHMS = {"increasing": ["ppo", "reinforce"], "lock": ["ppo", "ppo_pp"],
+TASKS["lock_short"].pairs = TASKS["lock"].pairs
+QUICK_ALGORITHMS = {"increasing": ["ppo", "reinforce"], "lock": ["ppo", "ppo_pp"], "lock_short": ["ppo_pp"],
                     "sentiment": ["ppo"], "sort": ["ppo"]}
 
 # The source papers' directional claims, as comparisons of (task, algorithm) pairs.
 CLAIMS = [
     ("Guided RL >= PPO when exploration is hard (RLGF)", "lock", "reward", [("ppo_pp", "ppo"), ("dlols", "ppo")]),
+    ("Guided RL >= PPO when exploration is hard (RLGF)", "lock_short", "reward",
+     [("ppo_pp", "ppo"), ("dlols", "ppo")]),
     ("Guided RL on the control task (exploration easy)", "increasing", "reward", [("ppo_pp", "ppo"), ("dlols", "ppo")]),
     ("Learned masking (NLPO) lowers the variance across seeds (CS224N report)", "*", "std", [("nlpo", "ppo")]),
     ("Logits-initialised DQN head >= MLP head (CS224N report)", "increasing", "reward", [("dqn_logits", "dqn_mlp")]),
     ("Self-critical >= REINFORCE with a mean baseline (SCST)", "*", "reward", [("self_critical", "reinforce")]),
     ("Mixed MLE+RL raises the reward like RL", "sentiment", "reward", [("ppo_mle", "ppo")]),
+    ("Mixed MLE+RL keeps the references' perplexity (lower is better)", "sentiment", "ref_perplexity",
+     [("ppo_mle", "ppo")]),
+    ("Mixed MLE+RL keeps its generations fluent (perplexity under the warm start)", "sentiment",
+     "gen_perplexity", [("ppo_mle", "ppo")]),
     ("RL beats its warm start", "sentiment", "start", [("ppo", "ppo")]),
     ("RL beats its warm start", "sort", "start", [("ppo", "ppo"), ("a2c", "a2c")]),
 ]
@@ -182,6 +204,52 @@ def prepare_sort(folder: str, quick: bool) -> dict:
     return {"data": data, "warm_start": warm}
 
 
+# -- language quality of a final policy (tasks with `quality`) ------------------------------
+
+QUALITY_COLUMNS = ["ref_perplexity", "gen_perplexity", "distinct_2"]
+
+
+def language_quality(path: str, warm_start: str, env_config: dict | None = None,
+                     max_examples: int = 200) -> tuple[dict, list[str], list[str], list[str]]:
+    """The language quality of a policy (a checkpoint, or the warm start itself with the
+    checkpoints' `env_config`) on the task's test split, first `max_examples` prompts:
+    `ref_perplexity`: the reference continuations' perplexity under the policy (does it still
+    model the language?); `gen_perplexity`: one sampled continuation per prompt, its perplexity
+    under the warm start (is what it writes still fluent?); `distinct_2` of those continuations.
+    Returns (figures, prompts as the env cut them, references, generations)."""
+    import torch
+
+    from agents.evaluate import Model, distinct_n, perplexity, rollout
+    from env.tasks import make_task
+    from env.text_env import TokenGenerationEnv
+
+    model, warm = Model(path), Model(warm_start)
+    env_config = model.env_config or env_config
+    task = make_task(env_config["task"], max_new_tokens=env_config["max_new_tokens"])
+    examples = task.examples("test")[:max_examples]
+    cfg = {**env_config, "split": "test", "tokenizer": model.tokenizer_spec, "encoder_decoder": model.seq2seq}
+    with torch.no_grad():
+        gens = rollout(model.policy, cfg, examples, greedy=False, seed=0)
+        env = TokenGenerationEnv(cfg)
+        prompts = [env.reset(options={"prompt": ex["prompt"]})[1]["prompt"] for ex in examples]
+        refs = [task.targets(ex)[0] for ex in examples]
+        figures = {"ref_perplexity": perplexity(model.lm, model.tokenizer, prompts, refs),
+                   "gen_perplexity": perplexity(warm.lm, warm.tokenizer, prompts, gens),
+                   "distinct_2": distinct_n(gens, 2)}
+    return figures, prompts, refs, gens
+
+
+def checkpoint_env_config(checkpoint: str) -> dict:
+    from agents.evaluate import Model
+
+    return Model(checkpoint).env_config
+
+
+def final_checkpoint(trial_dir: str) -> str | None:
+    found = sorted(glob.glob(os.path.join(trial_dir, "checkpoint_*")))
+    return found[-1] if found else None
+
+
 # -- configs ------------------------------------------------------------------------------
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -206,9 +274,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def experiment_config(task: str, algorithm: str, *, budget: int, seeds: list[int], lr: float | None,
-                      prepared: dict, runs: str, name: str, concurrent: int) -> dict:
+                      prepared: dict, runs: str, name: str, concurrent: int, checkpoint: bool = False) -> dict:
     """The raw (unvalidated) YAML dict of one experiment: the pair's YAML, the task's and the
-    pair's changes, and the suite's budget, seeds and storage."""
+    pair's changes, and the suite's budget, seeds and storage (a checkpoint at the end only
+    with `checkpoint`)."""
     from agents.config import read_yaml
 
     t = TASKS[task]
@@ -221,7 +290,7 @@ def experiment_config(task: str, algorithm: str, *, budget: int, seeds: list[int
         raw["training"]["lr"] = float(lr)
     raw["stop"] = {"num_env_steps_sampled_lifetime": int(budget), "training_iteration": None,
                    "time_total_s": None, "episode_return_mean": None}
-    raw["checkpoint"] = {"frequency": 0, "at_end": False}
+    raw["checkpoint"] = {"frequency": 0, "at_end": bool(checkpoint)}
     raw.setdefault("tune", {})
     raw["tune"].update({"name": name, "storage_path": runs, "dashboard": False,
                         "max_concurrent_trials": concurrent, "num_cpus_per_trial": round(1.9 / concurrent, 2)})
@@ -276,7 +345,7 @@ def read_rows(path: str) -> list[dict]:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     for r in rows:
-        for k in ("reward_at_budget", "start_reward", "lr"):
+        for k in ("reward_at_budget", "start_reward", "lr", *QUALITY_COLUMNS):
             r[k] = float(r[k]) if r.get(k) not in (None, "", "None") else None
         for k in ("env_steps", "steps_to_threshold", "seed"):
             r[k] = int(float(r[k])) if r.get(k) not in (None, "", "None") else None
@@ -284,21 +353,23 @@ def read_rows(path: str) -> list[dict]:
 
 
 COLUMNS = ["task", "algorithm", "seed", "lr", "env_steps", "start_reward", "reward_at_budget",
-           "steps_to_threshold", "threshold", "trial_dir"]
+           "steps_to_threshold", "threshold", *QUALITY_COLUMNS, "trial_dir"]
 
 
 def write_rows(path: str, rows: list[dict]) -> None:
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
         w.writeheader()
         w.writerows(rows)
 
 
-def stats(rows: list[dict], task: str, algorithm: str) -> dict | None:
-    mine = [r for r in rows if r["task"] == task and r["algorithm"] == algorithm and r["reward_at_budget"] is not None]
+def stats(rows: list[dict], task: str, algorithm: str, column: str = "reward_at_budget") -> dict | None:
+    """Mean, std and 95% half-interval of `column` over the pair's runs, and the pair's other figures."""
+    mine = [r for r in rows if r["task"] == task and r["algorithm"] == algorithm and r.get(column) is not None
+            and not (isinstance(r[column], float) and math.isnan(r[column]))]
     if not mine:
         return None
-    m, s, ci = mean_ci([r["reward_at_budget"] for r in mine])
+    m, s, ci = mean_ci([r[column] for r in mine])
     reached = [r["steps_to_threshold"] for r in mine if r["steps_to_threshold"] is not None]
     start = mean_ci([r["start_reward"] for r in mine if r["start_reward"] is not None])[0]
     return {"n": len(mine), "mean": m, "std": s, "ci": ci, "start": start, "reached": len(reached),
@@ -329,6 +400,10 @@ def claim_lines(rows: list[dict]) -> list[str]:
                                f"{_f(sb['std'])} (n={sb['n']}); means {_f(sa['mean'])} vs {_f(sb['mean'])} | "
                                f"std ratio {_f(sa['std'] / sb['std'] if sb['std'] else None, 2)} |")
                 else:
+                    if kind != "reward":  # another column of the rows, e.g. ref_perplexity
+                        sa, sb = stats(rows, task, a, kind), stats(rows, task, b, kind)
+                        if not sa or not sb:
+                            continue
                     d = sa["mean"] - sb["mean"]
                     half = T975.get(min(sa["n"], sb["n"]) - 1, 1.96) * math.sqrt(
                         sa["std"] ** 2 / sa["n"] + sb["std"] ** 2 / sb["n"])
@@ -361,11 +436,32 @@ def report(rows: list[dict], out: str, command: str) -> str:
             if s:
                 lines.append(f"| {algorithm} | {s['n']} | {s['lr']:.2g} | {_f(s['start'])} | {_f(s['mean'])} ± "
                              f"{_f(s['ci'])} | {_f(s['std'])} | {_f(s['steps'], 0)} | {s['reached']}/{s['n']} |")
+        lines += quality_lines(rows, task, out)
         if os.path.isfile(os.path.join(out, f"curves_{task}.png")):
             lines += ["", f"![{task}](curves_{task}.png)"]
         lines.append("")
     lines += ["## Claims: the comparisons", "", *claim_lines(rows), ""]
     return "\n".join(lines)
+
+
+def quality_lines(rows: list[dict], task: str, out: str) -> list[str]:
+    """The language-quality table of a task whose runs have it (mean ± 95% interval over seeds)."""
+    if not any(r["task"] == task and r.get("ref_perplexity") is not None for r in rows):
+        return []
+    path = os.path.join(out, "quality_reference.json")
+    reference = (json.load(open(path)) if os.path.isfile(path) else {}).get(task)
+    lines = ["", "Language quality of the final policy on the test split (200 prompts, one sampled continuation "
+             "each; lower perplexity is better):", "",
+             "| policy | references' perplexity under the policy | generations' perplexity under the warm start "
+             "| distinct-2 |", "| --- | ---: | ---: | ---: |"]
+    if reference:
+        lines.append("| warm start | " + " | ".join(_f(reference[c]) for c in QUALITY_COLUMNS) + " |")
+    for algorithm in TASKS[task].pairs:
+        cells = [stats(rows, task, algorithm, c) for c in QUALITY_COLUMNS]
+        if any(cells):
+            lines.append(f"| {algorithm} | " + " | ".join(f"{_f(c['mean'])} ± {_f(c['ci'])}" if c else "-"
+                                                        for c in cells) + " |")
+    return lines
 
 
 def plot(rows: list[dict], out: str) -> list[str]:
@@ -427,6 +523,57 @@ def run_experiment(raw: dict, configs: str) -> list[str]:
     return sorted(d for d in glob.glob(os.path.join(experiment, "*")) if os.path.isfile(os.path.join(d, "result.json")))
 
 
+def measure_quality(task: str, rows: list[dict], warm_start: str, out: str) -> None:
+    """Adds the language-quality columns to each run's row (from its final checkpoint) and, once,
+    the warm start's own figures to quality_reference.json."""
+    path = os.path.join(out, "quality_reference.json")
+    reference = json.load(open(path)) if os.path.isfile(path) else {}
+    for row in rows:
+        checkpoint = final_checkpoint(row["trial_dir"])
+        if checkpoint is None:
+            print(f"[{task}/{row['algorithm']}] no final checkpoint in {row['trial_dir']}: quality not measured")
+            continue
+        row.update(language_quality(checkpoint, warm_start)[0])
+        if task not in reference:
+            reference[task] = language_quality(warm_start, warm_start, checkpoint_env_config(checkpoint))[0]
+            with open(path, "w") as f:
+                json.dump(reference, f, indent=1)
+
+
+def trial_lr(trial_dir: str) -> float | None:
+    try:
+        with open(os.path.join(trial_dir, "params.json")) as f:
+            return float(json.load(f).get("lr"))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def tune_pair(task: str, algorithm: str, budget: int, prepared: dict, out: str, concurrent: int) -> float:
+    """Runs the pair with the YAML's lr x TUNE_FACTORS on TUNING_SEED (one Tune experiment, a grid
+    over lr), appends the results to tuning.csv and returns the lr with the best reward at budget
+    (ties: the YAML's own lr first, then the smaller)."""
+    from agents.config import read_yaml
+
+    base = float(read_yaml(os.path.join(ROOT, TASKS[task].pairs[algorithm].config))["training"]["lr"])
+    lrs = [base * f for f in TUNE_FACTORS]
+    raw = experiment_config(task, algorithm, budget=budget, seeds=[TUNING_SEED], lr=None, prepared=prepared,
+                            runs=os.path.join(out, "tuning"), name=f"{task}-{algorithm}", concurrent=concurrent)
+    raw["training"]["lr"] = {"grid_search": lrs}
+    trials = run_experiment(raw, os.path.join(out, "configs", "tuning"))
+    rows = [run_row(task, algorithm, d, budget, trial_lr(d)) for d in trials]
+    path = os.path.join(out, "tuning.csv")
+    old = [r for r in read_rows(path) if not (r["task"] == task and r["algorithm"] == algorithm)] \
+        if os.path.isfile(path) else []
+    write_rows(path, old + rows)
+    scored = {lr: next((r["reward_at_budget"] for r in rows if r["lr"] is not None and math.isclose(r["lr"], lr)), None)
+              for lr in lrs}
+    for lr, r in scored.items():
+        print(f"[{task}/{algorithm}] tuning lr {lr:.2g}: reward at budget {_f(r)}", flush=True)
+    best = max(scored, key=lambda lr: (-math.inf if scored[lr] is None else round(scored[lr], 3),
+                                       lr == base, -lr))
+    return best
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small budgets, 2 seeds, a few algorithms (minutes)")
@@ -479,33 +626,21 @@ def main(argv=None) -> int:
                 prepared = globals()[t.prepare](os.path.join(out, "prep", task), args.quick)
             budget = int((t.quick_budget if args.quick else t.budget) * args.budget_scale)
             for algorithm in algorithms:
-                base_lr = None
                 if args.tune:
-                    from agents.config import read_yaml
-
-                    base_lr = float(read_yaml(os.path.join(ROOT, t.pairs[algorithm].config))["training"]["lr"])
-                    results = []
-                    for factor in TUNE_FACTORS:
-                        lr = base_lr * factor
-                        raw = experiment_config(task, algorithm, budget=budget, seeds=[TUNING_SEED], lr=lr,
-                                                prepared=prepared, runs=os.path.join(out, "tuning"),
-                                                name=f"{task}-{algorithm}-lr{lr:.2g}", concurrent=1)
-                        trials = run_experiment(raw, os.path.join(out, "configs", "tuning"))
-                        r = run_row(task, algorithm, trials[0], budget, lr)["reward_at_budget"] if trials else None
-                        print(f"[{task}/{algorithm}] tuning lr {lr:.2g}: reward at budget {_f(r)}", flush=True)
-                        results.append((-math.inf if r is None else r, lr))
-                    tuned[f"{task}/{algorithm}"] = max(results)[1]
+                    tuned[f"{task}/{algorithm}"] = tune_pair(task, algorithm, budget, prepared, out, args.concurrent)
                     with open(args.tuned, "w") as f:
                         json.dump(tuned, f, indent=1, sort_keys=True)
                     continue
                 lr = tuned.get(f"{task}/{algorithm}")
                 raw = experiment_config(task, algorithm, budget=budget, seeds=seeds, lr=lr, prepared=prepared,
                                         runs=os.path.join(out, "runs"), name=f"{task}-{algorithm}",
-                                        concurrent=args.concurrent)
+                                        concurrent=args.concurrent, checkpoint=t.quality)
                 lr = raw["training"]["lr"]
                 t0 = time.time()
                 trials = run_experiment(raw, os.path.join(out, "configs"))
                 new = [run_row(task, algorithm, d, budget, lr) for d in trials]
+                if t.quality:
+                    measure_quality(task, new, prepared["warm_start"], out)
                 rows = [r for r in rows if not (r["task"] == task and r["algorithm"] == algorithm)] + new
                 write_rows(summary, rows)
                 s = stats(rows, task, algorithm)

@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks import suite
 from tests.conftest import run_module
+from tests.test_evaluate import setup  # noqa: F401 (fixture: two tiny GPT-2 directories and review data)
 
 PREPARED = {"data": "/nonexistent/data", "warm_start": "/nonexistent/warm_start"}
 
@@ -29,8 +30,9 @@ def test_every_pair_is_a_valid_experiment_with_the_suite_budget(task, algorithm,
         assert cfg["sampler"]["masking"] == "learned"
     if algorithm.startswith("dqn"):
         assert cfg["dqn"]["head"] == algorithm.split("_")[1]
-    if task == "lock":
+    if task.startswith("lock"):
         assert cfg["task"]["name"] == "combination_lock"
+        assert cfg["env"]["max_new_tokens"] == (6 if task == "lock_short" else 20)
         if cfg["algorithm"] in ("ppo_pp", "aggrevated", "lols", "dlols"):
             assert cfg["guide"]["callable"] == "agents.guides:combination_lock"
     if suite.TASKS[task].prepare:
@@ -82,31 +84,76 @@ def test_quick_suite_writes_summary_report_and_plots(tmp_path):
     assert (out / "configs" / "lock-ppo_pp.yaml").is_file()
 
 
-def test_tune_keeps_the_best_lr_on_its_own_seed_and_reported_runs_use_it(tmp_path, monkeypatch):
-    """--tune runs lr x {1/3, 1, 3} on the tuning seed and writes the best; a later run reads it."""
+def fake_tuning(tmp_path, monkeypatch, reward_of_lr) -> list:
+    """suite.main without Ray: each experiment 'runs' one trial per lr of its grid, and a run's
+    reward at budget is reward_of_lr(lr). Returns the list of (lr, seeds) of every experiment."""
     import ray
 
     seen = []
 
-    def fake_run(raw, configs):
+    def fake_run(raw, configs):  # one trial per lr of the grid, as Tune writes them
         lr, seeds = raw["training"]["lr"], raw["seed"]
         seen.append((lr, seeds))
-        return [f"{raw['tune']['name']}-trial"]
+        dirs = []
+        for i, value in enumerate(lr["grid_search"] if isinstance(lr, dict) else [lr]):
+            d = tmp_path / "trials" / f"{raw['tune']['name']}-{i}"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "params.json").write_text(__import__("json").dumps({"lr": value, "seed": seeds}))
+            dirs.append(str(d))
+        return dirs
 
     monkeypatch.setattr(suite, "run_experiment", fake_run)
     monkeypatch.setattr(suite, "run_row", lambda task, algo, d, budget, lr: {
         "task": task, "algorithm": algo, "seed": 0, "lr": lr, "env_steps": budget, "start_reward": 0.3,
-        "reward_at_budget": 0.6 if abs(lr - 3e-3) < 1e-9 else 0.5,  # 3 x the YAML's lr wins
-        "steps_to_threshold": None, "threshold": 0.7, "trial_dir": d})
+        "reward_at_budget": reward_of_lr(lr), "steps_to_threshold": None, "threshold": 0.7, "trial_dir": d})
     monkeypatch.setattr(suite, "plot", lambda rows, out: [])
     monkeypatch.setattr(ray, "init", lambda **kw: None)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
+    return seen
+
+
+def test_tune_keeps_the_best_lr_on_its_own_seed_and_reported_runs_use_it(tmp_path, monkeypatch):
+    """--tune runs lr x {1/3, 1, 3} on the tuning seed and writes the best; a later run reads it."""
+    seen = fake_tuning(tmp_path, monkeypatch, lambda lr: 0.6 if abs(lr - 3e-3) < 1e-9 else 0.5)  # 3 x YAML's lr wins
     tuned = tmp_path / "tuned.json"
     args = ["--quick", "--tasks", "increasing", "--algorithms", "ppo", "--out", str(tmp_path), "--tuned", str(tuned)]
     assert suite.main([*args, "--tune"]) == 0
-    assert [s for _, s in seen] == [suite.TUNING_SEED] * 3  # never a reported seed
-    assert sorted(lr for lr, _ in seen) == pytest.approx([1e-3 / 3, 1e-3, 3e-3])
+    assert [s for _, s in seen] == [suite.TUNING_SEED]  # never a reported seed
+    assert sorted(seen[0][0]["grid_search"]) == pytest.approx([1e-3 / 3, 1e-3, 3e-3])
+    tuning = suite.read_rows(str(tmp_path / "tuning.csv"))  # every tuning run is kept, apart from the reported ones
+    assert sorted(r["lr"] for r in tuning) == pytest.approx([1e-3 / 3, 1e-3, 3e-3])
     assert __import__("json").loads(tuned.read_text()) == {"increasing/ppo": pytest.approx(3e-3)}
     seen.clear()
     assert suite.main(args) == 0
     assert seen == [(pytest.approx(3e-3), {"grid_search": [0, 1]})]
+
+
+def test_tune_tie_keeps_the_yaml_lr(tmp_path, monkeypatch):
+    """Rewards equal to 3 decimals (e.g. a lock no lr opens) leave the YAML's lr in place."""
+    fake_tuning(tmp_path, monkeypatch, lambda lr: 0.0 if lr > 5e-4 else 0.0004)
+    tuned = tmp_path / "tuned.json"
+    args = ["--quick", "--tasks", "lock", "--algorithms", "ppo", "--out", str(tmp_path), "--tuned", str(tuned), "--tune"]
+    assert suite.main(args) == 0
+    assert __import__("json").loads(tuned.read_text()) == {"lock/ppo": pytest.approx(1e-3)}
+
+
+def test_language_quality_is_the_policys_perplexity_of_the_references_and_the_warm_starts_of_its_text(setup):
+    """The sentiment task's quality columns, against per-sequence log-probs computed directly."""
+    from agents.evaluate import distinct_n
+    from tests.test_evaluate import _logprob
+
+    warm, policy = setup["dirs"]
+
+    def ppl(model_dir, contexts, targets):
+        scored = [_logprob(model_dir, c, t) for c, t in zip(contexts, targets) if t]
+        return math.exp(-sum(lp for lp, _ in scored) / sum(n for _, n in scored))
+
+    figures, prompts, refs, gens = suite.language_quality(policy, warm, setup["env_config"], max_examples=8)
+    assert len(prompts) == len(refs) == len(gens) == 8
+    assert all(r and not r.startswith(p) for p, r in zip(prompts, refs))  # the rest of the review, after the prompt
+    assert figures["ref_perplexity"] == pytest.approx(ppl(policy, prompts, refs), rel=1e-4)
+    assert figures["gen_perplexity"] == pytest.approx(ppl(warm, prompts, gens), rel=1e-4)
+    assert figures["distinct_2"] == pytest.approx(distinct_n(gens, 2))
+    own = suite.language_quality(warm, warm, setup["env_config"], max_examples=8)[0]
+    assert own["ref_perplexity"] == pytest.approx(ppl(warm, prompts, refs), rel=1e-4)  # the policy's, not the warm start's
+    assert own["ref_perplexity"] != pytest.approx(figures["ref_perplexity"], rel=1e-3)
