@@ -171,6 +171,45 @@ def forget_encoded_values() -> int:
     return len(stale)
 
 
+# Tune's actor manager adds every task it schedules on a trial's actor (each `train()` call, each
+# save) to a per-actor set of futures, and empties that set only when the actor is removed: a
+# trial's driver kept the reference to every result it had received, so each result stayed in the
+# driver's object store for the trial's life (about 17 KB per quickstart iteration, 35-45 MB an
+# hour). `release_resolved_task_futures` drops a future from that set once it has resolved; the
+# set then holds only the tasks still running, which is what removing an actor needs.
+def release_resolved_task_futures() -> None:
+    """Installs the fix on Tune's actor manager (once per process; driver side)."""
+    from ray.air.execution._internal.actor_manager import RayActorManager
+
+    original = RayActorManager._schedule_tracked_actor_task
+    if getattr(original, "releases_resolved_futures", False):
+        return
+
+    def schedule(self, tracked_actor_task, method_name, *, args=None, kwargs=None, _return_future=False):
+        task, future = original(self, tracked_actor_task, method_name, args=args, kwargs=kwargs, _return_future=True)
+        actor, tracked = task._tracked_actor, self._actor_task_events._tracked_futures
+        on_result, on_error = tracked[future]
+
+        def forget():
+            futures = self._tracked_actors_to_task_futures.get(actor)
+            if futures is not None:
+                futures.discard(future)
+
+        def result(value):
+            forget()
+            return on_result(value)
+
+        def error(exception):
+            forget()
+            return on_error(exception)
+
+        tracked[future] = (result, error)
+        return (task, future) if _return_future else task
+
+    schedule.releases_resolved_futures, schedule.original = True, original
+    RayActorManager._schedule_tracked_actor_task = schedule
+
+
 def make_log_once_pruner(every_s: float = 10.0):
     from ray.tune import Callback
 
@@ -505,6 +544,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
         if cfg["stop"][key] is not None:
             stop[result_key] = cfg["stop"][key]
 
+    release_resolved_task_futures()
     progress = make_progress_callback(cfg["evaluation"]["interval"], quiet=quiet)
     callbacks = [progress, make_curve_logger(), make_progress_csv_logger(), make_log_once_pruner()]
     if tune_cfg["wandb"] or os.environ.get("WANDB_PROJECT"):

@@ -174,3 +174,19 @@ def test_tune_encoder_log_once_keys_forgotten_by_the_driver():
 
     assert isinstance(debug._logged, set)
     assert f'log_once(f"{ENCODER_LOG_KEY}{{str(obj)}}")' in inspect.getsource(serialization.TuneFunctionEncoder)
+
+
+def test_tune_actor_manager_task_futures_released_by_the_driver():
+    # agents/train.py release_resolved_task_futures wraps RayActorManager._schedule_tracked_actor_task
+    # and the (on_result, on_error) pair RayEventManager keeps per future
+    from ray.air.execution._internal.actor_manager import RayActorManager
+    from ray.air.execution._internal.event_manager import RayEventManager
+
+    assert params(RayActorManager._schedule_tracked_actor_task.__dict__.get("original",
+                                                                           RayActorManager._schedule_tracked_actor_task)) \
+        == ["self", "tracked_actor_task", "method_name", "args", "kwargs", "_return_future"]
+    src = inspect.getsource(RayActorManager)
+    assert "self._tracked_actors_to_task_futures[tracked_actor].add(future)" in src
+    assert "tracked_actor = tracked_actor_task._tracked_actor" in src
+    assert "self._tracked_futures[future] = (on_result, on_error)" in inspect.getsource(RayEventManager.track_future)
+    assert "on_result, on_error = self._tracked_futures.pop(future)" in inspect.getsource(RayEventManager.resolve_future)
