@@ -566,13 +566,22 @@ class Policy:
 
 class BodyLimit:
     """ASGI middleware: a request body over `max_bytes` gets a 413 before the app reads it
-    (declared by Content-Length, or counted as it arrives)."""
+    (declared by Content-Length, or counted as it arrives). The refused body is read to its end
+    first (up to `drain_bytes` in all): a server that answers and closes while the client is
+    still sending leaves the client a broken pipe or a reset instead of the 413."""
 
-    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES):
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES, drain_bytes: int = 16 * MAX_BODY_BYTES):
         self.app = app
         self.max_bytes = max_bytes
+        self.drain_bytes = drain_bytes
 
-    async def _refuse(self, scope, receive, send):
+    async def _refuse(self, scope, receive, send, received: int, more: bool):
+        while more and received <= self.drain_bytes:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            received += len(message.get("body", b""))
+            more = message.get("more_body", False)
         response = JSONResponse({"error": f"request body: larger than {self.max_bytes} bytes"}, status_code=413)
         await response(scope, receive, send)
 
@@ -585,7 +594,7 @@ class BodyLimit:
         except ValueError:
             declared = 0
         if declared > self.max_bytes:
-            return await self._refuse(scope, receive, send)
+            return await self._refuse(scope, receive, send, 0, declared <= self.drain_bytes)
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
@@ -593,9 +602,9 @@ class BodyLimit:
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await self._refuse(scope, receive, send)
             more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send, size, more)
         body, replayed = b"".join(chunks), False
 
         async def replay():

@@ -307,12 +307,17 @@ def trial_curve(trial_dir: str) -> list[tuple[int, float]]:
     return curve(trial_dir)
 
 
-def trial_seed(trial_dir: str) -> int | None:
+def trial_param(trial_dir: str, key: str, cast=float):
+    """A value of the trial's config (Tune's params.json), or None."""
     try:
         with open(os.path.join(trial_dir, "params.json")) as f:
-            return int(json.load(f).get("seed"))
+            return cast(json.load(f).get(key))
     except (OSError, ValueError, TypeError):
         return None
+
+
+def trial_seed(trial_dir: str) -> int | None:
+    return trial_param(trial_dir, "seed", int)
 
 
 def run_row(task: str, algorithm: str, trial_dir: str, budget: int, lr: float | None) -> dict:
@@ -540,14 +545,6 @@ def measure_quality(task: str, rows: list[dict], warm_start: str, out: str) -> N
                 json.dump(reference, f, indent=1)
 
 
-def trial_lr(trial_dir: str) -> float | None:
-    try:
-        with open(os.path.join(trial_dir, "params.json")) as f:
-            return float(json.load(f).get("lr"))
-    except (OSError, ValueError, TypeError):
-        return None
-
-
 def tune_pair(task: str, algorithm: str, budget: int, prepared: dict, out: str, concurrent: int) -> float:
     """Runs the pair with the YAML's lr x TUNE_FACTORS on TUNING_SEED (one Tune experiment, a grid
     over lr), appends the results to tuning.csv and returns the lr with the best reward at budget
@@ -560,7 +557,7 @@ def tune_pair(task: str, algorithm: str, budget: int, prepared: dict, out: str, 
                             runs=os.path.join(out, "tuning"), name=f"{task}-{algorithm}", concurrent=concurrent)
     raw["training"]["lr"] = {"grid_search": lrs}
     trials = run_experiment(raw, os.path.join(out, "configs", "tuning"))
-    rows = [run_row(task, algorithm, d, budget, trial_lr(d)) for d in trials]
+    rows = [run_row(task, algorithm, d, budget, trial_param(d, "lr")) for d in trials]
     path = os.path.join(out, "tuning.csv")
     old = [r for r in read_rows(path) if not (r["task"] == task and r["algorithm"] == algorithm)] \
         if os.path.isfile(path) else []

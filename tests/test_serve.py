@@ -544,3 +544,36 @@ def test_two_replicas_both_answer(checkpoint, tmp_path):
         assert len(replicas) == 2, replicas
     finally:
         srv.kill()
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_refused_body_is_read_to_its_end_before_the_413(declared):
+    # Answering while the client still sends leaves it a broken pipe, not the 413 (seen under load).
+    import asyncio
+
+    from agents.serve import BodyLimit
+
+    def refused(size: int, chunk: int = 100, drain: int = 1000):
+        chunks = [b"x" * chunk] * (size // chunk)
+        events = []
+
+        async def receive():
+            i = sum(1 for e in events if e == "chunk")
+            events.append("chunk")
+            return {"type": "http.request", "body": chunks[i], "more_body": i + 1 < len(chunks)}
+
+        async def send(message):
+            events.append(message.get("status", message["type"]))
+
+        async def app(scope, receive, send):
+            raise AssertionError("the app must not see a refused body")
+
+        headers = [(b"content-length", str(size).encode())] if declared else []
+        asyncio.run(BodyLimit(app, max_bytes=250, drain_bytes=drain)({"type": "http", "headers": headers},
+                                                                      receive, send))
+        return events
+
+    events = refused(800)
+    assert events[:8] == ["chunk"] * 8 and events[8] == 413  # the whole body, then the answer
+    if declared:  # a declared body beyond the drain limit is refused at once
+        assert refused(5000)[0] == 413
