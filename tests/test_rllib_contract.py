@@ -82,6 +82,8 @@ PINNED = {
     "_create_local_replay_buffer_if_necessary", "_local_tuner", "_trial_writer", "_trial_result",
     "_summary_writer_cls", "_trial_files", "_setup_trial", "_WandbLoggingActor", "_wandb", "_logger_actor_cls",
     "_grad_scalers", "_module_optimizers", "_logged",
+    "_schedule_tracked_actor_task", "_tracked_actor", "_actor_task_events", "_tracked_futures",
+    "_tracked_actors_to_task_futures",
 }
 THIRD_PARTY_PRIVATE_OK = {"_model"}  # bert_score's scorer (env/rewards/bertscore.py), not Ray's or transformers'
 
@@ -188,5 +190,6 @@ def test_tune_actor_manager_task_futures_released_by_the_driver():
     src = inspect.getsource(RayActorManager)
     assert "self._tracked_actors_to_task_futures[tracked_actor].add(future)" in src
     assert "tracked_actor = tracked_actor_task._tracked_actor" in src
+    assert "self._actor_task_events.track_future(" in src
     assert "self._tracked_futures[future] = (on_result, on_error)" in inspect.getsource(RayEventManager.track_future)
     assert "on_result, on_error = self._tracked_futures.pop(future)" in inspect.getsource(RayEventManager.resolve_future)
