@@ -10,7 +10,9 @@ module call and one batched env step:
     plans carry on by construction, and only rows that (re)started are prefilled;
   * rows whose episode ended wait (the env leaves them as they are, autoreset
     DISABLED) until a quarter of the rows are free, then they restart together,
-    so refills share one prefill pass;
+    so refills share one prefill pass; where the module's last restarts all
+    reused a stored prefill (prompts that repeat, `agents.modules.kv_cache`), a
+    restart costs no pass and finished rows restart at once;
   * an RLlib `SingleAgentEpisode` is built once per finished episode, from
     arrays, in the format RLlib's learner connectors consume.
 
@@ -352,7 +354,8 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
                 returned += len(episode)
                 st.active[i] = False
             st.cont[:] = True  # idle rows run along (their outputs are ignored) until they restart
-            refill(refill_at if st.active.any() else 1)
+            free = module is not None and hasattr(module, "restarts_are_free") and module.restarts_are_free()
+            refill(1 if free or not st.active.any() else refill_at)
         if by_steps and not random_actions:
             self._rollout = st
         return episodes, steps

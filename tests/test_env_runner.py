@@ -124,3 +124,39 @@ def test_fast_runner_greedy_evaluation_is_argmax():
             logits = module._logits(module.lm, module._hidden(module._trunk(module.lm), obs))
         assert (logits.argmax(-1).numpy() == e.get_actions()).all()
     runner.stop()
+
+
+def test_rollout_values_are_the_learner_modules_values_and_gae_reads_them():
+    """The EnvRunner stores V(s) of each step (the value head on the policy's trunk); they equal
+    the learner module's value pass on the same weights, which GAE then skips."""
+    from ray.rllib.core.columns import Columns
+
+    config = algorithm_config(validate(CAUSAL))
+    runner = FastTokenEnvRunner(config=config)
+    m = runner.module
+    learner_module = type(m)(observation_space=m.observation_space, action_space=m.action_space,
+                             inference_only=False, model_config=m.model_config)
+    torch.nn.init.normal_(learner_module.value_head.weight)  # a value head that is not all zeros
+    runner.module.set_state(learner_module.get_state(inference_only=True))
+    episodes = runner.sample(num_timesteps=60)
+    for e in episodes[:3]:
+        obs = {k: torch.as_tensor(v[:-1]) for k, v in e.get_observations().items()}
+        computed = learner_module.compute_values({Columns.OBS: obs}).detach()  # no stored values: a forward pass
+        assert computed.abs().max() > 0
+        stored = e.get_extra_model_outputs(Columns.VF_PREDS)
+        assert np.allclose(stored, computed.numpy(), atol=1e-5)
+        batch = {Columns.OBS: obs, Columns.VF_PREDS: torch.as_tensor(stored) + 1.0,
+                 Columns.TRUNCATEDS: torch.zeros(len(stored), dtype=torch.bool)}
+        assert torch.equal(learner_module.compute_values(batch), torch.as_tensor(stored, dtype=torch.float32) + 1.0)
+        batch[Columns.TRUNCATEDS][-1] = True  # a cut episode needs the state after its last step: computed
+        assert np.allclose(learner_module.compute_values(batch).detach().numpy(), computed.numpy(), atol=1e-5)
+    runner.stop()
+
+
+def test_a_separate_value_trunk_stays_on_the_learner():
+    config = algorithm_config(validate({**CAUSAL, "model": {**CAUSAL["model"], "value_model": "separate"}}))
+    runner = FastTokenEnvRunner(config=config)
+    assert not hasattr(runner.module, "value_head")
+    episodes = runner.sample(num_timesteps=20)
+    assert "vf_preds" not in episodes[0].extra_model_outputs
+    runner.stop()

@@ -83,3 +83,49 @@ def test_seeded_ppo_reward_curve_is_the_same_with_and_without_the_cache(ray_loca
     # except on a near-tie; allow a small drift, never a different trend.
     np.testing.assert_allclose(cached[:, 0], plain[:, 0], atol=0.03)
     assert cached[-1, 0] > cached[0, 0] + 0.05  # both runs learned, by the same amount
+
+
+def test_a_window_prefilled_before_is_reused_and_gives_the_uncached_logits():
+    cached, plain = module(True), module(False)
+    envs = [TokenGenerationEnv(ENV_CFG) for _ in range(4)]
+    obs = [e.reset(seed=i, options={"prompt": p})[0] for i, (e, p) in enumerate(zip(envs, ["1", "2 3", "1", "4"]))]
+
+    def call():
+        batch = {Columns.OBS: {k: torch.as_tensor(np.stack([o[k] for o in obs])) for k in obs[0]}}
+        torch.testing.assert_close(cached.forward_inference(batch)[Columns.ACTION_DIST_INPUTS],
+                                   plain.forward_inference(batch)[Columns.ACTION_DIST_INPUTS], atol=1e-5, rtol=1e-5)
+
+    stats = cached.kv_cache.stats
+    call()  # rows 0 and 2 start on the same window: 3 distinct windows computed for 4 rows
+    assert (stats["prefill_rows"], stats["prefill_computed_rows"]) == (4, 3)
+    for action in (5, 6):
+        obs = [e.step(action)[0] for e in envs]
+        call()
+    obs[0], obs[2] = envs[0].step(7)[0], envs[2].step(7)[0]
+    obs[1] = envs[1].reset(options={"prompt": "1"})[0]  # seen before: reused
+    obs[3] = envs[3].reset(options={"prompt": "5"})[0]  # new: computed
+    call()
+    assert (stats["prefill_rows"], stats["prefill_computed_rows"]) == (6, 4)
+    assert not cached.kv_cache.last_prefill_reused
+    obs[:3] = [e.step(8)[0] for e in envs[:3]]
+    obs[3] = envs[3].reset(options={"prompt": "2 3"})[0]
+    call()
+    assert (stats["prefill_rows"], stats["prefill_computed_rows"]) == (7, 4) and cached.kv_cache.last_prefill_reused
+    cached.set_state(cached.get_state())  # new weights: no stored prefill is valid any more
+    call()  # every row again; rows 0 and 2 still hold one window between them
+    assert (stats["prefill_rows"], stats["prefill_computed_rows"]) == (7 + 4, 4 + 3)
+
+
+def test_prefill_store_stays_within_its_bytes_dropping_the_least_recently_used():
+    from agents.modules.kv_cache import PrefillStore
+
+    entry = lambda: (torch.zeros(4), [(torch.zeros(2, 3), torch.zeros(2, 3))])  # noqa: E731  (16 + 48 bytes)
+    store = PrefillStore(max_bytes=3 * 64)
+    for key in (b"a", b"b", b"c"):
+        store.put(key, entry())
+    assert store.get(b"a") is not None  # now the most recently used
+    store.put(b"d", entry())
+    assert store.bytes <= 3 * 64 and set(store.entries) == {b"a", b"c", b"d"}
+    PrefillStore(max_bytes=10).put(b"x", entry())  # larger than the whole store: not kept
+    store.clear()
+    assert store.bytes == 0 and not store.entries

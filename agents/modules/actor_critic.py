@@ -125,17 +125,25 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
                 build_guide(g, self.tokenizer, seed=cfg.get("seed", 0), max_positions=seq_len),
                 max_new_tokens=env_cfg.get("max_new_tokens", 20), beta=g.get("beta", 0.2), mix=g.get("mix", 0.8),
                 seed=cfg.get("seed", 0), mode=g.get("mode", "ppo_pp"))  # EnvRunners reseed it: seed_rollouts
+        hidden = self.lm.config.hidden_size
+        # With the value head on the policy's trunk, EnvRunners compute V(s) from the hidden state
+        # each rollout step computes anyway and store it (VF_PREDS); GAE then reads it instead of a
+        # value pass over the train batch (see compute_values).
+        self.values_in_rollouts = cfg["model"].get("value_model", "shared") != "separate"
+        if self.values_in_rollouts:
+            self.value_head = nn.Linear(hidden, 1)
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
         if self.inference_only:
             self.eval()  # rollouts only; see act
             return
-        hidden = self.lm.config.hidden_size
         if cfg.get("gradient_checkpointing"):  # recompute each block's activations in the backward pass
             self.lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        if cfg["model"].get("value_model", "shared") == "separate":
+        if not self.values_in_rollouts:
             self.value_trunk = copy.deepcopy(self._trunk(self.lm))
-        self.value_head = nn.Linear(hidden, 1)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
+            self.value_head = nn.Linear(hidden, 1)
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
         if cfg.get("reference_model", False) and not has_lora(self.lm):
             self.ref_model = copy.deepcopy(self.lm).requires_grad_(False).eval()
 
@@ -173,8 +181,8 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
 
     # -- forward passes ----------------------------------------------------------------
 
-    def _next_token_logits(self, obs: dict, cont=None) -> torch.Tensor:
-        return self._logits(self.lm, self._hidden(self._trunk(self.lm), obs, cache=self.kv_cache, cont=cont))
+    def _next_token_hidden(self, obs: dict, cont=None) -> torch.Tensor:
+        return self._hidden(self._trunk(self.lm), obs, cache=self.kv_cache, cont=cont)
 
     def _mask_lm_logits(self, obs: dict, seq_ids=None, cached: bool = False, cont=None) -> torch.Tensor:
         with torch.no_grad():
@@ -182,14 +190,18 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             return self._logits(self.mask_lm,
                                 self._hidden(self._trunk(self.mask_lm), obs, seq_ids, cache, cont)).float()
 
-    def _acting_logits(self, obs: dict, cont=None) -> tuple[torch.Tensor, dict]:
-        """Next-token logits with the sampler's mask applied, plus what to store with the step.
-        `cont`: which rows continue the previous call's (the batch's ROW_CONTINUES), if known."""
-        logits = self._next_token_logits(obs, cont).float()
-        if not self.sampler.active:
-            return logits, {}
-        source = self._mask_lm_logits(obs, cached=True, cont=cont) if self.sampler.learned else logits
+    def _acting_logits(self, obs: dict, cont=None, values: bool = False) -> tuple[torch.Tensor, dict]:
+        """Next-token logits with the sampler's mask applied, plus what to store with the step
+        (with `values`, V(s) from the same hidden state when the value head reads the policy's
+        trunk). `cont`: which rows continue the previous call's (the batch's ROW_CONTINUES), if known."""
+        hidden = self._next_token_hidden(obs, cont)
+        logits = self._logits(self.lm, hidden).float()
         extra = {}
+        if values and self.values_in_rollouts:
+            extra[Columns.VF_PREDS] = self.value_head(hidden.float()).squeeze(-1)
+        if not self.sampler.active:
+            return logits, extra
+        source = self._mask_lm_logits(obs, cached=True, cont=cont) if self.sampler.learned else logits
         state = None
         if self.sampler.stateful:
             state = self.row_sampler_state(obs, source, cont)
@@ -199,6 +211,13 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
 
     def _forward(self, batch, **kwargs):
         return {Columns.ACTION_DIST_INPUTS: self._acting_logits(batch[Columns.OBS], batch.get(ROW_CONTINUES))[0]}
+
+    def restarts_are_free(self) -> bool:
+        """Whether the rows that started in the last call all reused a stored prefill (their
+        window was prefilled before, since the last weight sync): then an EnvRunner restarts a
+        finished row at once instead of waiting to restart several together."""
+        caches = [self.kv_cache, getattr(self, "mask_kv_cache", None)] if self.kv_cache is not None else []
+        return bool(caches) and all(getattr(c, "last_prefill_reused", False) for c in caches if c is not None)
 
     def act(self, batch, *, explore: bool = True, **kwargs) -> dict:
         """One rollout step for the project's EnvRunner: exploration (a sampled action and its
@@ -219,7 +238,7 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         the log-prob of the action taken.
         """
         cont = batch.get(ROW_CONTINUES)
-        logits, extra = self._acting_logits(batch[Columns.OBS], cont)
+        logits, extra = self._acting_logits(batch[Columns.OBS], cont, values=True)
         logp_all = torch.log_softmax(logits, -1)
         actions = torch.multinomial(logp_all.exp(), 1)[:, 0]  # masked tokens have probability exactly 0
         if self.guided is not None:  # the guide's tokens replace the policy's where its roll-in plan says so
@@ -244,8 +263,16 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
 
     def compute_values(self, batch, embeddings=None):
         """V(s) per row. From the loss: from the training pass's `embeddings`, with gradients.
-        Without them (RLlib's GAE connector, before the update): one pass per sequence, no
-        gradient, so no autograd graph is recorded for a pass nothing differentiates."""
+        Without them (RLlib's GAE connector, before the update): the values the rollout stored
+        (VF_PREDS, computed by the weights that sampled each step) where every episode is
+        complete, else one pass per sequence, no gradient, so no autograd graph is recorded
+        for a pass nothing differentiates."""
+        stored = batch.get(Columns.VF_PREDS) if embeddings is None else None
+        truncated = batch.get(Columns.TRUNCATEDS)
+        if stored is not None and (truncated is None or not bool(torch.as_tensor(truncated).any())):
+            # an episode cut short would need V of the state after its last step (RLlib's
+            # bootstrap slot holds a copy of the last step's instead): computed below then
+            return torch.as_tensor(stored, dtype=torch.float32)
         if embeddings is None:
             trunk = self.value_trunk if hasattr(self, "value_trunk") else self._trunk(self.lm)
             with torch.no_grad(), self.autocast():
@@ -288,15 +315,25 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         return key.startswith(("lm.", "mask_lm.")) and not is_adapter_key(key)
 
     def set_state(self, state) -> None:
-        if has_lora(self.lm) and self.inference_only:  # adapters only (see get_state)
-            from ray.rllib.utils.torch_utils import convert_to_torch_tensor
+        from ray.rllib.utils.torch_utils import convert_to_torch_tensor
 
+        if has_lora(self.lm) and self.inference_only:  # adapters only (see get_state)
             missing, _ = self.load_state_dict(convert_to_torch_tensor(state), strict=False)
             lacking = [k for k in missing if not self._frozen_base_key(k)]
             if lacking:
                 raise ValueError(f"the policy's state lacks {lacking}")
+        elif self.inference_only and self.values_in_rollouts and not any(k.startswith("value_head.") for k in state):
+            # a state without the value head (a checkpoint's EnvRunner state written before
+            # rollouts stored values): the rollouts store none until a state brings it
+            missing, _ = self.load_state_dict(convert_to_torch_tensor(state), strict=False)
+            lacking = [k for k in missing if not k.startswith("value_head.")]
+            if lacking:
+                raise ValueError(f"the policy's state lacks {lacking}")
+            self.values_in_rollouts = False
         else:
             super().set_state(state)
+            if self.inference_only and any(k.startswith("value_head.") for k in state):
+                self.values_in_rollouts = True
         for cache in (self.kv_cache, getattr(self, "mask_kv_cache", None)):
             if cache is not None:  # new weights: every cached key/value is stale
                 cache.invalidate()
@@ -349,4 +386,5 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             self.mask_kv_cache.invalidate()
 
     def get_non_inference_attributes(self) -> list[str]:
-        return ["value_head", "value_trunk", "ref_model"]
+        # the value head goes to EnvRunners when it reads the policy's trunk (rollouts store V(s))
+        return ["value_trunk", "ref_model"] + ([] if self.values_in_rollouts else ["value_head"])

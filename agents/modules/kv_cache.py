@@ -15,8 +15,19 @@ restarts to an arbitrary state, partial auto-resets of a vector env, and even
 reordered rows simply fail the check and are re-prefilled: a stale cache can
 never be used. Weight updates make every cached key/value stale:
 `invalidate()` on every weight sync.
+
+Prefills are shared by window content: rows that (re)start on the same window
+in one call are prefilled once, and a window prefilled since the last
+`invalidate()` is not computed again while it is in `PrefillStore` (bounded in
+bytes). A window's keys, values and last hidden state depend only on its
+tokens, its mask and the weights, so a reused prefill is the one a new pass
+would compute (up to float rounding of a different batch). Tasks whose prompts
+repeat (one fixed prompt, several samples per prompt, a small prompt set) then
+pay for a prompt's prefill once per weight sync instead of once per episode.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 from transformers import DynamicCache
@@ -103,14 +114,72 @@ def _same_step_with_4d_mask(trunk, past, ids, mask) -> bool:
     return bool(torch.allclose(outs[0], outs[1], atol=1e-4, rtol=1e-4))
 
 
+def cache_from_layers(config, layers) -> DynamicCache:
+    """A `DynamicCache` holding the given per-layer (keys, values)."""
+    past = DynamicCache(config=config)
+    for layer, (k, v) in zip(past.layers, layers):
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return past
+
+
+PREFILL_STORE_BYTES = 64 << 20  # per cache; a window larger than this is never stored (only shared within a call)
+
+
+class PrefillStore:
+    """Prefilled windows by content, least recently used first out, at most `max_bytes` of
+    keys/values: window key -> (hidden at the newest token, [(keys, values)] per layer), each
+    tensor one row's (no batch dimension)."""
+
+    def __init__(self, max_bytes: int = PREFILL_STORE_BYTES):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict = OrderedDict()
+        self.bytes = 0
+
+    @staticmethod
+    def size(entry) -> int:
+        hidden, layers = entry
+        return hidden.nbytes + sum(k.nbytes + v.nbytes for k, v in layers)
+
+    def get(self, key):
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def put(self, key, entry) -> None:
+        size = self.size(entry)
+        if size > self.max_bytes or key in self.entries:
+            return
+        while self.bytes + size > self.max_bytes:
+            self.bytes -= self.size(self.entries.popitem(last=False)[1])
+        self.entries[key] = entry
+        self.bytes += size
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
+
+
+def window_keys(ids: torch.Tensor, mask: torch.Tensor) -> list[bytes]:
+    """One hashable key per row: its window's tokens and mask."""
+    both = torch.cat([ids, mask], dim=-1).cpu().numpy()
+    return [row.tobytes() for row in both]
+
+
 class WindowKVCache:
-    def __init__(self):
+    def __init__(self, store_bytes: int = PREFILL_STORE_BYTES):
+        self.store = PrefillStore(store_bytes)
         self.invalidate()
-        self.stats = {"prefill_rows": 0, "incremental_rows": 0}
+        # prefill_rows: rows that (re)started (needed a prefill); prefill_computed_rows: of those,
+        # the ones a forward pass computed (the others reused a prefill of the same window)
+        self.stats = {"prefill_rows": 0, "prefill_computed_rows": 0, "incremental_rows": 0}
         self.mask_4d = None  # whether one-token steps pass a ready 4-D mask (decided at the first step)
+        self.last_prefill_reused = False  # whether the last rows that started all reused a prefill
 
     def invalidate(self) -> None:
         self.ids = self.mask = self.past = None
+        self.store.clear()
 
     @property
     def layers(self):
@@ -131,20 +200,19 @@ class WindowKVCache:
         if n_step == n:  # the usual step: every row appends one token; the cache object carries on
             return self._step(trunk, self.past, ids, mask)
         if n_step == 0:
-            hidden, self.past = self._prefill(trunk, ids, mask)
+            hidden, layers = self._prefill(trunk, ids, mask)
+            self.past = cache_from_layers(trunk.config, layers)
             return hidden
-        step_rows, fill_rows = torch.nonzero(cont)[:, 0], torch.nonzero(~cont)[:, 0]
-        past = DynamicCache(config=trunk.config)
-        for layer, (k, v) in zip(past.layers, self.layers):
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k[step_rows], v[step_rows]
-        h_step = self._step(trunk, past, ids[step_rows], mask[step_rows])
+        # Every row takes the cached step (a row that starts computes a throwaway token on its old
+        # cache, as idle rows do), then the rows that start get their prefill written over theirs:
+        # one pass over the whole batch, with no gathering of the continuing rows' keys/values.
+        hidden = self._step(trunk, self.past, ids, mask)
+        fill_rows = torch.nonzero(~cont)[:, 0]
         h_fill, filled = self._prefill(trunk, ids[fill_rows], mask[fill_rows])
-        for layer, fill in zip(past.layers, filled.layers):  # both parts back in batch order
-            layer.keys = merge_rows(layer.keys, fill.keys, step_rows, fill_rows)
-            layer.values = merge_rows(layer.values, fill.values, step_rows, fill_rows)
-        self.past = past
-        return merge_rows(h_step, h_fill, step_rows, fill_rows)
+        for layer, (k, v) in zip(self.past.layers, filled):
+            layer.keys[fill_rows], layer.values[fill_rows] = k.to(layer.keys.dtype), v.to(layer.values.dtype)
+        hidden[fill_rows] = h_fill.to(hidden.dtype)
+        return hidden
 
     def _step(self, trunk, past, ids, mask) -> torch.Tensor:
         """One cached token per row: drop the column shifted out of the window (padding, a view)."""
@@ -157,7 +225,30 @@ class WindowKVCache:
                     past_key_values=past, use_cache=True)
         return out.last_hidden_state[:, -1]
 
-    @staticmethod
-    def _prefill(trunk, ids, mask):
-        out = trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=True)
-        return out.last_hidden_state[:, -1], out.past_key_values
+    def _prefill(self, trunk, ids, mask):
+        """(hidden at each row's newest token, [(keys, values)] per layer) of whole windows. Each
+        distinct window not in the store is computed once (one pass for all of them)."""
+        keys = window_keys(ids, mask)
+        entries = {key: self.store.get(key) for key in dict.fromkeys(keys)}
+        todo = [key for key, entry in entries.items() if entry is None]
+        self.last_prefill_reused = not todo
+        if todo:
+            first = {key: row for row, key in reversed(list(enumerate(keys)))}
+            rows = torch.tensor([first[key] for key in todo], device=ids.device)
+            out = trunk(input_ids=ids[rows], attention_mask=mask[rows], position_ids=position_ids_for(mask[rows]),
+                        use_cache=True)
+            hidden, past = out.last_hidden_state[:, -1], out.past_key_values
+            computed = [(layer.keys, layer.values) for layer in past.layers]
+            self.stats["prefill_computed_rows"] += len(todo)
+            if len(todo) == len(keys):  # every row computed, in order: nothing to assemble
+                for j, key in enumerate(todo):
+                    self.store.put(key, (hidden[j].clone(), [(k[j].clone(), v[j].clone()) for k, v in computed]))
+                return hidden, computed
+            for j, key in enumerate(todo):
+                entries[key] = (hidden[j].clone(), [(k[j].clone(), v[j].clone()) for k, v in computed])
+                self.store.put(key, entries[key])
+        rows = [entries[key] for key in keys]
+        hidden = torch.stack([h for h, _ in rows])
+        layers = [(torch.stack([layers[i][0] for _, layers in rows]), torch.stack([layers[i][1] for _, layers in rows]))
+                  for i in range(len(rows[0][1]))]
+        return hidden, layers
