@@ -10,16 +10,17 @@ module call and one batched env step:
     plans carry on by construction, and only rows that (re)started are prefilled;
   * rows whose episode ended wait (the env leaves them as they are, autoreset
     DISABLED) until a quarter of the rows are free, then they restart together,
-    so refills share one prefill pass; where the module's last restarts all
-    reused a stored prefill (prompts that repeat, `agents.modules.kv_cache`), a
-    restart costs no pass and finished rows restart at once;
+    so refills share one prefill pass; where the last rows that started all
+    began on windows seen since the last weight sync (prompts that repeat), the
+    module's cache holds their prefill (`agents.modules.kv_cache`), a restart
+    costs no pass, and finished rows restart at once;
   * an RLlib `SingleAgentEpisode` is built once per finished episode, from
     arrays, in the format RLlib's learner connectors consume.
 
-A training call (`sample()` with no arguments, or `num_timesteps`) returns
-complete episodes holding at least the EnvRunner's share of the train batch
-(`train_batch_size / num_env_runners` env steps) and carries the episodes
-still running over to the next call, so no call waits for its slowest rows. A
+A training call (`sample()` with no arguments, or `num_timesteps`) samples
+at least the EnvRunner's share of the train batch (`train_batch_size /
+num_env_runners` env steps), returns complete episodes holding at least that
+many, and carries the episodes still running over to the next call, so no call waits for its slowest rows. A
 carried episode may thus span a weight sync: its early steps keep the
 log-probs of the weights that sampled them (PPO's ratio is taken against
 those), and the module re-prefills its cache with the new weights. A count of
@@ -62,7 +63,7 @@ import numpy as np
 import torch
 
 from ray.rllib.callbacks.utils import make_callback
-from ray.rllib.core import DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
+from ray.rllib.core import COMPONENT_RL_MODULE, DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
 from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
@@ -95,6 +96,7 @@ from env.vector_env import TokenGenerationVectorEnv, row_info
 SEED_STRIDE = 1_000_003  # far apart from the per-sub-env (+i) and per-EnvRunner (+index) offsets
 TOKEN_ENV = "token_generation"  # the name `make_token_env` is registered under (ray.tune.register_env)
 ROLLOUT_STATE = "rollout_state"  # the EnvRunner state key (and component name) added here
+SEEN_WINDOWS_MAX = 100_000  # windows remembered per weight version (for the restart schedule only)
 
 
 def state_requested(name: str, components, not_components) -> bool:
@@ -237,6 +239,30 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         self._episode_callbacks = [cls() for cls in force_list(self.config.callbacks_class)]
         self._env_seeded = False
         self._rollout = None  # unfinished episodes carried from one sample() call to the next
+        # Windows rows started on since the last weight sync, and whether the last rows that
+        # started all began on one of them: a module whose cache keeps prefills by window
+        # (agents.modules.kv_cache) then restarts them with no pass, so finished rows restart at
+        # once instead of waiting for a quarter of the rows. Decided here, from the windows alone,
+        # so a run samples the same episodes with the cache on or off.
+        cache = getattr(self.module, "kv_cache", None) if self.module is not None else None
+        self._reuses_prefills = self.module is not None and (cache is None or hasattr(cache, "store"))
+        self._seen_windows: set[bytes] = set()
+        self._restarts_free = False
+
+    def _note_windows(self, obs: dict, rows: np.ndarray) -> None:
+        if not self._reuses_prefills:
+            return
+        keys = [obs["input_ids"][i].tobytes() + obs["attention_mask"][i].tobytes() for i in rows]
+        self._restarts_free = all(key in self._seen_windows for key in keys)
+        if len(self._seen_windows) > SEEN_WINDOWS_MAX:
+            self._seen_windows.clear()
+        self._seen_windows.update(keys)
+
+    def set_state(self, state) -> None:
+        super().set_state(state)
+        if COMPONENT_RL_MODULE in state:  # new weights: the module's stored prefills are gone
+            self._seen_windows.clear()
+            self._restarts_free = False
 
     def _vector_env(self) -> TokenGenerationVectorEnv:
         env = self.env.unwrapped
@@ -308,6 +334,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
             st.obs, infos = env.reset(seed=self._first_seed(), options={"reset_mask": mask})
             for i in rows:
                 st.reset_infos[i] = row_info(infos, i)
+            self._note_windows(st.obs, rows)
             st.row_start[rows], st.start_time[rows] = len(st.hist_act), time.perf_counter()
             st.active[rows] = st.ever_started[rows] = True
             st.cont[rows] = False
@@ -321,7 +348,11 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
 
         refill(1)
         t_global = self.num_env_steps_sampled_lifetime
-        while (returned < num_timesteps) if by_steps else st.active.any():
+        # A training call both samples and returns at least its share: RLlib's sampling loop counts
+        # the steps sampled (NUM_ENV_STEPS_SAMPLED), and a call whose returned episodes were partly
+        # sampled by the call before would otherwise be followed by a second call in the same
+        # iteration (about 1.5x the configured train batch on average, 2x at worst).
+        while (min(returned, steps) < num_timesteps) if by_steps else st.active.any():
             obs = st.obs
             st.hist_obs.append(obs)
             if random_actions or module is None:
@@ -354,8 +385,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
                 returned += len(episode)
                 st.active[i] = False
             st.cont[:] = True  # idle rows run along (their outputs are ignored) until they restart
-            free = module is not None and hasattr(module, "restarts_are_free") and module.restarts_are_free()
-            refill(1 if free or not st.active.any() else refill_at)
+            refill(1 if self._restarts_free or not st.active.any() else refill_at)
         if by_steps and not random_actions:
             self._rollout = st
         return episodes, steps

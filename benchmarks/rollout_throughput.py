@@ -8,6 +8,8 @@ Measures tokens/s of
   (b)  RLlib's stock SingleAgentEnvRunner stepping TokenGenerationEnv rows, KV-cached module,
   (c)  the same with the cache off (--uncached; every step recomputes the whole window),
   (d)  the fast EnvRunner (agents/env_runner.py) stepping the vector env,
+  (d0) the same with prefills never reused: every row that starts is prefilled, as if every prompt
+       differed (this task's prompt is always the same, so (d) prefills it once per weight sync),
 and prints each EnvRunner's ratio to (a) and (a') and the bytes stored per sampled step.
 Repetitions run round-robin over the paths, so all see the same machine state.
 With --profile, it also splits the stock cached path's time by area (cProfile).
@@ -93,14 +95,17 @@ def stored_bytes_per_step(episodes) -> float:
     return total / max(steps, 1)
 
 
-def env_runner_path(args, *, kv_cache: bool, runner: str, stored: list):
-    """One rep of an EnvRunner's sample(): (env steps, seconds). `runner`: fast or stock."""
+def env_runner_path(args, *, kv_cache: bool, runner: str, stored: list, reuse_prefills: bool = True):
+    """One rep of an EnvRunner's sample(): (env steps, seconds). `runner`: fast or stock.
+    `reuse_prefills=False`: every row that starts is prefilled, as if every prompt differed."""
     config = algorithm_config(make_cfg(args, kv_cache, runner))
     if args.device == "cuda":  # RLlib places only remote EnvRunners (index >= 1) on a GPU
         config.env_runners(num_gpus_per_env_runner=1)
         env_runner = config.env_runner_cls(config=config, worker_index=1)
     else:
         env_runner = config.env_runner_cls(config=config)
+    if not reuse_prefills and kv_cache:
+        env_runner.module.kv_cache.reuse_prefills = False
     steps = args.batch * args.new
     device = torch.device(args.device)
 
@@ -172,6 +177,8 @@ def main():
                                                                          stored=stored_stock)),
         "d": ("(d) fast EnvRunner + vector env", env_runner_path(args, kv_cache=True, runner="fast",
                                                                   stored=stored_fast)),
+        "d0": ("(d0) fast, every prompt prefilled", env_runner_path(args, kv_cache=True, runner="fast",
+                                                                     stored=[], reuse_prefills=False)),
     }
     if args.uncached:
         paths["c"] = ("(c) stock RLlib EnvRunner, no cache", env_runner_path(args, kv_cache=False, runner="stock",

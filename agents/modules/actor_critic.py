@@ -212,13 +212,6 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
     def _forward(self, batch, **kwargs):
         return {Columns.ACTION_DIST_INPUTS: self._acting_logits(batch[Columns.OBS], batch.get(ROW_CONTINUES))[0]}
 
-    def restarts_are_free(self) -> bool:
-        """Whether the rows that started in the last call all reused a stored prefill (their
-        window was prefilled before, since the last weight sync): then an EnvRunner restarts a
-        finished row at once instead of waiting to restart several together."""
-        caches = [self.kv_cache, getattr(self, "mask_kv_cache", None)] if self.kv_cache is not None else []
-        return bool(caches) and all(getattr(c, "last_prefill_reused", False) for c in caches if c is not None)
-
     def act(self, batch, *, explore: bool = True, **kwargs) -> dict:
         """One rollout step for the project's EnvRunner: exploration (a sampled action and its
         log-prob) or inference (the logits). RLlib's forward_exploration/forward_inference wrap

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 
@@ -161,6 +162,21 @@ class PrefillStore:
         self.bytes = 0
 
 
+def prefill_pass(trunk, ids: torch.Tensor, mask: torch.Tensor):
+    """(hidden at each row's newest token, [(keys, values)] per layer) of whole windows, in one
+    pass that skips the leading columns that are padding in every row (a fresh episode's window
+    is mostly left padding: prompt 64 + 48 new tokens prefills 64 columns, not 112). Those
+    columns' keys/values come back as zeros; the attention mask hides them either way."""
+    real = torch.nonzero(mask.any(0))
+    start = int(real[0, 0]) if len(real) else ids.shape[1] - 1
+    ids, part = ids[:, start:], mask[:, start:]
+    out = trunk(input_ids=ids, attention_mask=part, position_ids=position_ids_for(part), use_cache=True)
+    layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+    if start:
+        layers = [(F.pad(k, (0, 0, start, 0)), F.pad(v, (0, 0, start, 0))) for k, v in layers]
+    return out.last_hidden_state[:, -1], layers
+
+
 def window_keys(ids: torch.Tensor, mask: torch.Tensor) -> list[bytes]:
     """One hashable key per row: its window's tokens and mask."""
     both = torch.cat([ids, mask], dim=-1).cpu().numpy()
@@ -176,6 +192,7 @@ class WindowKVCache:
         self.stats = {"prefill_rows": 0, "prefill_computed_rows": 0, "incremental_rows": 0}
         self.mask_4d = None  # whether one-token steps pass a ready 4-D mask (decided at the first step)
         self.last_prefill_reused = False  # whether the last rows that started all reused a prefill
+        self.reuse_prefills = True  # False: every row that starts is prefilled (as if no two windows were alike)
 
     def invalidate(self) -> None:
         self.ids = self.mask = self.past = None
@@ -228,6 +245,10 @@ class WindowKVCache:
     def _prefill(self, trunk, ids, mask):
         """(hidden at each row's newest token, [(keys, values)] per layer) of whole windows. Each
         distinct window not in the store is computed once (one pass for all of them)."""
+        if not self.reuse_prefills:
+            self.stats["prefill_computed_rows"] += len(ids)
+            self.last_prefill_reused = False
+            return prefill_pass(trunk, ids, mask)
         keys = window_keys(ids, mask)
         entries = {key: self.store.get(key) for key in dict.fromkeys(keys)}
         todo = [key for key, entry in entries.items() if entry is None]
@@ -235,10 +256,7 @@ class WindowKVCache:
         if todo:
             first = {key: row for row, key in reversed(list(enumerate(keys)))}
             rows = torch.tensor([first[key] for key in todo], device=ids.device)
-            out = trunk(input_ids=ids[rows], attention_mask=mask[rows], position_ids=position_ids_for(mask[rows]),
-                        use_cache=True)
-            hidden, past = out.last_hidden_state[:, -1], out.past_key_values
-            computed = [(layer.keys, layer.values) for layer in past.layers]
+            hidden, computed = prefill_pass(trunk, ids[rows], mask[rows])
             self.stats["prefill_computed_rows"] += len(todo)
             if len(todo) == len(keys):  # every row computed, in order: nothing to assemble
                 for j, key in enumerate(todo):
