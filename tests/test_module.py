@@ -106,7 +106,9 @@ def test_inference_only_module_has_no_learner_parts():
     _, full = make_module()
     _, lite = make_module(inference_only=True)
     assert hasattr(full, "value_head") and hasattr(full, "ref_model")
-    assert not hasattr(lite, "value_head") and not hasattr(lite, "ref_model")
+    assert not hasattr(lite, "ref_model")  # the value head (hidden x 1) is there: rollouts store V(s)
+    # The learner's inference-only state carries the LM and the value head, not the reference.
+    assert not any(k.startswith("ref_model.") for k in full.get_state(inference_only=True))
     # The learner's inference-only state loads into the EnvRunner's module exactly.
     lite.set_state(full.get_state(inference_only=True))
     for (name, a), (_, b) in zip(full.lm.state_dict().items(), lite.lm.state_dict().items()):
@@ -137,13 +139,15 @@ def test_dropout_is_off_even_in_train_mode():
     assert torch.equal(a, b)
 
 
-def test_exploration_samples_in_the_module_and_returns_only_action_and_logp():
+def test_exploration_samples_in_the_module_and_returns_only_action_logp_and_value():
     env, module = make_module(inference_only=True)
     obs, _, _ = rollout_obs(env)
     torch.manual_seed(0)
     with torch.no_grad():
         out = module.forward_exploration({Columns.OBS: obs})
         logits = module.forward_inference({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS]
-    assert set(out) == {Columns.ACTIONS, Columns.ACTION_LOGP}  # nothing of size V per step
+    # nothing of size V per step: the action, its log-prob and the state's value
+    assert set(out) == {Columns.ACTIONS, Columns.ACTION_LOGP, Columns.VF_PREDS}
+    assert out[Columns.VF_PREDS].shape == out[Columns.ACTIONS].shape
     want = torch.log_softmax(logits, -1).gather(-1, out[Columns.ACTIONS][:, None])[:, 0]
     torch.testing.assert_close(out[Columns.ACTION_LOGP], want, atol=1e-5, rtol=1e-5)

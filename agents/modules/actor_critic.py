@@ -184,6 +184,9 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
     def _next_token_hidden(self, obs: dict, cont=None) -> torch.Tensor:
         return self._hidden(self._trunk(self.lm), obs, cache=self.kv_cache, cont=cont)
 
+    def _next_token_logits(self, obs: dict, cont=None) -> torch.Tensor:
+        return self._logits(self.lm, self._next_token_hidden(obs, cont))
+
     def _mask_lm_logits(self, obs: dict, seq_ids=None, cached: bool = False, cont=None) -> torch.Tensor:
         with torch.no_grad():
             cache = self.mask_kv_cache if cached else None
