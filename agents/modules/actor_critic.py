@@ -268,7 +268,7 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         if stored is not None and (truncated is None or not bool(torch.as_tensor(truncated).any())):
             # an episode cut short would need V of the state after its last step (RLlib's
             # bootstrap slot holds a copy of the last step's instead): computed below then
-            return torch.as_tensor(stored, dtype=torch.float32)
+            return torch.as_tensor(stored, dtype=torch.float32, device=next(self.value_head.parameters()).device)
         if embeddings is None:
             trunk = self.value_trunk if hasattr(self, "value_trunk") else self._trunk(self.lm)
             with torch.no_grad(), self.autocast():
