@@ -210,6 +210,25 @@ def release_resolved_task_futures() -> None:
     RayActorManager._schedule_tracked_actor_task = schedule
 
 
+def check_experiment_state(experiment: str) -> None:
+    """Refuses, in one line, an experiment whose saved state is empty or cut short. Tune copies
+    the experiment from the driver's staging directory to the storage path in a background
+    thread; a driver killed during that copy leaves empty files, and Tune would then start the
+    run afresh under the old name or wait forever for a trial that never starts."""
+    import glob
+    import json
+
+    states = sorted(glob.glob(os.path.join(experiment, "experiment_state-*.json")), key=os.path.getmtime)
+    if not states:
+        return
+    try:
+        with open(states[-1]) as f:
+            json.load(f)
+    except (OSError, ValueError):
+        raise ValueError(f"--resume: the experiment state {states[-1]} is empty or cut short (the run was killed "
+                         "while Tune was copying it to the storage path); there is nothing to resume from") from None
+
+
 def make_log_once_pruner(every_s: float = 10.0):
     from ray.tune import Callback
 
@@ -570,6 +589,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
     if resume:
         if not tune.Tuner.can_restore(experiment):
             raise ValueError(f"--resume: no experiment to resume at {experiment}")
+        check_experiment_state(experiment)
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_errored=True)
         # The restored run config carries the callbacks pickled at the start; print through this
         # process's instead, so progress lines and the summary cover the resumed iterations.

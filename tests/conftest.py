@@ -1,5 +1,8 @@
+import glob
+import json
 import os
 import sys
+import time
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -85,3 +88,52 @@ def served_in_process(policy):
             app.dependency_overrides.clear()
 
     return serving()
+
+
+def suspend_trial_actors(driver_pid: int) -> None:
+    """SIGSTOP the run's trial actors (Ray workers titled ray::LMPPO...)."""
+    import psutil
+
+    for proc in psutil.Process(driver_pid).children(recursive=True):
+        try:
+            if "LMPPO" in " ".join(proc.cmdline()):
+                proc.suspend()
+        except psutil.Error:
+            pass
+
+
+def wait_until_copied(experiment_dir, timeout_s: float = 60.0) -> None:
+    """Until the storage copy of the experiment holds a parseable experiment state and no file
+    under it changed size for two checks 0.5 s apart."""
+    def sizes():
+        return {p: os.path.getsize(p) for p in glob.glob(os.path.join(experiment_dir, "**", "*"), recursive=True)
+                if os.path.isfile(p)}
+
+    def state_parses():
+        for path in glob.glob(os.path.join(experiment_dir, "experiment_state-*.json")):
+            try:
+                with open(path) as f:
+                    json.load(f)
+                return True
+            except (OSError, ValueError):
+                pass
+        return False
+
+    deadline, last, stable = time.monotonic() + timeout_s, None, 0
+    while time.monotonic() < deadline:
+        now = sizes()
+        stable = stable + 1 if now == last and state_parses() else 0
+        if stable >= 2:
+            return
+        last = now
+        time.sleep(0.5)
+
+
+def let_the_storage_copy_finish(driver_pid: int, experiment_dir) -> None:
+    """Before a test SIGKILLs a training run: Tune copies the experiment (its state, the trial
+    files) from the driver's staging directory to the storage path in a background thread after
+    each checkpoint, and a SIGKILL in the middle of that copy leaves empty files there that
+    nothing can resume from (`agents.train --resume` then stops in one line). Freezes the trial
+    actors, so no iteration or checkpoint follows, and waits for the copy to finish."""
+    suspend_trial_actors(driver_pid)
+    wait_until_copied(experiment_dir)

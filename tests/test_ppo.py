@@ -85,7 +85,7 @@ def test_killed_driver_resumes_from_its_last_checkpoint_without_resetting_the_po
     import subprocess
     import sys
 
-    from tests.conftest import ROOT, logged_iterations
+    from tests.conftest import ROOT, let_the_storage_copy_finish, logged_iterations
 
     args = [QUICKSTART, "--set", "stop.training_iteration=8", "--set", "checkpoint.frequency=2",
             "--set", f"tune.storage_path={tmp_path}", "--set", "tune.name=resume", "--set", "generate.num_samples=0",
@@ -100,6 +100,7 @@ def test_killed_driver_resumes_from_its_last_checkpoint_without_resetting_the_po
             if m:
                 before.append((int(m.group(1)), float(m.group(2))))
                 if before[-1][0] == 5:
+                    let_the_storage_copy_finish(first.pid, tmp_path / "resume")
                     break
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # the driver and the Ray processes it started

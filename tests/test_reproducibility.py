@@ -11,12 +11,13 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from agents.config import algorithm_config, load, read_yaml, validate
 from agents.train import _metric
-from tests.conftest import QUICKSTART, ROOT
+from tests.conftest import QUICKSTART, ROOT, let_the_storage_copy_finish
 
 TINY = ["training.train_batch_size=256", "training.minibatch_size=128", "training.num_epochs=2",
         "env_runners.num_envs_per_env_runner=8", "env.max_new_tokens=10"]
@@ -190,6 +191,7 @@ def test_resumed_wandb_run_logs_only_the_steps_it_does_not_hold(tmp_path, monkey
     monkeypatch.setenv("WANDB_SILENT", "true")
     kwargs = dict(project="repro", id="trial0001", dir=str(tmp_path), resume="allow", reinit=True)
     first = SkipLoggedSteps(wandb, str(tmp_path))
+    started = time.time()
     run = first.init(**kwargs)
     for step in range(1, 6):
         first.log({"episode_return_mean": step / 10}, step=step)
@@ -197,6 +199,10 @@ def test_resumed_wandb_run_logs_only_the_steps_it_does_not_hold(tmp_path, monkey
     wandb.teardown()  # the W&B service has written the run file
     assert wandb_logged_steps(str(tmp_path), "trial0001") == [1, 2, 3, 4, 5]
 
+    # W&B names a run's directory by its start time to the second: a resumed run started within
+    # the same second as the first would share (and overwrite) its directory. A real resume comes
+    # at least an iteration later; this one waits for the next second.
+    time.sleep(max(0.0, started + 1.1 - time.time()))
     again = SkipLoggedSteps(wandb, str(tmp_path))
     run = again.init(**kwargs)
     assert again.last_logged == 5
@@ -244,6 +250,7 @@ def test_run_killed_after_a_checkpoint_and_resumed_matches_the_uninterrupted_run
             if m:
                 seen.append(int(m.group(1)))
                 if seen[-1] == 5:
+                    let_the_storage_copy_finish(killed.pid, tmp_path / "killed")
                     break
     finally:
         os.killpg(killed.pid, signal.SIGKILL)
@@ -338,3 +345,16 @@ def test_a_long_trial_does_not_keep_its_results_in_the_driver(ray_local, tmp_pat
     monkeypatch.setattr(RayActorManager, "_schedule_tracked_actor_task", patched.original)
     refs, last = _driver_refs_during_a_long_trial(tmp_path, "stock")
     assert last == 120 and refs >= 100, refs  # Ray's own behaviour; when this fails, Ray fixed it upstream
+
+
+def test_resume_refuses_an_experiment_state_cut_short_in_one_line(tmp_path):
+    """A driver killed while Tune copied its experiment to the storage path leaves empty files;
+    --resume says so instead of starting afresh or waiting for a trial that never starts."""
+    from agents.train import check_experiment_state
+
+    state = tmp_path / "experiment_state-2026-11-24_12-41-31.json"
+    state.write_text("")
+    with pytest.raises(ValueError, match="empty or cut short"):
+        check_experiment_state(str(tmp_path))
+    state.write_text('{"trial_data": []}')
+    check_experiment_state(str(tmp_path))  # a whole state passes
