@@ -74,12 +74,13 @@ class LMGuide:
 
     def set_state(self, state: dict, device=None) -> None:
         self.generator.set_state(state["generator"])
-        self.cache.invalidate()
+        self.cache.forget_rows()  # the guide's weights never change: its stored prefills hold
 
     @torch.no_grad()
     def next_tokens(self, obs: dict, rows: torch.Tensor, cont=None) -> torch.Tensor:
         if self.lm.device != obs["input_ids"].device:  # follow the policy onto its EnvRunner's device
             self.lm.to(obs["input_ids"].device)
+            self.cache.invalidate()
         # Every row goes through the guide (not just `rows`), so its KV cache keeps continuing
         # rows and each step costs one incremental forward.
         hidden = self.cache.hidden_at_last_token(self.lm.base_model, obs, cont)
@@ -301,7 +302,7 @@ class GuidedRollout:
         if len(rows):
             actions[rows] = self.guide.next_tokens(obs, rows, cont_rows).to(actions.dtype)
         elif isinstance(self.guide, LMGuide):
-            self.guide.cache.invalidate()  # no forward this step: its cache no longer continues
+            self.guide.cache.forget_rows()  # no forward this step: its cache no longer continues
         return actions, torch.as_tensor(roles, device=ids.device)
 
 

@@ -199,6 +199,15 @@ def test_lm_guide_with_another_vocabulary_is_refused_and_a_matching_one_acts(tmp
     batch = {k: torch.as_tensor(np.stack([v, v])) for k, v in obs.items()}
     tokens = guide.next_tokens(batch, torch.tensor([1]))
     assert tokens.shape == (1,) and 0 <= int(tokens[0]) < len(policy_tok)
+    # A step the guide sits out breaks its rows' continuity but not its stored prefills (its weights
+    # never change): fresh windows seen before are not computed again, and act the same.
+    computed = guide.cache.stats["prefill_computed_rows"]
+    guide.cache.forget_rows()
+    assert torch.equal(guide.next_tokens(batch, torch.tensor([1])), tokens)
+    assert guide.cache.stats["prefill_computed_rows"] == computed
+    guide.cache.invalidate()  # what the policy's weight sync does: computed again
+    assert torch.equal(guide.next_tokens(batch, torch.tensor([1])), tokens)
+    assert guide.cache.stats["prefill_computed_rows"] == computed + 1  # the two rows share one window
 
 
 def test_rollout_with_mode_switch_keeps_started_episodes_plans():

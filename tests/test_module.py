@@ -102,6 +102,28 @@ def test_grouped_forward_runs_each_sequence_once():
     assert calls == [3]  # one batched pass over the 3 sequences, not one per step
 
 
+def test_learner_passes_skip_the_columns_that_are_padding_in_every_row():
+    # Windows of width 16 whose rows use their last 3..10 columns: a pass needs only the last 10,
+    # and each row's hidden state is the one its own tokens give without any padding.
+    _, module = make_module()
+    trunk = module.lm.base_model
+    gen = torch.Generator().manual_seed(0)
+    lengths = [3, 10, 7, 5]
+    ids = torch.randint(0, 12, (len(lengths), 16), generator=gen)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        mask[r, 16 - n:] = 1
+    widths = []
+    hook = trunk.register_forward_hook(lambda m, a, kw, out: widths.append(kw["input_ids"].shape[1]),
+                                       with_kwargs=True)
+    with torch.no_grad():
+        hidden = hidden_at_last_token(trunk, {"input_ids": ids, "attention_mask": mask})
+        hook.remove()
+        alone = [trunk(input_ids=ids[r:r + 1, 16 - n:]).last_hidden_state[0, -1] for r, n in enumerate(lengths)]
+    assert widths == [10]
+    torch.testing.assert_close(hidden, torch.stack(alone), atol=1e-5, rtol=1e-5)
+
+
 def test_inference_only_module_has_no_learner_parts():
     _, full = make_module()
     _, lite = make_module(inference_only=True)

@@ -88,8 +88,9 @@ def test_encoder_runs_once_per_episode_and_a_step_runs_one_decoder_token():
     # 40 steps = 10 episodes per row, 40 in all, each with its own source (distinct seeds).
     assert sum(encoded_rows) == 40  # one encoder row per episode
     assert len(encoded_rows) == 10  # one encoder call per batch of episodes that started together
-    # 40 steps = 10 episodes per row: each first step prefills [start], the other 3 feed one token each.
-    assert sum(1 for shape in decoder_tokens if shape[1] == 1) == 30
+    # 40 steps = 10 episodes per row: each first step prefills [start] (the padding columns before it
+    # are skipped), the other 3 feed one token each: every decoder call is one token wide.
+    assert len(decoder_tokens) == 40 and all(shape[1] == 1 for shape in decoder_tokens)
     assert module.kv_cache.stats["incremental_rows"] == 4 * 30
 
 

@@ -44,6 +44,14 @@ def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
+def first_used_column(mask: torch.Tensor) -> int:
+    """The first column that is not padding in every row (left padding): passes over the window
+    start there. The columns before it hold nothing any row attends to, and positions
+    (`position_ids_for`) count real tokens only, so the pass gives the same hidden states."""
+    real = torch.nonzero(mask.any(0))
+    return int(real[0, 0]) if len(real) else mask.shape[1] - 1
+
+
 def sequence_groups(mask: torch.Tensor, seq_ids: torch.Tensor | None):
     """One forward pass per sequence: rows of one sequence (same `seq_id`) are prefixes of its
     longest row. Returns (rep, inverse, column): rep[g] is the row holding group g's longest
@@ -167,8 +175,7 @@ def prefill_pass(trunk, ids: torch.Tensor, mask: torch.Tensor):
     pass that skips the leading columns that are padding in every row (a fresh episode's window
     is mostly left padding: prompt 64 + 48 new tokens prefills 64 columns, not 112). Those
     columns' keys/values come back as zeros; the attention mask hides them either way."""
-    real = torch.nonzero(mask.any(0))
-    start = int(real[0, 0]) if len(real) else ids.shape[1] - 1
+    start = first_used_column(mask)
     ids, part = ids[:, start:], mask[:, start:]
     out = trunk(input_ids=ids, attention_mask=part, position_ids=position_ids_for(part), use_cache=True)
     layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
@@ -195,8 +202,13 @@ class WindowKVCache:
         self.reuse_prefills = True  # False: every row that starts is prefilled (as if no two windows were alike)
 
     def invalidate(self) -> None:
-        self.ids = self.mask = self.past = None
+        """The weights changed: nothing cached holds."""
+        self.forget_rows()
         self.store.clear()
+
+    def forget_rows(self) -> None:
+        """The next call continues no row (the stored prefills stay: the weights did not change)."""
+        self.ids = self.mask = self.past = None
 
     @property
     def layers(self):

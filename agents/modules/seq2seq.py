@@ -33,6 +33,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import DynamicCache, EncoderDecoderCache
 
 from ray.rllib.core.columns import Columns
@@ -40,7 +41,8 @@ from ray.rllib.core.columns import Columns
 from agents.algorithms.sequence_batching import SEQ_ID
 from agents.models import build_seq2seq_lm, decoder_start_id
 from agents.modules.actor_critic import CausalLMActorCritic
-from agents.modules.kv_cache import merge_rows, position_ids_for, rows_that_continue, sequence_groups
+from agents.modules.kv_cache import (first_used_column, merge_rows, position_ids_for, rows_that_continue,
+                                     sequence_groups)
 
 ENC_IDS, ENC_MASK = "encoder_input_ids", "encoder_attention_mask"
 
@@ -120,10 +122,13 @@ def decoder_hidden(model, obs: dict, start_id: int, seq_ids: torch.Tensor | None
     enc_ids, enc_mask = obs[ENC_IDS], obs[ENC_MASK]
     rep, inverse, column = sequence_groups(mask, seq_ids)
     enc = encode(model, enc_ids[rep], enc_mask[rep])
-    with row_positions(model, position_ids_for(mask[rep])):
-        out = model.get_decoder()(input_ids=ids[rep], attention_mask=mask[rep], encoder_hidden_states=enc,
+    ids, mask = ids[rep], mask[rep]
+    start = first_used_column(mask)  # the columns that are padding in every pass row are skipped
+    ids, mask = ids[:, start:], mask[:, start:]
+    with row_positions(model, position_ids_for(mask)):
+        out = model.get_decoder()(input_ids=ids, attention_mask=mask, encoder_hidden_states=enc,
                                   encoder_attention_mask=enc_mask[rep], use_cache=False)
-    return out.last_hidden_state[inverse, column]
+    return out.last_hidden_state[inverse, column - start]
 
 
 def check_windowed_logits(model, start_id: int) -> None:
@@ -137,9 +142,12 @@ def check_windowed_logits(model, start_id: int) -> None:
     with torch.no_grad():
         ref = model(input_ids=src, attention_mask=torch.ones_like(src),
                     decoder_input_ids=torch.cat([torch.tensor([[start_id]]), tgt], 1)).logits[:, -1]
-        obs = {"input_ids": torch.cat([torch.zeros((1, 2), dtype=torch.long), tgt], 1),
-               "attention_mask": torch.tensor([[0, 0, 1, 1, 1]]), ENC_IDS: src, ENC_MASK: torch.ones_like(src)}
-        ours = lm_logits(model, decoder_hidden(model, obs, start_id))
+        # Row 0 is left-padded; row 1 fills the window, so the pass keeps row 0's padding columns.
+        full = torch.randint(2, vocab, (1, 5), generator=gen)
+        obs = {"input_ids": torch.cat([torch.cat([torch.zeros((1, 2), dtype=torch.long), tgt], 1), full]),
+               "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]),
+               ENC_IDS: src.repeat(2, 1), ENC_MASK: torch.ones_like(src).repeat(2, 1)}
+        ours = lm_logits(model, decoder_hidden(model, obs, start_id))[:1]
     model.train(model_was_training)
     if not torch.allclose(ours, ref, atol=1e-4, rtol=1e-4):
         raise ValueError(f"model.name_or_path: {type(model).__name__} gives different logits on a left-padded "
@@ -207,13 +215,19 @@ class EncoderDecoderKVCache:
             self_kv = [(l.keys, l.values) for l in out.past_key_values.self_attention_cache.layers]
             cross_kv = [(l.keys, l.values) for l in out.past_key_values.cross_attention_cache.layers]
         if len(fill_rows):
+            # The decoder runs from the first column a starting row uses (a fresh row's window is
+            # its start token alone); the skipped columns' keys/values are zeros, masked either way.
             m = mask[fill_rows]
+            start = first_used_column(m)
+            m = m[:, start:]
             with row_positions(model, position_ids_for(m)):
-                out = decoder(input_ids=ids[fill_rows], attention_mask=m, encoder_hidden_states=enc_hidden[fill_rows],
-                              encoder_attention_mask=enc_mask[fill_rows], use_cache=True)
+                out = decoder(input_ids=ids[fill_rows, start:], attention_mask=m,
+                              encoder_hidden_states=enc_hidden[fill_rows], encoder_attention_mask=enc_mask[fill_rows],
+                              use_cache=True)
             h = out.last_hidden_state[:, -1]
             hidden = h if hidden is None else merge_rows(hidden, h, step_rows, fill_rows)
-            fill_self = [(l.keys, l.values) for l in out.past_key_values.self_attention_cache.layers]
+            fill_self = [(F.pad(l.keys, (0, 0, start, 0)), F.pad(l.values, (0, 0, start, 0)))
+                         for l in out.past_key_values.self_attention_cache.layers]
             fill_cross = [(l.keys, l.values) for l in out.past_key_values.cross_attention_cache.layers]
             if self_kv is None:
                 self_kv, cross_kv = fill_self, fill_cross
