@@ -244,13 +244,15 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         # (agents.modules.kv_cache) then restarts them with no pass, so finished rows restart at
         # once instead of waiting for a quarter of the rows. Decided here, from the windows alone,
         # so a run samples the same episodes with the cache on or off.
-        cache = getattr(self.module, "kv_cache", None) if self.module is not None else None
-        self._reuses_prefills = self.module is not None and (cache is None or hasattr(cache, "store"))
+        self._cache = getattr(self.module, "kv_cache", None) if self.module is not None else None
+        self._reuses_prefills = self.module is not None and (self._cache is None or hasattr(self._cache, "store"))
         self._seen_windows: set[bytes] = set()
         self._restarts_free = False
 
     def _note_windows(self, obs: dict, rows: np.ndarray) -> None:
-        if not self._reuses_prefills:
+        # A cache told not to reuse prefills (`reuse_prefills = False`, as if every prompt
+        # differed) gets the schedule of distinct prompts: restarts wait and share a pass.
+        if not self._reuses_prefills or not getattr(self._cache, "reuse_prefills", True):
             return
         keys = [obs["input_ids"][i].tobytes() + obs["attention_mask"][i].tobytes() for i in rows]
         self._restarts_free = all(key in self._seen_windows for key in keys)

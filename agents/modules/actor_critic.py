@@ -43,8 +43,8 @@ from ray.rllib.core.rl_module.torch import TorchRLModule
 from agents.algorithms.sequence_batching import SEQ_ID
 from agents.models import (DTYPES, adapters_disabled, add_lora, build_causal_lm, build_tokenizer, cast_frozen,
                            has_lora, is_adapter_key)
-from agents.modules.kv_cache import (ROW_CONTINUES, WindowKVCache, first_used_column, position_ids_for,
-                                     rows_that_continue, sequence_groups)
+from agents.modules.kv_cache import (ROW_CONTINUES, WindowKVCache, position_ids_for, rows_that_continue,
+                                     sequence_pass_rows)
 from agents.samplers import MASKED, Sampler
 
 SAMPLER_STATE = "sampler_state"  # per-step sampler state (mirostat's mu) used when acting
@@ -75,13 +75,9 @@ def hidden_at_last_token(trunk: nn.Module, obs: dict, seq_ids: torch.Tensor | No
     row's tokens are a prefix of the sequence's longest row, so its hidden
     state is read at the matching column of that row's pass.
     """
-    ids, mask = obs["input_ids"], obs["attention_mask"]
-    rep, inverse, column = sequence_groups(mask, seq_ids)
-    ids, mask = ids[rep], mask[rep]
-    start = first_used_column(mask)  # the columns that are padding in every pass row are skipped
-    ids, mask = ids[:, start:], mask[:, start:]
+    _, ids, mask, inverse, column = sequence_pass_rows(obs["input_ids"], obs["attention_mask"], seq_ids)
     out = trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False)
-    return out.last_hidden_state[inverse, column - start]
+    return out.last_hidden_state[inverse, column]
 
 
 @torch.no_grad()

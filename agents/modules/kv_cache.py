@@ -52,6 +52,24 @@ def first_used_column(mask: torch.Tensor) -> int:
     return int(real[0, 0]) if len(real) else mask.shape[1] - 1
 
 
+def sequence_pass_rows(ids: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor | None):
+    """The rows of a learner pass: one per sequence (`sequence_groups`), from the first column any
+    of them uses. Returns (rep, ids, mask, inverse, column): the pass's rows, its input ids and mask,
+    and for each batch row its group and the column of its newest token in the pass's output."""
+    rep, inverse, column = sequence_groups(mask, seq_ids)
+    ids, mask = ids[rep], mask[rep]
+    start = first_used_column(mask)
+    return rep, ids[:, start:], mask[:, start:], inverse, column - start
+
+
+def pad_front(layers, start: int):
+    """Per-layer (keys, values) with `start` zero columns put back in front (the columns a pass
+    skipped; the attention mask hides them)."""
+    if not start:
+        return layers
+    return [(F.pad(k, (0, 0, start, 0)), F.pad(v, (0, 0, start, 0))) for k, v in layers]
+
+
 def sequence_groups(mask: torch.Tensor, seq_ids: torch.Tensor | None):
     """One forward pass per sequence: rows of one sequence (same `seq_id`) are prefixes of its
     longest row. Returns (rep, inverse, column): rep[g] is the row holding group g's longest
@@ -178,10 +196,7 @@ def prefill_pass(trunk, ids: torch.Tensor, mask: torch.Tensor):
     start = first_used_column(mask)
     ids, part = ids[:, start:], mask[:, start:]
     out = trunk(input_ids=ids, attention_mask=part, position_ids=position_ids_for(part), use_cache=True)
-    layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-    if start:
-        layers = [(F.pad(k, (0, 0, start, 0)), F.pad(v, (0, 0, start, 0))) for k, v in layers]
-    return out.last_hidden_state[:, -1], layers
+    return out.last_hidden_state[:, -1], pad_front([(l.keys, l.values) for l in out.past_key_values.layers], start)
 
 
 def window_keys(ids: torch.Tensor, mask: torch.Tensor) -> list[bytes]:
@@ -198,7 +213,6 @@ class WindowKVCache:
         # the ones a forward pass computed (the others reused a prefill of the same window)
         self.stats = {"prefill_rows": 0, "prefill_computed_rows": 0, "incremental_rows": 0}
         self.mask_4d = None  # whether one-token steps pass a ready 4-D mask (decided at the first step)
-        self.last_prefill_reused = False  # whether the last rows that started all reused a prefill
         self.reuse_prefills = True  # False: every row that starts is prefilled (as if no two windows were alike)
 
     def invalidate(self) -> None:
@@ -259,12 +273,10 @@ class WindowKVCache:
         distinct window not in the store is computed once (one pass for all of them)."""
         if not self.reuse_prefills:
             self.stats["prefill_computed_rows"] += len(ids)
-            self.last_prefill_reused = False
             return prefill_pass(trunk, ids, mask)
         keys = window_keys(ids, mask)
         entries = {key: self.store.get(key) for key in dict.fromkeys(keys)}
         todo = [key for key, entry in entries.items() if entry is None]
-        self.last_prefill_reused = not todo
         if todo:
             first = {key: row for row, key in reversed(list(enumerate(keys)))}
             rows = torch.tensor([first[key] for key in todo], device=ids.device)

@@ -33,7 +33,6 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers import DynamicCache, EncoderDecoderCache
 
 from ray.rllib.core.columns import Columns
@@ -41,8 +40,8 @@ from ray.rllib.core.columns import Columns
 from agents.algorithms.sequence_batching import SEQ_ID
 from agents.models import build_seq2seq_lm, decoder_start_id
 from agents.modules.actor_critic import CausalLMActorCritic
-from agents.modules.kv_cache import (first_used_column, merge_rows, position_ids_for, rows_that_continue,
-                                     sequence_groups)
+from agents.modules.kv_cache import (first_used_column, merge_rows, pad_front, position_ids_for,
+                                     rows_that_continue, sequence_pass_rows)
 
 ENC_IDS, ENC_MASK = "encoder_input_ids", "encoder_attention_mask"
 
@@ -120,15 +119,12 @@ def decoder_hidden(model, obs: dict, start_id: int, seq_ids: torch.Tensor | None
     encoder and decoder run once per sequence when `seq_ids` groups rows of one episode."""
     ids, mask = decoder_window(obs, start_id)
     enc_ids, enc_mask = obs[ENC_IDS], obs[ENC_MASK]
-    rep, inverse, column = sequence_groups(mask, seq_ids)
+    rep, ids, mask, inverse, column = sequence_pass_rows(ids, mask, seq_ids)
     enc = encode(model, enc_ids[rep], enc_mask[rep])
-    ids, mask = ids[rep], mask[rep]
-    start = first_used_column(mask)  # the columns that are padding in every pass row are skipped
-    ids, mask = ids[:, start:], mask[:, start:]
     with row_positions(model, position_ids_for(mask)):
         out = model.get_decoder()(input_ids=ids, attention_mask=mask, encoder_hidden_states=enc,
                                   encoder_attention_mask=enc_mask[rep], use_cache=False)
-    return out.last_hidden_state[inverse, column - start]
+    return out.last_hidden_state[inverse, column]
 
 
 def check_windowed_logits(model, start_id: int) -> None:
@@ -226,8 +222,7 @@ class EncoderDecoderKVCache:
                               use_cache=True)
             h = out.last_hidden_state[:, -1]
             hidden = h if hidden is None else merge_rows(hidden, h, step_rows, fill_rows)
-            fill_self = [(F.pad(l.keys, (0, 0, start, 0)), F.pad(l.values, (0, 0, start, 0)))
-                         for l in out.past_key_values.self_attention_cache.layers]
+            fill_self = pad_front([(l.keys, l.values) for l in out.past_key_values.self_attention_cache.layers], start)
             fill_cross = [(l.keys, l.values) for l in out.past_key_values.cross_attention_cache.layers]
             if self_kv is None:
                 self_kv, cross_kv = fill_self, fill_cross
