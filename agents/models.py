@@ -133,6 +133,7 @@ def build_causal_lm(model_config: dict, tokenizer, *, seed: int = 0, max_positio
         model = _check_embeddings(AutoModelForCausalLM.from_pretrained(name), name, tokenizer)
     model.config.use_cache = False
     disable_dropout(model)
+    fuse_activations(model)
     return model
 
 
@@ -173,6 +174,7 @@ def build_seq2seq_lm(model_config: dict, tokenizer, *, seed: int = 0) -> PreTrai
         model = _check_embeddings(AutoModelForSeq2SeqLM.from_pretrained(name), name, tokenizer)
     model.config.use_cache = False
     disable_dropout(model)
+    fuse_activations(model)
     return model
 
 
@@ -189,6 +191,26 @@ def decoder_start_id(model: PreTrainedModel) -> int:
     if model.config.pad_token_id is None:
         raise ValueError("model.name_or_path: the model's config names no decoder_start_token_id or pad token")
     return int(model.config.pad_token_id)
+
+
+class TanhGELU(torch.nn.Module):
+    """The tanh approximation of GELU (GPT-2's `gelu_new`) as PyTorch's one fused op."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def fuse_activations(model: torch.nn.Module) -> None:
+    """Replaces transformers' `NewGELUActivation` (GPT-2's and T5 v1.1's `gelu_new`: five
+    elementwise ops and their backward) with `TanhGELU`, the same function in one op (equal up to
+    float rounding). At a tiny model's size it was about 7% of a PPO iteration. The config is left
+    as it is, so a saved model loads as before."""
+    from transformers.activations import NewGELUActivation
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is NewGELUActivation:
+                setattr(parent, name, TanhGELU())
 
 
 def disable_dropout(model: PreTrainedModel) -> None:

@@ -128,3 +128,108 @@ def test_prefill_store_stays_within_its_bytes_dropping_the_least_recently_used()
     PrefillStore(max_bytes=10).put(b"x", entry())  # larger than the whole store: not kept
     store.clear()
     assert store.bytes == 0 and not store.entries
+
+
+def _gpt2_trunk(**config):
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(0)
+    return GPT2Model(GPT2Config(vocab_size=30, n_positions=32, n_layer=2, n_head=4, n_embd=32, **config)).eval()
+
+
+def _window_cache(trunk, B=5, L=9):
+    """A left-padded window batch (rows of different lengths) and the cache of the window before it."""
+    from agents.modules.kv_cache import cache_from_layers, prefill_pass
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 30, (B, L), generator=g)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for r, n in enumerate(torch.randint(2, L + 1, (B,), generator=g).tolist()):
+        mask[r, L - n:] = 1
+    prev_ids = torch.cat([torch.zeros(B, 1, dtype=torch.long), ids[:, :-1]], 1)
+    prev_mask = torch.cat([torch.zeros(B, 1, dtype=torch.long), mask[:, :-1]], 1)
+    _, layers = prefill_pass(trunk, prev_ids, prev_mask)
+    return ids, mask, lambda: cache_from_layers(trunk.config, [(k.clone(), v.clone()) for k, v in layers])
+
+
+@torch.no_grad()
+def test_gpt2_step_as_tensor_ops_gives_transformers_step_and_cache():
+    from agents.modules.kv_cache import _transformers_step, gpt2_step
+
+    trunk = _gpt2_trunk()
+    ids, mask, past = _window_cache(trunk)
+    want_past, got_past = past(), past()
+    want = _transformers_step(trunk, want_past, ids, mask, mask_4d=False)
+    got = gpt2_step(trunk)(got_past, ids, mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(got_past.layers, want_past.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+    # ... and the whole window's uncached pass agrees at every row's newest token
+    full = trunk(input_ids=ids, attention_mask=mask,
+                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).last_hidden_state[:, -1]
+    torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt2_step_is_refused_where_it_would_differ_from_transformers():
+    from peft import LoraConfig, get_peft_model
+
+    from agents.modules.kv_cache import gpt2_step
+
+    assert gpt2_step(_gpt2_trunk()) is not None
+    assert gpt2_step(_gpt2_trunk(reorder_and_upcast_attn=True)) is None
+    assert gpt2_step(_gpt2_trunk(scale_attn_by_inverse_layer_idx=True)) is None
+    hooked = _gpt2_trunk()
+    hooked.h[1].mlp.register_forward_hook(lambda *a: None)
+    assert gpt2_step(hooked) is None
+    lora = get_peft_model(_gpt2_trunk(), LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+    assert gpt2_step(lora.base_model.model) is None  # the projections are adapters now
+
+
+@torch.no_grad()
+def test_cache_keeps_transformers_step_when_the_tensor_op_step_differs():
+    from agents.modules.kv_cache import WindowKVCache
+
+    trunk = _gpt2_trunk()
+    ids, mask, past = _window_cache(trunk)
+    cache = WindowKVCache()
+    broken = lambda past, ids, mask: torch.zeros(ids.shape[0], 32)  # noqa: E731
+    import agents.modules.kv_cache as kv
+
+    original = kv.gpt2_step
+    kv.gpt2_step = lambda trunk: broken
+    try:
+        hidden = cache._step(trunk, past(), ids, mask)
+    finally:
+        kv.gpt2_step = original
+    assert cache.lean_step is False
+    want = kv._transformers_step(trunk, past(), ids, mask, mask_4d=False)
+    torch.testing.assert_close(hidden, want, atol=1e-5, rtol=1e-5)
+
+
+def test_cached_rollouts_of_a_gpt2_policy_take_the_tensor_op_step():
+    cached = module(True)
+    env = TokenGenerationEnv(ENV_CFG)
+    o, _ = env.reset(seed=0)
+    batch = lambda o: {Columns.OBS: {k: torch.as_tensor(v)[None] for k, v in o.items()}}  # noqa: E731
+    cached.forward_inference(batch(o))
+    cached.forward_inference(batch(env.step(5)[0]))
+    assert callable(cached.kv_cache.lean_step)
+
+
+def test_fused_gelu_gives_gpt2s_gelu_new():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.activations import NewGELUActivation
+
+    from agents.models import TanhGELU, fuse_activations
+
+    torch.manual_seed(0)
+    plain = GPT2LMHeadModel(GPT2Config(vocab_size=30, n_positions=16, n_layer=2, n_head=2, n_embd=16)).eval()
+    fused = GPT2LMHeadModel(plain.config).eval()
+    fused.load_state_dict(plain.state_dict())
+    fuse_activations(fused)
+    assert not any(isinstance(m, NewGELUActivation) for m in fused.modules())
+    assert sum(isinstance(m, TanhGELU) for m in fused.modules()) == 2
+    x = torch.randint(0, 30, (3, 10))
+    torch.testing.assert_close(fused(x).logits, plain(x).logits, atol=1e-5, rtol=1e-5)
+    assert fused.config.activation_function == "gelu_new"  # a saved model loads as before

@@ -27,6 +27,7 @@ pay for a prompt's prefill once per weight sync instead of once per episode.
 """
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 
 import torch
@@ -128,8 +129,6 @@ def step_attention_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _same_step_with_4d_mask(trunk, past, ids, mask) -> bool:
     """Whether `trunk` gives the same step output with `step_attention_mask` as with the 2-D mask
     (attention implementations that take no 4-D mask fail or differ: those keep the 2-D mask)."""
-    import copy
-
     outs = []
     for attention in (mask, step_attention_mask(mask, trunk.dtype)):
         try:
@@ -139,6 +138,84 @@ def _same_step_with_4d_mask(trunk, past, ids, mask) -> bool:
             return False
         outs.append(out.last_hidden_state[:, -1].float())
     return bool(torch.allclose(outs[0], outs[1], atol=1e-4, rtol=1e-4))
+
+
+def gpt2_step(trunk):
+    """A one-token cached step of a plain `GPT2Model` as tensor ops, or None for any other trunk.
+
+    `step(past, ids, mask)` does what `trunk(input_ids=ids[:, -1:], attention_mask=4-D step mask,
+    position_ids=..., past_key_values=past)` does to `past` (its keys/values lose their first
+    column and gain the new token's) and returns the hidden state at the new token, without the
+    per-layer module calls, wrappers and attention dispatch of transformers' forward (about half of
+    a tiny model's step). Only a trunk whose parts are exactly GPT-2's qualifies: a LoRA-wrapped
+    one (its projections are adapters), one with hooks, cross-attention or GPT-2's rarer attention
+    options keeps transformers' forward. `WindowKVCache` also checks the step against that forward
+    on its first call and keeps the forward when they differ."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Model
+    from transformers.pytorch_utils import Conv1D
+
+    if type(trunk) is not GPT2Model:
+        return None
+    c = trunk.config
+    if (getattr(c, "add_cross_attention", False) or getattr(c, "scale_attn_by_inverse_layer_idx", False)
+            or getattr(c, "reorder_and_upcast_attn", False) or not getattr(c, "scale_attn_weights", True)):
+        return None
+    blocks = list(trunk.h)
+    parts = [trunk, trunk.wte, trunk.wpe, trunk.ln_f]
+    for blk in blocks:
+        linear = (blk.attn.c_attn, blk.attn.c_proj, blk.mlp.c_fc, blk.mlp.c_proj)
+        if not all(type(m) is Conv1D for m in linear) or not all(
+                type(m) is torch.nn.LayerNorm for m in (blk.ln_1, blk.ln_2)):
+            return None
+        parts += [blk, blk.attn, blk.mlp, blk.ln_1, blk.ln_2, blk.mlp.act, *linear]
+    if type(trunk.ln_f) is not torch.nn.LayerNorm or any(
+            m._forward_hooks or m._forward_pre_hooks for m in parts):
+        return None
+    D, heads = trunk.embed_dim, c.n_head
+
+    def step(past, ids, mask):
+        B = ids.shape[0]
+        h = F.embedding(ids[:, -1], trunk.wte.weight) + F.embedding(mask.sum(-1) - 1, trunk.wpe.weight)
+        attention = step_attention_mask(mask, h.dtype)
+        for blk, layer in zip(blocks, past.layers):
+            x = F.layer_norm(h, (D,), blk.ln_1.weight, blk.ln_1.bias, blk.ln_1.eps)
+            q, k, v = torch.addmm(blk.attn.c_attn.bias, x, blk.attn.c_attn.weight).view(B, 3, heads, 1, -1).unbind(1)
+            layer.keys = torch.cat([layer.keys[:, :, 1:], k.to(layer.keys.dtype)], 2)
+            layer.values = torch.cat([layer.values[:, :, 1:], v.to(layer.values.dtype)], 2)
+            a = F.scaled_dot_product_attention(q, layer.keys, layer.values, attn_mask=attention).reshape(B, D)
+            h = h + torch.addmm(blk.attn.c_proj.bias, a, blk.attn.c_proj.weight)
+            x = F.layer_norm(h, (D,), blk.ln_2.weight, blk.ln_2.bias, blk.ln_2.eps)
+            x = blk.mlp.act(torch.addmm(blk.mlp.c_fc.bias, x, blk.mlp.c_fc.weight))
+            h = h + torch.addmm(blk.mlp.c_proj.bias, x, blk.mlp.c_proj.weight)
+        return F.layer_norm(h, (D,), trunk.ln_f.weight, trunk.ln_f.bias, trunk.ln_f.eps)
+
+    return step
+
+
+def _transformers_step(trunk, past, ids, mask, mask_4d: bool) -> torch.Tensor:
+    """transformers' own one-token cached step (drops the first column of `past` first)."""
+    for layer in past.layers:
+        layer.keys, layer.values = layer.keys[:, :, 1:], layer.values[:, :, 1:]
+    attention = step_attention_mask(mask, trunk.dtype) if mask_4d else mask
+    out = trunk(input_ids=ids[:, -1:], attention_mask=attention, position_ids=mask.sum(-1, keepdim=True) - 1,
+                past_key_values=past, use_cache=True)
+    return out.last_hidden_state[:, -1]
+
+
+@torch.no_grad()
+def _same_step(trunk, step, past, ids, mask) -> bool:
+    """Whether `step` gives transformers' step output and caches on this batch (within float
+    rounding of the trunk's dtype)."""
+    tol = 1e-4 if trunk.dtype == torch.float32 else 3e-2
+    ref_past, own_past = copy.deepcopy(past), copy.deepcopy(past)
+    ref = _transformers_step(trunk, ref_past, ids, mask, mask_4d=False).float()
+    try:
+        own = step(own_past, ids, mask).float()
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    same = lambda a, b: a.shape == b.shape and bool(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol))
+    return same(ref, own) and all(same(a.keys, b.keys) and same(a.values, b.values)
+                                  for a, b in zip(ref_past.layers, own_past.layers))
 
 
 def cache_from_layers(config, layers) -> DynamicCache:
@@ -213,6 +290,8 @@ class WindowKVCache:
         # the ones a forward pass computed (the others reused a prefill of the same window)
         self.stats = {"prefill_rows": 0, "prefill_computed_rows": 0, "incremental_rows": 0}
         self.mask_4d = None  # whether one-token steps pass a ready 4-D mask (decided at the first step)
+        self.use_lean_step = True  # False: steps always go through transformers' forward
+        self.lean_step = None  # the step as tensor ops (gpt2_step), False where it does not apply (first step)
         self.reuse_prefills = True  # False: every row that starts is prefilled (as if no two windows were alike)
 
     def invalidate(self) -> None:
@@ -258,15 +337,21 @@ class WindowKVCache:
         return hidden
 
     def _step(self, trunk, past, ids, mask) -> torch.Tensor:
-        """One cached token per row: drop the column shifted out of the window (padding, a view)."""
-        for layer in past.layers:
-            layer.keys, layer.values = layer.keys[:, :, 1:], layer.values[:, :, 1:]
-        if self.mask_4d is None:  # first step: check the cheap mask against the model's own (else keep 2-D)
-            self.mask_4d = _same_step_with_4d_mask(trunk, past, ids, mask)
-        attention = step_attention_mask(mask, trunk.dtype) if self.mask_4d else mask
-        out = trunk(input_ids=ids[:, -1:], attention_mask=attention, position_ids=mask.sum(-1, keepdim=True) - 1,
-                    past_key_values=past, use_cache=True)
-        return out.last_hidden_state[:, -1]
+        """One cached token per row; the column shifted out of the window (padding) is dropped.
+        At the first step the cache picks how: GPT-2's step as tensor ops (`gpt2_step`) where it
+        matches transformers' forward on that batch, else the forward with a ready 4-D mask where
+        that matches the 2-D one, else the forward with the 2-D mask."""
+        if self.lean_step is None:
+            step = gpt2_step(trunk) if self.use_lean_step else None
+            self.lean_step = step if step is not None and _same_step(trunk, step, past, ids, mask) else False
+        if self.lean_step is not False:
+            return self.lean_step(past, ids, mask)
+        if self.mask_4d is None:  # check the cheap mask against the model's own (else keep the 2-D one)
+            shifted = copy.deepcopy(past)
+            for layer in shifted.layers:
+                layer.keys, layer.values = layer.keys[:, :, 1:], layer.values[:, :, 1:]
+            self.mask_4d = _same_step_with_4d_mask(trunk, shifted, ids, mask)
+        return _transformers_step(trunk, past, ids, mask, self.mask_4d)
 
     def _prefill(self, trunk, ids, mask):
         """(hidden at each row's newest token, [(keys, values)] per layer) of whole windows. Each
