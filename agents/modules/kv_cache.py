@@ -172,18 +172,33 @@ def gpt2_step(trunk):
             m._forward_hooks or m._forward_pre_hooks for m in parts):
         return None
     D, heads = trunk.embed_dim, c.n_head
+    hd = D // heads
+
+    def attend(q, keys, values, attention):
+        """One query per row and head over the window's keys: PyTorch's fused attention off the CPU;
+        on the CPU two batched matmuls and a softmax: on 2 cores at 16-64 rows, 25-112 columns and
+        tiny-gpt2 to gpt2-medium head sizes they were at most 5% slower than the fused op and up to
+        2x faster (64 rows of tiny-gpt2 over 25 columns)."""
+        if q.device.type != "cpu":
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=attention)
+        B, T = keys.shape[0], keys.shape[2]
+        w = torch.baddbmm(attention, q.reshape(B * heads, 1, hd), keys.reshape(B * heads, T, hd).transpose(1, 2),
+                          alpha=hd ** -0.5)
+        return torch.bmm(torch.softmax(w.float(), -1).to(values.dtype), values.reshape(B * heads, T, hd))
 
     def step(past, ids, mask):
         B = ids.shape[0]
         h = F.embedding(ids[:, -1], trunk.wte.weight) + F.embedding(mask.sum(-1) - 1, trunk.wpe.weight)
         attention = step_attention_mask(mask, h.dtype)
+        if h.device.type == "cpu":  # the additive mask per (row, head), as `attend` takes it there
+            attention = attention.expand(B, heads, 1, -1).reshape(B * heads, 1, -1)
         for blk, layer in zip(blocks, past.layers):
             x = F.layer_norm(h, (D,), blk.ln_1.weight, blk.ln_1.bias, blk.ln_1.eps)
-            q, k, v = torch.addmm(blk.attn.c_attn.bias, x, blk.attn.c_attn.weight).view(B, 3, heads, 1, -1).unbind(1)
+            q, k, v = torch.addmm(blk.attn.c_attn.bias, x, blk.attn.c_attn.weight).view(B, 3, heads, 1, hd).unbind(1)
             layer.keys = torch.cat([layer.keys[:, :, 1:], k.to(layer.keys.dtype)], 2)
             layer.values = torch.cat([layer.values[:, :, 1:], v.to(layer.values.dtype)], 2)
-            a = F.scaled_dot_product_attention(q, layer.keys, layer.values, attn_mask=attention).reshape(B, D)
-            h = h + torch.addmm(blk.attn.c_proj.bias, a, blk.attn.c_proj.weight)
+            a = attend(q, layer.keys, layer.values, attention).reshape(B, D)
+            h = h + torch.addmm(blk.attn.c_proj.bias, a.to(h.dtype), blk.attn.c_proj.weight)
             x = F.layer_norm(h, (D,), blk.ln_2.weight, blk.ln_2.bias, blk.ln_2.eps)
             x = blk.mlp.act(torch.addmm(blk.mlp.c_fc.bias, x, blk.mlp.c_fc.weight))
             h = h + torch.addmm(blk.mlp.c_proj.bias, x, blk.mlp.c_proj.weight)
