@@ -337,7 +337,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
             for i in rows:
                 st.reset_infos[i] = row_info(infos, i)
             self._note_windows(st.obs, rows)
-            st.row_start[rows], st.start_time[rows] = len(st.hist_act), time.perf_counter()
+            st.row_start[rows], st.start_time[rows] = st.n, time.perf_counter()
             st.active[rows] = st.ever_started[rows] = True
             st.cont[rows] = False
             started += len(rows)
@@ -356,7 +356,6 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         # iteration (about 1.5x the configured train batch on average, 2x at worst).
         while (min(returned, steps) < num_timesteps) if by_steps else st.active.any():
             obs = st.obs
-            st.hist_obs.append(obs)
             if random_actions or module is None:
                 out = {Columns.ACTIONS: torch.randint(0, env.vocab_size, (B,)),
                        Columns.ACTION_LOGP: torch.full((B,), -math.log(env.vocab_size))}
@@ -375,11 +374,9 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
                            Columns.ACTION_LOGP: torch.log_softmax(logits.float(), -1).gather(-1, actions[:, None])[:, 0]}
             out = {k: v.cpu().numpy() for k, v in out.items() if k != Columns.ACTION_DIST_INPUTS}
             actions = out.pop(Columns.ACTIONS)
+            before = st.obs
             st.obs, rewards, terminated, _, infos = env.step(actions)
-            st.hist_act.append(actions)
-            st.hist_rew.append(rewards)
-            for k, v in out.items():
-                st.hist_extra.setdefault(k, []).append(v)
+            st.record(before, actions, rewards, out)
             steps += int(st.active.sum())
             for i in np.flatnonzero(terminated & st.active):
                 episode = self._episode(i, int(st.row_start[i]), st, row_info(infos, i))
@@ -394,12 +391,11 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
 
     def _episode(self, i, s, st, final_info):
         """Row i's episode from step s to the last step as an RLlib episode, built from arrays."""
-        obs = {k: np.stack([h[k][i] for h in st.hist_obs[s:]] + [st.obs[k][i]]) for k in st.obs}
-        T = len(st.hist_act) - s
-        actions = np.fromiter((a[i] for a in st.hist_act[s:]), dtype=np.int64, count=T)
-        rewards = np.fromiter((r[i] for r in st.hist_rew[s:]), dtype=np.float64, count=T)
-        extras = {k: InfiniteLookbackBuffer(data=np.stack([x[i] for x in v[s:]]), lookback=0)
-                  for k, v in st.hist_extra.items()}
+        n, T = st.n, st.n - s
+        obs = {k: np.concatenate([b[s:n, i], st.obs[k][i][None]]) for k, b in st.obs_buf.items()}
+        actions = st.act_buf[s:n, i].astype(np.int64)  # copies: the buffers are written again
+        rewards = st.rew_buf[s:n, i].astype(np.float64)
+        extras = {k: InfiniteLookbackBuffer(data=b[s:n, i].copy(), lookback=0) for k, b in st.extra_buf.items()}
         episode = SingleAgentEpisode(
             observations=InfiniteLookbackBuffer(data=obs, lookback=0, space=self.env.single_observation_space),
             infos=[st.reset_infos[i]] + [{} for _ in range(T - 1)] + [final_info],
@@ -442,9 +438,21 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         log(NUM_EPISODES_LIFETIME, len(episodes), reduce="lifetime_sum")
 
 
+def _put(buf, n: int, row: np.ndarray) -> np.ndarray:
+    """`buf` (steps, B, ...) with `row` written at step n, grown (doubled) when full."""
+    row = np.asarray(row)
+    if buf is None:
+        buf = np.empty((64,) + row.shape, dtype=row.dtype)
+    elif n == len(buf):
+        buf = np.concatenate([buf, np.empty_like(buf)])
+    buf[n] = row
+    return buf
+
+
 class _Rollout:
     """The vector env's rows between module calls: which rows run an episode, where each
-    started, and the per-step arrays (B rows each) their episodes are cut from."""
+    started, and the per-step arrays their episodes are cut from: one (steps, B, ...) buffer per
+    column (observation keys, actions, rewards, extra module outputs), the first `n` steps used."""
 
     def __init__(self, num_rows: int, explore: bool):
         B = num_rows
@@ -456,14 +464,40 @@ class _Rollout:
         self.row_start = np.zeros(B, dtype=np.int64)
         self.start_time = np.zeros(B, dtype=np.float64)
         self.reset_infos: list[dict] = [{} for _ in range(B)]
-        self.hist_obs, self.hist_act, self.hist_rew, self.hist_extra = [], [], [], {}
+        self.n = 0
+        self.obs_buf, self.act_buf, self.rew_buf, self.extra_buf = {}, None, None, {}
+
+    def record(self, obs: dict, actions, rewards, extras: dict) -> None:
+        """One vector step: the observations the module saw, the actions, rewards and extra outputs."""
+        n = self.n
+        for k, v in obs.items():
+            self.obs_buf[k] = _put(self.obs_buf.get(k), n, v)
+        self.act_buf, self.rew_buf = _put(self.act_buf, n, actions), _put(self.rew_buf, n, rewards)
+        for k, v in extras.items():
+            self.extra_buf[k] = _put(self.extra_buf.get(k), n, v)
+        self.n = n + 1
 
     def trim(self) -> None:
         """Drops the steps before the oldest running episode's first."""
-        s0 = int(self.row_start[self.active].min()) if self.active.any() else len(self.hist_act)
-        self.hist_obs, self.hist_act, self.hist_rew = self.hist_obs[s0:], self.hist_act[s0:], self.hist_rew[s0:]
-        self.hist_extra = {k: v[s0:] for k, v in self.hist_extra.items()}
-        self.row_start -= s0
+        s0 = int(self.row_start[self.active].min()) if self.active.any() else self.n
+        if s0 > 0:
+            bufs = [*self.obs_buf.values(), self.act_buf, self.rew_buf, *self.extra_buf.values()]
+            for buf in bufs:
+                if buf is not None:
+                    buf[:self.n - s0] = buf[s0:self.n].copy()
+            self.n -= s0
+            self.row_start -= s0
+
+    def __setstate__(self, state: dict) -> None:
+        """Also loads a state saved with per-step lists (`hist_obs`, ...; checkpoints of earlier
+        versions) into the buffers."""
+        lists = {k: state.pop(k) for k in ("hist_obs", "hist_act", "hist_rew", "hist_extra") if k in state}
+        self.__dict__.update(state)
+        if lists:
+            self.n, self.obs_buf, self.act_buf, self.rew_buf, self.extra_buf = 0, {}, None, None, {}
+            for t in range(len(lists["hist_act"])):
+                self.record(lists["hist_obs"][t], lists["hist_act"][t], lists["hist_rew"][t],
+                            {k: v[t] for k, v in lists["hist_extra"].items()})
 
 
 class StockTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):

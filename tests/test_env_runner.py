@@ -1,5 +1,7 @@
 """EnvRunners: new prompts on every sample() of whole episodes, reproducibly per seed; the fast
 runner's episodes, cache use and metrics."""
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -79,13 +81,35 @@ def test_fast_runner_episodes_are_complete_and_consistent():
     # the steps taken are those returned plus those of the episodes still running, which the
     # next call finishes (no call waits for its slowest rows)
     st = runner._rollout
-    running = sum(len(st.hist_act) - st.row_start[i] for i in np.flatnonzero(st.active))
+    running = sum(st.n - st.row_start[i] for i in np.flatnonzero(st.active))
     assert float(metrics["num_env_steps_sampled"]) == steps + running > steps
     more = runner.sample()
     assert float(runner.get_metrics()["num_env_steps_sampled"]) + running >= sum(len(e) for e in more)
     assert {e.id_ for e in more}.isdisjoint(e.id_ for e in episodes)
     returns = [e.get_return() for e in episodes]
     assert float(metrics["episode_return_mean"]) == pytest.approx(np.mean(returns[-100:]))
+    runner.stop()
+
+
+def test_carried_episodes_saved_as_per_step_lists_load_into_the_buffers():
+    """A checkpoint of an earlier version holds the carried steps as per-step lists."""
+    from agents.env_runner import _Rollout
+
+    runner = FastTokenEnvRunner(config=algorithm_config(validate(CAUSAL)))
+    runner.sample()
+    st, n = runner._rollout, runner._rollout.n
+    assert st.active.any() and n > 0
+    old = {k: v for k, v in vars(st).items() if k not in ("n", "obs_buf", "act_buf", "rew_buf", "extra_buf")}
+    old.update(hist_obs=[{k: b[t].copy() for k, b in st.obs_buf.items()} for t in range(n)],
+               hist_act=list(st.act_buf[:n]), hist_rew=list(st.rew_buf[:n]),
+               hist_extra={k: list(b[:n]) for k, b in st.extra_buf.items()})
+    loaded = _Rollout.__new__(_Rollout)
+    loaded.__setstate__(copy.deepcopy(old))
+    assert loaded.n == n and set(loaded.extra_buf) == set(st.extra_buf) and set(loaded.obs_buf) == set(st.obs_buf)
+    for a, b in [(loaded.act_buf, st.act_buf), (loaded.rew_buf, st.rew_buf),
+                 *[(loaded.obs_buf[k], st.obs_buf[k]) for k in st.obs_buf],
+                 *[(loaded.extra_buf[k], st.extra_buf[k]) for k in st.extra_buf]]:
+        np.testing.assert_array_equal(a[:n], b[:n])
     runner.stop()
 
 
