@@ -2,6 +2,8 @@
 fails here, loudly, instead of silently changing behaviour (each test names the user)."""
 import inspect
 
+import torch
+
 from ray import tune
 from ray.rllib.algorithms.dqn import DQN
 from ray.rllib.core.learner.learner import Learner
@@ -53,6 +55,16 @@ def test_learner_connector_pipeline_hook_used_by_the_lm_learners():
     assert params(Learner._make_batch_if_necessary) == ["self", "training_data"]
 
 
+def test_torch_module_hook_dicts_read_by_the_gpt2_tensor_op_step():
+    # agents/modules/kv_cache.py gpt2_step refuses a trunk with forward hooks (the tensor-op step
+    # would skip them); torch has no public way to ask whether a module has hooks.
+    module = torch.nn.Linear(2, 2)
+    assert not module._forward_hooks and not module._forward_pre_hooks
+    module.register_forward_hook(lambda *a: None)
+    module.register_forward_pre_hook(lambda *a: None)
+    assert len(module._forward_hooks) == 1 and len(module._forward_pre_hooks) == 1
+
+
 def test_tune_logger_hooks_used_by_the_continuous_curves_loggers():
     # agents/train.py: a resumed trial's repeated iterations are dropped from TensorBoard and progress.csv
     from ray.tune.logger import CSVLoggerCallback, TBXLoggerCallback
@@ -83,7 +95,7 @@ PINNED = {
     "_summary_writer_cls", "_trial_files", "_setup_trial", "_WandbLoggingActor", "_wandb", "_logger_actor_cls",
     "_grad_scalers", "_module_optimizers", "_logged",
     "_schedule_tracked_actor_task", "_tracked_actor", "_actor_task_events", "_tracked_futures",
-    "_tracked_actors_to_task_futures",
+    "_tracked_actors_to_task_futures", "_forward_hooks", "_forward_pre_hooks",
 }
 THIRD_PARTY_PRIVATE_OK = {"_model"}  # bert_score's scorer (env/rewards/bertscore.py), not Ray's or transformers'
 
