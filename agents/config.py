@@ -113,6 +113,12 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         # algorithm samples whole episodes, else stock.
         "runner": F(str, "auto", choices=("auto", "fast", "stock")),
         "precision": F(str, "fp32", choices=PRECISIONS),  # the rollout copy of the LM is stored in it
+        # fast runner: true carries episodes still running at the end of a training call over to
+        # the next (no call waits for its slowest rows; their early steps were sampled by the
+        # weights before the update); false finishes them in the call, so every batch is sampled
+        # by one set of weights, as the stock runner's complete episodes always are (the stock
+        # runner ignores this key)
+        "carry_episodes": F(bool, True),
     },
     "learners": {
         "num_learners": F(int, 0, **NONNEG_INT),
@@ -705,7 +711,7 @@ def algorithm_config(cfg: dict):
     from ray.tune.registry import register_env
 
     from agents.algorithms.base import module_seed
-    from agents.env_runner import TOKEN_ENV, FastTokenEnvRunner, StockTokenEnvRunner, make_token_env
+    from agents.env_runner import CARRY_EPISODES, TOKEN_ENV, FastTokenEnvRunner, StockTokenEnvRunner, make_token_env
 
     cfg = with_absolute_paths(cfg)
     spec = algorithm_spec(cfg)
@@ -723,7 +729,7 @@ def algorithm_config(cfg: dict):
     register_env(TOKEN_ENV, make_token_env)  # RLlib builds one row, or the vector env through its entry point
     fast = env_runner_kind(cfg) == "fast"
     if fast:  # the vector env, built through RLlib's vector entry point; the runner resets its rows
-        runner_env_cfg = {**runner_env_cfg, "autoreset_mode": "Disabled"}
+        runner_env_cfg = {**runner_env_cfg, "autoreset_mode": "Disabled", CARRY_EPISODES: er["carry_episodes"]}
     config = (
         spec.config_class()()
         .environment(TOKEN_ENV, env_config=runner_env_cfg)

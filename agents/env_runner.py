@@ -23,7 +23,11 @@ num_env_runners` env steps), returns complete episodes holding at least that
 many, and carries the episodes still running over to the next call, so no call waits for its slowest rows. A
 carried episode may thus span a weight sync: its early steps keep the
 log-probs of the weights that sampled them (PPO's ratio is taken against
-those), and the module re-prefills its cache with the new weights. A count of
+those), and the module re-prefills its cache with the new weights. With
+`env_runners.carry_episodes: false` a training call instead starts no episode
+once it has sampled its share and finishes the running ones: every batch is
+sampled by one set of weights (as the stock runner's complete episodes), at the
+cost of rows idling while the last episodes finish. A count of
 episodes (`num_episodes`, e.g. evaluation) starts and finishes its own. The
 env is seeded once, at the first reset (config seed, the EnvRunner's index and
 the row), so runs repeat and every call draws new prompts.
@@ -96,6 +100,7 @@ from env.vector_env import TokenGenerationVectorEnv, row_info
 SEED_STRIDE = 1_000_003  # far apart from the per-sub-env (+i) and per-EnvRunner (+index) offsets
 TOKEN_ENV = "token_generation"  # the name `make_token_env` is registered under (ray.tune.register_env)
 ROLLOUT_STATE = "rollout_state"  # the EnvRunner state key (and component name) added here
+CARRY_EPISODES = "carry_episodes"  # env_config key: env_runners.carry_episodes (FastTokenEnvRunner)
 SEEN_WINDOWS_MAX = 100_000  # windows remembered per weight version (for the restart schedule only)
 
 
@@ -227,6 +232,7 @@ def make_token_env(config):
         from agents.algorithms.reinforce import RepeatedPromptEnv
 
         row_cls = RepeatedPromptEnv
+    cfg.pop(CARRY_EPISODES, None)  # the fast EnvRunner's setting, not the env's
     if "num_envs" in cfg:
         return TokenGenerationVectorEnv(cfg, row_env_cls=row_cls)
     cfg.pop("autoreset_mode", None)
@@ -239,6 +245,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         self._episode_callbacks = [cls() for cls in force_list(self.config.callbacks_class)]
         self._env_seeded = False
         self._rollout = None  # unfinished episodes carried from one sample() call to the next
+        self._carry = bool(self.config.env_config.get(CARRY_EPISODES, True))
         # Windows rows started on since the last weight sync, and whether the last rows that
         # started all began on one of them: a module whose cache keeps prefills by window
         # (agents.modules.kv_cache) then restarts them with no pass, so finished rows restart at
@@ -321,6 +328,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         by_steps = num_timesteps is not None
         # Training calls (a number of steps) carry unfinished episodes over to the next call: no call
         # waits for its slowest rows. A count of episodes (evaluation) starts and finishes its own.
+        draining = by_steps and not self._carry
         st = self._rollout if by_steps and not random_actions else None
         self._rollout = None
         if st is None or st.explore != explore:
@@ -344,7 +352,12 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
 
         def refill(at_least: int) -> None:
             free = np.flatnonzero(~st.active)
-            n = len(free) if by_steps else min(len(free), num_episodes - started)
+            if draining:  # only as many rows as the call's share may still need at full length
+                running = (st.n - st.row_start[st.active]).sum()
+                short = num_timesteps - steps - (int(st.active.sum()) * env.max_new_tokens - int(running))
+                n = min(len(free), max(0, math.ceil(short / env.max_new_tokens)))
+            else:
+                n = len(free) if by_steps else min(len(free), num_episodes - started)
             if n > 0 and len(free) >= at_least:
                 start(free[:n])
 
@@ -354,7 +367,8 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         # the steps sampled (NUM_ENV_STEPS_SAMPLED), and a call whose returned episodes were partly
         # sampled by the call before would otherwise be followed by a second call in the same
         # iteration (about 1.5x the configured train batch on average, 2x at worst).
-        while (min(returned, steps) < num_timesteps) if by_steps else st.active.any():
+        while ((steps < num_timesteps or st.active.any()) if draining
+               else (min(returned, steps) < num_timesteps) if by_steps else st.active.any()):
             obs = st.obs
             if random_actions or module is None:
                 out = {Columns.ACTIONS: torch.randint(0, env.vocab_size, (B,)),
@@ -386,7 +400,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
             st.cont[:] = True  # idle rows run along (their outputs are ignored) until they restart
             refill(1 if self._restarts_free or not st.active.any() else refill_at)
         if by_steps and not random_actions:
-            self._rollout = st
+            self._rollout = st  # with carry_episodes off it holds no running episode, only buffers
         return episodes, steps
 
     def _episode(self, i, s, st, final_info):

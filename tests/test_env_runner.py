@@ -91,6 +91,38 @@ def test_fast_runner_episodes_are_complete_and_consistent():
     runner.stop()
 
 
+def test_without_carry_every_training_call_returns_only_episodes_it_sampled_whole():
+    """env_runners.carry_episodes: false finishes the running episodes in the call: each batch is
+    sampled by one set of weights, and nothing is left over for the next call."""
+    raw = {**CAUSAL, "env_runners": {**CAUSAL["env_runners"], "carry_episodes": False}}
+    runner = FastTokenEnvRunner(config=algorithm_config(validate(raw)))
+    seen = set()
+    for _ in range(3):
+        episodes = runner.sample()
+        steps = sum(len(e) for e in episodes)
+        assert steps >= 96 and all(e.is_done for e in episodes)
+        # every step taken in the call is in a returned episode, and none was taken before it
+        assert float(runner.get_metrics()["num_env_steps_sampled"]) == steps
+        assert not runner._rollout.active.any()
+        assert seen.isdisjoint(e.id_ for e in episodes)
+        seen.update(e.id_ for e in episodes)
+        # the log-probs are the current weights': a changed policy samples the next call
+        with torch.no_grad():
+            for p in runner.module.lm.get_output_embeddings().parameters():
+                p.add_(0.5 * torch.randn_like(p))
+        runner.set_state(runner.get_state())  # a weight sync, as after an update
+        more = runner.sample()
+        assert float(runner.get_metrics()["num_env_steps_sampled"]) == sum(len(e) for e in more)
+        module = runner.module
+        for e in more:
+            obs = {k: torch.as_tensor(v[:-1]) for k, v in e.get_observations().items()}
+            with torch.no_grad():
+                logits = module._logits(module.lm, module._hidden(module._trunk(module.lm), obs))
+            logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.as_tensor(e.get_actions())[:, None])[:, 0]
+            assert np.allclose(logp.numpy(), e.get_extra_model_outputs("action_logp"), atol=1e-5)
+    runner.stop()
+
+
 def test_carried_episodes_saved_as_per_step_lists_load_into_the_buffers():
     """A checkpoint of an earlier version holds the carried steps as per-step lists."""
     from agents.env_runner import _Rollout
