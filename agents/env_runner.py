@@ -326,8 +326,9 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         device = next(module.parameters()).device if module is not None else torch.device("cpu")
         refill_at = max(1, B // 4)
         by_steps = num_timesteps is not None
-        # Training calls (a number of steps) carry unfinished episodes over to the next call: no call
-        # waits for its slowest rows. A count of episodes (evaluation) starts and finishes its own.
+        # Training calls (a number of steps) carry unfinished episodes over to the next call (no call
+        # waits for its slowest rows), unless carry_episodes is off: then they drain, finishing them.
+        # A count of episodes (evaluation) starts and finishes its own.
         draining = by_steps and not self._carry
         st = self._rollout if by_steps and not random_actions else None
         self._rollout = None
@@ -353,8 +354,8 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         def refill(at_least: int) -> None:
             free = np.flatnonzero(~st.active)
             if draining:  # only as many rows as the call's share may still need at full length
-                running = (st.n - st.row_start[st.active]).sum()
-                short = num_timesteps - steps - (int(st.active.sum()) * env.max_new_tokens - int(running))
+                running = int((st.n - st.row_start[st.active]).sum())  # steps the running rows took
+                short = num_timesteps - steps - (int(st.active.sum()) * env.max_new_tokens - running)
                 n = min(len(free), max(0, math.ceil(short / env.max_new_tokens)))
             else:
                 n = len(free) if by_steps else min(len(free), num_episodes - started)

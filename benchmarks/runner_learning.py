@@ -100,8 +100,8 @@ def main():
     print(f"\n{'variant':8s} {at:>15s} {'last 5':>15s} {'reached target':>15s}")
     for v, rs in out.items():
         a, e = np.array([r["at20"] for r in rs]), np.array([r["end"] for r in rs])
-        se = np.sqrt(len(rs))
-        print(f"{v:8s} {a.mean():7.3f} +- {a.std() / se:.3f} {e.mean():7.3f} +- {e.std() / se:.3f} "
+        sqrt_n = np.sqrt(len(rs))  # standard errors: the spread over repetitions / sqrt(n)
+        print(f"{v:8s} {a.mean():7.3f} +- {a.std() / sqrt_n:.3f} {e.mean():7.3f} +- {e.std() / sqrt_n:.3f} "
               f"{sum(r['first'] is not None for r in rs):>9d} of {len(rs)}")
     ray.shutdown()
 
