@@ -9,7 +9,7 @@ def test_quickstart_config_is_valid_and_builds_an_rllib_config():
     cfg = load(QUICKSTART)
     assert cfg["training"]["lr"] == pytest.approx(1e-3)
     algo = algorithm_config(cfg)
-    assert algo.num_envs_per_env_runner == 16
+    assert algo.num_envs_per_env_runner == 64
     assert algo.ref_kl_coef == cfg["reward"]["kl_coef"]
 
 

@@ -120,7 +120,10 @@ def two_node_job(tmp_path_factory):
         runtime_env = yaml.safe_load(open(os.path.join(ROOT, "cluster", "runtime_env.yaml")))
         runtime_env["env_vars"]["HF_HUB_OFFLINE"] = "1"  # no network here
         (tmp / "runtime_env.yaml").write_text(yaml.safe_dump(runtime_env))
+        # the quickstart at 16 rows and 2,048-step batches: about 20 iterations in the step budget
         sets = ["env_runners.num_env_runners=2", "env_runners.num_cpus_per_env_runner=0.5",
+                "env_runners.num_envs_per_env_runner=16", "training.train_batch_size=2048",
+                "training.minibatch_size=512",
                 f"env_runners.custom_resources.{RESOURCE}=1", f"stop.num_env_steps_sampled_lifetime={STEPS}",
                 "stop.training_iteration=null", "stop.episode_return_mean=null", "stop.time_total_s=null",
                 "checkpoint.frequency=5", f"tune.storage_path={tmp / 'results'}", "tune.name=two_nodes",
