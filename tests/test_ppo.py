@@ -161,3 +161,39 @@ def test_resumed_trial_progress_csv_keeps_each_iteration_once_when_storage_copy_
         rows = list(csv.DictReader(f))
     assert [int(r["training_iteration"]) for r in rows] == list(range(1, 9))
     assert [float(r["episode_reward"]) for r in rows[2:]] == [0.5 + i for i in range(3, 9)]  # the new rows
+
+
+def test_learner_adam_is_fused_and_takes_the_same_steps_as_torchs_per_tensor_adam(ray_local):
+    """The PPO-family learners step Adam as one fused kernel (the multi-tensor loop under fp16's
+    loss scaler); the parameters after several steps equal those of torch's default Adam."""
+    import copy
+
+    import torch
+
+    from agents.algorithms.base import adam
+
+    algo = algorithm_config(load(QUICKSTART, ["training.train_batch_size=256", "training.minibatch_size=128",
+                                              "env_runners.num_envs_per_env_runner=8"])).build_algo()
+    try:
+        learner = algo.learner_group._learner
+        ((_, optimizer),) = learner.get_optimizers_for_module("default_policy")
+        assert optimizer.defaults["fused"] is True
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        ours = [p.detach().clone().requires_grad_(True) for p in params]
+        ref = copy.deepcopy(ours)
+        opt_ours, opt_ref = adam(ours, learner), torch.optim.Adam(ref, foreach=False)
+        for group in opt_ours.param_groups + opt_ref.param_groups:
+            group["lr"] = 1e-2
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(5):
+            for a, b in zip(ours, ref):
+                a.grad = torch.randn(a.shape, generator=gen)
+                b.grad = a.grad.clone()
+            opt_ours.step()
+            opt_ref.step()
+        assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-6
+        assert max((a - p).abs().max().item() for a, p in zip(ours, params)) > 1e-3  # the steps moved them
+        learner._grad_scalers = {}  # as under training.precision fp16
+        assert adam(ours, learner).defaults["foreach"] is True and not adam(ours, learner).defaults["fused"]
+    finally:
+        algo.stop()

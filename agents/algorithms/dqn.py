@@ -37,7 +37,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 
-from agents.algorithms.base import AlgorithmSpec, candidates, plain, use_configured_lr
+from agents.algorithms.base import AlgorithmSpec, adam, candidates, plain, use_configured_lr
 from agents.algorithms.sequence_batching import SEQ_ID
 from agents.modules.actor_critic import reference_logp
 from env.validation import ConfigError, Field
@@ -91,6 +91,11 @@ class LMDQNTorchLearner(DQNTorchLearner):
             batch = {**batch, Columns.REWARDS: batch[Columns.REWARDS] + self.ref_coef * ref_logp}
             self.metrics.log_value((module_id, REF_LOGP_MEAN), ref_logp.mean().item(), window=1)
         return super().compute_loss_for_module(module_id=module_id, config=config, batch=batch, fwd_out=fwd_out)
+
+    def configure_optimizers_for_module(self, module_id, config=None):
+        params = self.get_parameters(self.module[module_id])  # as RLlib's default, with its Adam
+        self.register_optimizer(module_id=module_id, optimizer=adam(params, self), params=params,
+                                lr_or_lr_schedule=config.lr)
 
     def set_state(self, state):
         super().set_state(state)

@@ -28,7 +28,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.torch_utils import explained_variance
 
-from agents.algorithms.base import AlgorithmSpec, plain, use_configured_lr
+from agents.algorithms.base import AlgorithmSpec, adam, plain, use_configured_lr
 from agents.algorithms.kl_control import AdaptiveKLController, ReferenceKLPenalty
 from agents.algorithms.mle import ReferencePairs, reference_nll
 from agents.algorithms.sequence_batching import AddSequenceIds, sequence_minibatches
@@ -145,7 +145,7 @@ class LMPPOTorchLearner(PPOTorchLearner):
     def configure_optimizers_for_module(self, module_id, config=None):
         params = [p for p in self.get_parameters(self.module[module_id]) if p.requires_grad]
         self.register_optimizer(
-            module_id=module_id, optimizer=torch.optim.Adam(params), params=params, lr_or_lr_schedule=config.lr
+            module_id=module_id, optimizer=adam(params, self), params=params, lr_or_lr_schedule=config.lr
         )
 
     def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
