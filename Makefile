@@ -1,5 +1,5 @@
 # Two commands set everything up on a fresh machine with Python 3.11:
-#   make quickstart   train PPO on the synthetic task (CPU, a few minutes)
+#   make quickstart   train PPO on the synthetic task (CPU, about a minute)
 #   make test         run the test suite (fast + end-to-end tests)
 PYTHON ?= python3
 VENV := .venv
