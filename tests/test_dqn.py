@@ -324,6 +324,8 @@ def test_dqn_trains_greedy_evaluates_and_its_checkpoint_restores_and_keeps_train
         module = restored.learner_group._learner.module["default_policy"]
         for k, v in module.state_dict().items():
             assert torch.equal(v, weights[k]), k
+        ((_, optimizer),) = restored.learner_group._learner.get_optimizers_for_module("default_policy")
+        assert optimizer.param_groups[0]["fused"] is True  # agents.algorithms.base.adam, kept by the restore
         more = restored.train()["learners"]["default_policy"]["num_module_steps_trained_lifetime"]
         assert more > updates  # keeps training from where it was
     finally:
