@@ -194,6 +194,7 @@ def test_learner_adam_is_fused_and_takes_the_same_steps_as_torchs_per_tensor_ada
         assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-6
         assert max((a - p).abs().max().item() for a, p in zip(ours, params)) > 1e-3  # the steps moved them
         learner._grad_scalers = {}  # as under training.precision fp16
-        assert adam(ours, learner).defaults["foreach"] is True and not adam(ours, learner).defaults["fused"]
+        scaled = adam(ours, learner)
+        assert scaled.defaults["foreach"] is True and not scaled.defaults["fused"]
     finally:
         algo.stop()

@@ -93,7 +93,7 @@ class LMDQNTorchLearner(DQNTorchLearner):
         return super().compute_loss_for_module(module_id=module_id, config=config, batch=batch, fwd_out=fwd_out)
 
     def configure_optimizers_for_module(self, module_id, config=None):
-        params = self.get_parameters(self.module[module_id])  # as RLlib's default, with its Adam
+        params = self.get_parameters(self.module[module_id])  # RLlib's default list; the project's Adam
         self.register_optimizer(module_id=module_id, optimizer=adam(params, self), params=params,
                                 lr_or_lr_schedule=config.lr)
 
