@@ -198,3 +198,61 @@ def test_learner_adam_is_fused_and_takes_the_same_steps_as_torchs_per_tensor_ada
         assert scaled.defaults["foreach"] is True and not scaled.defaults["fused"]
     finally:
         algo.stop()
+
+
+def test_terminated_episodes_reach_the_learner_without_rllibs_bootstrap_step(ray_local):
+    """Token episodes end terminated, so the learner batch holds their real steps only: the same
+    rewards, log-probs and value targets as with RLlib's artificial bootstrap step (masked out),
+    advantages standardized over those steps; a batch with a truncated episode keeps RLlib's."""
+    import copy
+
+    import torch
+    from ray.rllib.connectors.learner import AddOneTsToEpisodesAndTruncate
+    from ray.rllib.core.columns import Columns
+    from ray.rllib.evaluation.postprocessing import Postprocessing
+
+    from agents.algorithms.sequence_batching import AddOneTsToUnfinishedEpisodes
+
+    algo = algorithm_config(load(QUICKSTART, ["training.train_batch_size=256", "training.minibatch_size=128",
+                                              "env_runners.num_envs_per_env_runner=8"])).build_algo()
+    try:
+        algo.train()  # values and log-probs that differ from the initial ones
+        learner = algo.learner_group._learner
+        pipeline = learner._learner_connector
+        episodes = algo.env_runner.sample(num_episodes=12)
+        lens = np.array([len(e) for e in episodes])
+        assert all(e.is_terminated for e in episodes) and len(set(lens)) > 1
+
+        def run(eps):
+            out = pipeline(rl_module=learner.module, episodes=eps, batch={}, shared_data={}, metrics=None)
+            return {k: v.cpu().numpy() for k, v in out["default_policy"].items() if torch.is_tensor(v)}
+
+        ours = run(copy.deepcopy(episodes))
+        i = [type(c) for c in pipeline.connectors].index(AddOneTsToUnfinishedEpisodes)
+        mine, pipeline.connectors[i] = pipeline.connectors[i], AddOneTsToEpisodesAndTruncate()
+        try:
+            rllib = run(copy.deepcopy(episodes))
+        finally:
+            pipeline.connectors[i] = mine
+
+        assert len(ours[Columns.ACTIONS]) == lens.sum() and len(rllib[Columns.ACTIONS]) == lens.sum() + len(lens)
+        real = rllib[Columns.LOSS_MASK]
+        assert ours[Columns.LOSS_MASK].all() and real.sum() == lens.sum()
+        assert np.flatnonzero(ours[Columns.TERMINATEDS]).tolist() == (np.cumsum(lens) - 1).tolist()
+        assert not ours[Columns.TRUNCATEDS].any()
+        for column in (Columns.ACTIONS, Columns.REWARDS, Columns.ACTION_LOGP, Columns.VF_PREDS, "seq_id",
+                       Postprocessing.VALUE_TARGETS):
+            np.testing.assert_allclose(ours[column], rllib[column][real], rtol=1e-6, atol=1e-6, err_msg=column)
+        assert np.abs(ours[Columns.REWARDS]).sum() > 0 and np.abs(ours[Postprocessing.VALUE_TARGETS]).sum() > 0
+        raw = ours[Postprocessing.VALUE_TARGETS] - ours[Columns.VF_PREDS]
+        np.testing.assert_allclose(ours[Postprocessing.ADVANTAGES], (raw - raw.mean()) / raw.std(), atol=1e-5)
+        # RLlib's advantages of the real steps are the same ones, standardized with its extra rows
+        scale, shift = np.polyfit(ours[Postprocessing.ADVANTAGES], rllib[Postprocessing.ADVANTAGES][real], 1)
+        np.testing.assert_allclose(scale * ours[Postprocessing.ADVANTAGES] + shift,
+                                   rllib[Postprocessing.ADVANTAGES][real], atol=1e-5)
+
+        cut = copy.deepcopy(episodes)
+        cut[3].is_terminated, cut[3].is_truncated = False, True
+        assert len(run(cut)[Columns.ACTIONS]) == lens.sum() + len(lens)
+    finally:
+        algo.stop()

@@ -51,6 +51,15 @@ def test_learner_connector_pipeline_hook_used_by_the_lm_learners():
 
     assert "self._learner_connector = self.config.build_learner_connector(" in inspect.getsource(Learner.build)
     assert "self._learner_connector.append(" in inspect.getsource(PPOLearner.build)
+    # agents/algorithms/sequence_batching.py AddOneTsToUnfinishedEpisodes replaces the bootstrap
+    # piece PPOLearner prepends, and sets the shared-data flag RLlib's piece sets for the time-dim
+    # piece (a private key).
+    assert "self._learner_connector.prepend(AddOneTsToEpisodesAndTruncate())" in inspect.getsource(PPOLearner.build)
+    from ray.rllib.connectors.common.add_time_dim_to_batch_and_zero_pad import AddTimeDimToBatchAndZeroPad
+    from ray.rllib.connectors.learner import AddOneTsToEpisodesAndTruncate
+
+    for piece in (AddOneTsToEpisodesAndTruncate, AddTimeDimToBatchAndZeroPad):
+        assert '"_added_loss_mask_for_valid_episode_ts"' in inspect.getsource(piece.__call__), piece
     # ... and the whole-sequence minibatching reads the batch the way Learner.update builds it.
     assert params(Learner._make_batch_if_necessary) == ["self", "training_data"]
 

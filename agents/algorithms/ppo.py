@@ -7,6 +7,8 @@ Differences from RLlib's stock PPO learner:
   * the loss reads only the rollout's log-prob of the chosen action, never the
     stored full action-distribution inputs (one float per step instead of V);
   * only trainable parameters go to the optimizer (the reference is frozen);
+  * episodes that terminated get no artificial bootstrap step (their bootstrap value
+    is 0), so the learner batch holds only real steps (`AddOneTsToUnfinishedEpisodes`);
   * minibatches hold whole sequences and the module forwards each sequence
     once, reading every step's logits and value from that one pass
     (`sequence_batching`);
@@ -23,7 +25,7 @@ import torch
 from ray.rllib.algorithms.algorithm_config import NotProvided
 from ray.rllib.algorithms.ppo import PPO, PPOConfig
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
-from ray.rllib.connectors.learner import GeneralAdvantageEstimation
+from ray.rllib.connectors.learner import AddOneTsToEpisodesAndTruncate, GeneralAdvantageEstimation
 from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.torch_utils import explained_variance
@@ -31,7 +33,7 @@ from ray.rllib.utils.torch_utils import explained_variance
 from agents.algorithms.base import AlgorithmSpec, adam, plain, use_configured_lr
 from agents.algorithms.kl_control import AdaptiveKLController, ReferenceKLPenalty
 from agents.algorithms.mle import ReferencePairs, reference_nll
-from agents.algorithms.sequence_batching import AddSequenceIds, sequence_minibatches
+from agents.algorithms.sequence_batching import AddOneTsToUnfinishedEpisodes, AddSequenceIds, sequence_minibatches
 from agents.modules.actor_critic import MASK_SIZE
 from env.validation import ConfigError
 
@@ -99,6 +101,10 @@ class LMPPOTorchLearner(PPOTorchLearner):
             self.kl_penalty = ReferenceKLPenalty(controller=controller)
             self._learner_connector.insert_before(GeneralAdvantageEstimation, self.kl_penalty)
         if self._learner_connector is not None:
+            pipeline = self._learner_connector
+            if any(type(c) is AddOneTsToEpisodesAndTruncate for c in pipeline.connectors):
+                pipeline.insert_after(AddOneTsToEpisodesAndTruncate, AddOneTsToUnfinishedEpisodes())
+                pipeline.remove(AddOneTsToEpisodesAndTruncate)
             self._learner_connector.insert_before(
                 ReferenceKLPenalty if self.kl_penalty is not None else GeneralAdvantageEstimation, AddSequenceIds()
             )

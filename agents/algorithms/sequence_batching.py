@@ -18,6 +18,9 @@ import torch
 import tree
 
 from ray.rllib.connectors.connector_v2 import ConnectorV2
+from ray.rllib.connectors.learner import AddOneTsToEpisodesAndTruncate
+from ray.rllib.core.columns import Columns
+from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
 SEQ_ID = "seq_id"
@@ -35,6 +38,39 @@ class AddSequenceIds(ConnectorV2):
                 continue
             device = module_batch["actions"].device
             module_batch[SEQ_ID] = torch.as_tensor(ids, device=device)
+        return batch
+
+
+class AddOneTsToUnfinishedEpisodes(AddOneTsToEpisodesAndTruncate):
+    """Learner connector piece in place of RLlib's `AddOneTsToEpisodesAndTruncate` (PPO family).
+
+    RLlib appends an artificial step to every episode, so that GAE's value pass also yields
+    V(s_T), the bootstrap value of an episode cut short, and masks that row out of the loss.
+    A terminated episode needs no bootstrap value (it is 0), and a token episode always ends
+    terminated (EOS or the horizon; both runners return whole episodes). Where every episode
+    of the batch is terminated, this piece adds the columns RLlib's piece adds (the loss mask,
+    all true; `terminateds` true at the last step; `truncateds` false) and no step. GAE then
+    sees the same rewards, values and episode boundaries, the learner forwards and masks one
+    row fewer per episode, and advantages are standardized over the loss steps only (RLlib's
+    standardization also counts the artificial rows). Otherwise it is RLlib's piece.
+    """
+
+    def __call__(self, *, rl_module, batch, episodes, explore=None, shared_data=None, **kwargs):
+        sa_episodes = list(self.single_agent_episode_iterator(episodes, agents_that_stepped_only=False))
+        if (not sa_episodes or isinstance(episodes[0], MultiAgentEpisode)
+                or not all(e.is_terminated and len(e) > 0 for e in sa_episodes)):
+            return super().__call__(rl_module=rl_module, batch=batch, episodes=episodes, explore=explore,
+                                    shared_data=shared_data, **kwargs)
+        for i, episode in enumerate(sa_episodes):
+            episode.id_ += "_" + str(i)  # as RLlib's piece: ids stay unique within the batch
+            n = len(episode)
+            last = np.zeros(n, dtype=bool)
+            last[-1] = True
+            self.add_n_batch_items(batch, Columns.LOSS_MASK, np.ones(n, dtype=bool), n, episode)
+            self.add_n_batch_items(batch, Columns.TERMINATEDS, last, n, episode)
+            self.add_n_batch_items(batch, Columns.TRUNCATEDS, np.zeros(n, dtype=bool), n, episode)
+        if shared_data is not None:
+            shared_data["_added_loss_mask_for_valid_episode_ts"] = True
         return batch
 
 
