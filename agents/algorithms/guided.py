@@ -67,7 +67,8 @@ def guided_loss_mask(loss_mask: torch.Tensor, roles: torch.Tensor) -> torch.Tens
 
 def guided_value_targets(values, rewards, terminateds, truncateds, roles, *, gamma: float, lambda_: float):
     """Value targets and raw advantages (targets - values) per row of episodes laid end to end
-    (RLlib's layout: each episode plus one artificial bootstrap step).
+    (RLlib's layout; an episode cut short ends in RLlib's artificial bootstrap step, a
+    terminated one has none: `AddOneTsToUnfinishedEpisodes`)
 
     POLICY steps get GAE(gamma, lambda). A DEVIATION step's target is its Monte-Carlo return
     (the guide completed the text after it), so its advantage is that return minus V(s_d).
