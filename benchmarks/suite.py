@@ -91,7 +91,7 @@ class Task:
 
 NLPO = "sampler={name: top_p, p: 0.9, masking: learned, sync_every: 10}"
 # The quickstart as the suite measured it (2026-11-24): 16 rows, 2,048-step batches like the other
-# synthetic configs, lambda 0.95 (the shipped quickstart since steps 64 rows, 4,096 and 1.0).
+# synthetic configs, lambda 0.95 (the shipped quickstart since steps 64 rows, 5,120 and 1.0).
 QUICKSTART_AS_MEASURED = ["env_runners.num_envs_per_env_runner=16", "training.train_batch_size=2048",
                           "training.minibatch_size=512", "training.lambda=0.95"]
 SYNTHETIC = {  # the synthetic tasks' algorithms: their own tuned YAMLs
