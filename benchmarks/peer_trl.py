@@ -61,6 +61,14 @@ steps per iteration; GRPO: group-mean baseline, one step on 64 completions); the
 wall-clock, not the same number of samples or updates. TRL has an `entropy_coef` (0 by default,
 left at 0 here); the project's quickstart uses an entropy bonus of 0.005.
 
+Each run also splits its timed part into microseconds per completion token: generation (TRL's
+`model.generate`; the project's module `act` calls), training passes (TRL's `compute_loss`, backward
+and optimizer step; the project's `forward_train`, `compute_losses`, `compute_gradients` and
+`apply_gradients`), the project's reference pass (the KL penalty's `reference_logp`), and everything
+else (TRL: reward calls, advantages, batching, the Trainer loop; the project: the env, episode
+records, learner connectors and GAE, weight sync, metrics). The summary then prints what the
+project's loop would reach with nothing but its model calls, against TRL's whole loop.
+
 Each run also reports the seconds to reach --target, and the CPU cores this process and the whole
 machine kept busy in the timed part: the figures only count when the two agree (nothing else
 running). Both collapse under contention: with other CPU-bound work on the 2 cores, TRL ran 20-50x
@@ -135,6 +143,59 @@ def loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+PHASES = ("generation", "training passes", "reference pass")
+
+
+class PhaseTimer:
+    """Seconds spent inside chosen methods, by phase (outermost timed call only: a timed method
+    that calls another is counted once). `wrap` patches an instance's or a class's attribute;
+    `restore` undoes every patch."""
+
+    def __init__(self):
+        self.s = dict.fromkeys(PHASES, 0.0)
+        self._depth = 0
+        self._patches = []
+
+    def wrap(self, owner, name: str, phase: str):
+        orig = getattr(owner, name)
+        timer = self
+
+        def timed(*args, **kwargs):
+            if timer._depth:
+                return orig(*args, **kwargs)
+            timer._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                timer._depth -= 1
+                timer.s[phase] += time.perf_counter() - t0
+
+        self._patches.append((owner, name, name in vars(owner), vars(owner).get(name)))
+        setattr(owner, name, timed)
+
+    def add(self, phase: str, seconds: float):
+        self.s[phase] += seconds
+
+    def snapshot(self) -> dict:
+        return dict(self.s)
+
+    def restore(self):
+        for owner, name, had, old in reversed(self._patches):
+            if had:
+                setattr(owner, name, old)
+            else:
+                delattr(owner, name)
+        self._patches = []
+
+
+def phase_split(start: dict, end: dict, wall: float, tokens: int) -> dict:
+    """Microseconds per completion token in each phase between two snapshots, and the rest."""
+    us = {k: (end[k] - start[k]) / tokens * 1e6 for k in PHASES}
+    us["everything else"] = wall / tokens * 1e6 - sum(us.values())
+    return us
+
+
 # -- (a) TRL ---------------------------------------------------------------------------
 
 def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads: int) -> dict:
@@ -191,8 +252,16 @@ def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads:
             self.cpu = []
             self.points = []  # (seconds since train start, trailing-100 reward, cumulative tokens)
 
+        def on_pre_optimizer_step(self, args, st, control, **kwargs):
+            self.opt_t0 = time.perf_counter()
+
+        def on_optimizer_step(self, args, st, control, **kwargs):
+            phases.add("training passes", time.perf_counter() - self.opt_t0)
+
         def on_step_end(self, args, st, control, **kwargs):
             t = time.perf_counter() - self.t0
+            if not self.points:  # the end of the warm-up step: the phase split starts here
+                self.phases0 = phases.snapshot()
             self.points.append((t, sum(state["recent"]) / len(state["recent"]), state["tokens"]))
             self.cpu.append(cpu_snapshot())
             del self.cpu[1:-1]  # keep the first (end of the warm-up step) and the latest
@@ -206,6 +275,7 @@ def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads:
                 state["trl_num_tokens"] = (logs["num_tokens"], state["completions"], state["tokens"])
 
     clock = Clock()
+    phases = PhaseTimer()
     progress = Progress(f"TRL lr={lr:g}")
     out_dir = tempfile.mkdtemp(prefix="peer_trl_")
     args = GRPOConfig(
@@ -232,11 +302,17 @@ def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads:
     assert gen.do_sample and gen.temperature == 1.0 and not gen.top_k and gen.top_p == 1.0, gen
     assert gen.max_new_tokens == new_tokens, gen
     torch.set_num_threads(threads)
+    # Where TRL's time goes: its sampling (`model.generate`, called on the model itself on one CPU
+    # process), and its training passes (the loss's forward pass, backward, optimizer step).
+    phases.wrap(trainer.model, "generate", "generation")
+    phases.wrap(trainer, "compute_loss", "training passes")
+    phases.wrap(trainer.accelerator, "backward", "training passes")
 
     clock.t0 = time.perf_counter()
     try:
         trainer.train()
     finally:
+        phases.restore()
         shutil.rmtree(out_dir, ignore_errors=True)  # TRL's required output folder; nothing is saved in it
     threads_seen = torch.get_num_threads()
     print(f"  [TRL lr={lr:g}] done; load average {loadavg()}", flush=True)
@@ -253,6 +329,7 @@ def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads:
         "first": pts[0][1], "warmup": t1, "threads": threads_seen,
         "mean_len": sum(state["lengths"]) / len(state["lengths"]), "cpu": cpu_use(clock.cpu[0], clock.cpu[-1]),
         "zero_std": state["zero_std"], "distinct": state["distinct"],
+        "phases": phase_split(clock.phases0, phases.snapshot(), tn - t1, kn - k1),
     }
     if state["trl_num_tokens"] is not None:  # TRL counts prompt + completion tokens
         num_tokens, n_done, ours = state["trl_num_tokens"]
@@ -271,6 +348,19 @@ def run_project(cfg: dict, seconds: float, threads: int) -> dict:
     try:
         algo = algorithm_config(cfg).build_algo()
         torch.set_num_threads(threads)
+        # Where the project's time goes: its sampling (the module's `act`, one call per vector
+        # step), its training passes (the loss's forward pass, the losses, backward, optimizer
+        # step) and the reference pass of the KL penalty. Patched on the classes, so the
+        # EnvRunner's and the learner's instances are both timed.
+        phases = PhaseTimer()
+        module_cls, learner_cls = type(algo.env_runner_group.local_env_runner.module), algo.config.learner_class
+        phases.wrap(module_cls, "act", "generation")
+        for name in ("forward_train",):
+            phases.wrap(module_cls, name, "training passes")
+        for name in ("compute_losses", "compute_gradients", "apply_gradients"):
+            phases.wrap(learner_cls, name, "training passes")
+        if hasattr(module_cls, "reference_logp"):
+            phases.wrap(module_cls, "reference_logp", "reference pass")
         points = []  # (seconds since train start, episode_return_mean, env steps sampled)
         cpu = []
         t0 = time.perf_counter()
@@ -280,9 +370,13 @@ def run_project(cfg: dict, seconds: float, threads: int) -> dict:
             er = result["env_runners"]
             points.append((t, er.get("episode_return_mean", math.nan), int(er["num_env_steps_sampled_lifetime"])))
             cpu.append(cpu_snapshot())
+            if len(points) == 1:
+                phases0 = phases.snapshot()
             progress(t, points[-1][1], points[-1][2])
             if t >= seconds:
                 break
+        phases1 = phases.snapshot()
+        phases.restore()
         threads_seen = torch.get_num_threads()
         print(f"  [project] done; load average {loadavg()}", flush=True)
         algo.stop()
@@ -296,7 +390,7 @@ def run_project(cfg: dict, seconds: float, threads: int) -> dict:
         "name": "project PPO", "steps": len(points), "tokens": kn, "tok_s": (kn - k1) / (tn - t1),
         "wall": tn, "timed_wall": tn - t1, "curve": [(t, r) for t, r, _ in points],
         "final": points[-1][1], "best": max(rewards), "first": points[0][1], "warmup": t1, "threads": threads_seen,
-        "cpu": cpu_use(cpu[0], cpu[-1]),
+        "cpu": cpu_use(cpu[0], cpu[-1]), "phases": phase_split(phases0, phases1, tn - t1, kn - k1),
     }
 
 
@@ -332,6 +426,10 @@ def report(res: dict, unit: str, target: float):
           f"{c['own']:.2f}, whole machine {c['machine']:.2f} of {os.cpu_count()} (the difference is other load"
           f"{', Ray daemons included' if 'lr' not in res else ''})")
     print(f"  reward vs wall-clock: {_fmt_curve(res['curve'])}")
+    if "phases" in res:
+        total = sum(res["phases"].values())
+        print("  time per completion token (timed part): " + ", ".join(
+            f"{k} {v:.1f} us ({v / total:.0%})" for k, v in res["phases"].items()) + f"; total {total:.1f} us")
 
 
 def plot(path: str, runs: list[dict]):
@@ -414,6 +512,15 @@ def main():
                   f"(vs the best-reward lr), {project['tok_s'] / by_speed['tok_s']:.2f} (vs the fastest lr)")
             print(f"  final reward project {project['final']:.3f} vs TRL (best lr) {by_reward['final']:.3f} "
                   f"after {args.seconds:g} s each")
+            # The project's model calls alone (no env, episodes, connectors, weight sync or
+            # metrics) against TRL's whole loop: the most the project's loop could reach by
+            # cutting its own bookkeeping, with the same passes.
+            ph = project["phases"]
+            for label, keys in (("generation + training passes + reference pass", PHASES),
+                                ("generation + training passes (no reference pass: kl_coef 0)", PHASES[:2])):
+                us = sum(ph[k] for k in keys)
+                print(f"  project with nothing but its {label}: {us:.1f} us per token = {1e6 / us:,.0f} tok/s, "
+                      f"{1e6 / us / by_speed['tok_s']:.2f}x TRL's fastest")
     if args.plot:
         plot(args.plot, rows)
 

@@ -1,0 +1,67 @@
+"""benchmarks/peer_trl.py's split of a run's time: the timed methods are counted once per outermost
+call, the patches are undone, and a short project run reports every phase it went through."""
+import time
+
+from benchmarks.peer_trl import PHASES, PhaseTimer, phase_split
+
+
+class Worker:
+    def outer(self):
+        time.sleep(0.02)
+        return self.inner() + 1
+
+    def inner(self):
+        time.sleep(0.01)
+        return 1
+
+
+def test_nested_timed_calls_count_once_and_patches_are_undone():
+    w = Worker()
+    originals = (Worker.outer, Worker.inner)
+    timer = PhaseTimer()
+    timer.wrap(Worker, "outer", "generation")
+    timer.wrap(Worker, "inner", "training passes")
+    timer.wrap(w, "inner", "reference pass")  # an instance attribute over the patched class's
+    start = timer.snapshot()
+    assert w.outer() == 2  # outer calls inner: counted inside outer only
+    assert w.inner() == 1  # the instance's patch
+    end = timer.snapshot()
+    assert 0.03 <= end["generation"] - start["generation"] < 0.5
+    assert end["training passes"] == start["training passes"]
+    assert 0.01 <= end["reference pass"] - start["reference pass"] < 0.5
+    timer.restore()
+    assert (Worker.outer, Worker.inner) == originals and "inner" not in vars(w)
+    split = phase_split(start, end, wall=0.1, tokens=1000)
+    assert set(split) == {*PHASES, "everything else"}
+    assert abs(sum(split.values()) - 100.0) < 1e-9  # microseconds per token of 0.1 s over 1,000 tokens
+
+
+PROJECT_RUN = """
+import json
+from agents.config import load
+from agents.modules.actor_critic import CausalLMActorCritic
+from benchmarks.peer_trl import run_project
+
+act = CausalLMActorCritic.act
+cfg = load("tune_configs/quickstart.yaml", ["training.train_batch_size=512", "training.minibatch_size=256",
+                                            "env_runners.num_envs_per_env_runner=16"])
+res = run_project(cfg, seconds=3.0, threads=1)
+print("RESULT", json.dumps({"phases": res["phases"], "restored": CausalLMActorCritic.act is act}))
+"""
+
+
+def test_a_short_project_run_splits_its_time_into_the_phases_it_ran():
+    """In its own process: the run starts and stops its own Ray instance."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-c", PROJECT_RUN], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.split("RESULT ", 1)[1])
+    ph = res["phases"]
+    assert ph["generation"] > 0 and ph["training passes"] > 0 and ph["reference pass"] > 0  # kl_coef > 0
+    assert ph["everything else"] > 0
+    assert res["restored"]  # the run's patches are undone
