@@ -41,6 +41,36 @@ DEFAULTS = {
 }
 
 
+class PromptCodec:
+    """A tokenizer's encoding of prompt texts and decoding of prompt ids, remembered: a task's
+    prompts repeat (one fixed prompt, a data set sampled with replacement), and a reset costs a
+    tokenizer call and a decode otherwise. The rows of a vector env share one. Tokenizers are
+    deterministic, so a remembered result is the one a new call would give. At most `size`
+    entries each; when full it starts over."""
+
+    def __init__(self, tokenizer, size: int = 4096):
+        self.tokenizer, self.size = tokenizer, size
+        self._ids: dict[str, tuple[int, ...]] = {}
+        self._texts: dict[tuple[int, ...], str] = {}
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._ids.get(text)
+        if ids is None:
+            if len(self._ids) >= self.size:
+                self._ids.clear()
+            ids = self._ids[text] = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        key = tuple(ids)
+        text = self._texts.get(key)
+        if text is None:
+            if len(self._texts) >= self.size:
+                self._texts.clear()
+            text = self._texts[key] = self.tokenizer.decode(list(key), skip_special_tokens=True)
+        return text
+
+
 class TokenGenerationEnv(gym.Env):
     metadata = {"render_modes": []}
 
@@ -69,6 +99,7 @@ class TokenGenerationEnv(gym.Env):
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         self.vocab_size = len(self.tokenizer)
+        self.prompt_codec = PromptCodec(self.tokenizer)
         self.encoder_decoder = bool(cfg["encoder_decoder"])
         # The decoder window holds generated tokens only; a causal window holds prompt + generation.
         self.seq_len = self.max_new_tokens if self.encoder_decoder else self.max_prompt_len + self.max_new_tokens
@@ -113,7 +144,7 @@ class TokenGenerationEnv(gym.Env):
         if options.get("prompt_ids") is not None:
             prompt_ids = [int(t) for t in options["prompt_ids"]]
         else:
-            prompt_ids = self.tokenizer(example["prompt"], add_special_tokens=False)["input_ids"]
+            prompt_ids = self.prompt_codec.encode(example["prompt"])
         truncated = len(prompt_ids) > self.max_prompt_len
         if truncated:
             keep = self.max_prompt_len
@@ -137,7 +168,7 @@ class TokenGenerationEnv(gym.Env):
         self._metric_so_far = 0.0
         self._score = bool(options.get("score", True))
         self._done = False
-        prompt_text = self.tokenizer.decode(self._prompt_ids, skip_special_tokens=True)
+        prompt_text = self.prompt_codec.decode(self._prompt_ids)
         self._example = {**example, "prompt": prompt_text}
         info = {"prompt": prompt_text, "prompt_truncated": truncated}
         return self._observation(), info

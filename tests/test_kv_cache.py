@@ -208,6 +208,66 @@ def test_cache_keeps_transformers_step_when_the_tensor_op_step_differs():
     torch.testing.assert_close(hidden, want, atol=1e-5, rtol=1e-5)
 
 
+def test_gpt2_forward_as_tensor_ops_gives_transformers_states_caches_and_gradients():
+    """The learner's and the prefill's pass over whole left-padded windows: same hidden states at
+    every real token, same keys/values, and the same weight gradients as transformers' forward."""
+    from agents.modules.kv_cache import _LEAN_FORWARD_CHECKED, gpt2_forward, lean_forward, position_ids_for
+
+    trunk = _gpt2_trunk(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).train()
+    ids, mask, _ = _window_cache(trunk)
+    real = mask.bool()
+
+    def grads(hidden):
+        trunk.zero_grad()
+        (hidden[real] ** 2).sum().backward()
+        return {n: p.grad.clone() for n, p in trunk.named_parameters() if p.grad is not None}
+
+    want = trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=True)
+    want_grads = grads(want.last_hidden_state)
+    got, layers = gpt2_forward(trunk, ids, mask, keys_values=True)
+    torch.testing.assert_close(got[real], want.last_hidden_state[real], atol=1e-5, rtol=1e-5)
+    for (k, v), layer in zip(layers, want.past_key_values.layers):
+        torch.testing.assert_close(k.transpose(1, 2)[real], layer.keys.transpose(1, 2)[real], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v.transpose(1, 2)[real], layer.values.transpose(1, 2)[real], atol=1e-5, rtol=1e-5)
+    got_grads = grads(gpt2_forward(trunk, ids, mask)[0])
+    assert got_grads.keys() == want_grads.keys() and len(got_grads) == len(list(trunk.parameters()))
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-5, rtol=1e-5)
+    # lean_forward checks it once per trunk and then takes it
+    hidden, _ = lean_forward(trunk, ids, mask)
+    assert _LEAN_FORWARD_CHECKED[trunk] is True
+    torch.testing.assert_close(hidden[real], want.last_hidden_state[real], atol=1e-5, rtol=1e-5)
+
+
+def test_gpt2_forward_is_refused_where_it_would_differ_from_transformers():
+    from agents.modules.kv_cache import _LEAN_FORWARD_CHECKED, gpt2_forward, lean_forward
+
+    trunk = _gpt2_trunk()  # GPT-2's default dropout 0.1
+    ids, mask, _ = _window_cache(trunk)
+    assert gpt2_forward(trunk, ids, mask) is not None  # eval mode: no dropout
+    assert gpt2_forward(trunk.train(), ids, mask) is None  # training with dropout: transformers' forward
+    plain = _gpt2_trunk(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).train()
+    plain.gradient_checkpointing_enable()  # recomputes activations per block: transformers' forward
+    assert gpt2_forward(plain, ids, mask) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert gpt2_forward(_gpt2_trunk().eval(), ids, mask) is None
+    assert gpt2_forward(_gpt2_trunk(reorder_and_upcast_attn=True), ids, mask) is None
+    # a pass that differed from transformers' on the first batch is never taken for that trunk
+    import agents.modules.kv_cache as kv
+
+    trunk = _gpt2_trunk().eval()
+    original = kv.gpt2_forward
+    kv.gpt2_forward = lambda trunk, ids, mask, keys_values=False: (torch.zeros(*ids.shape, 32), [])
+    try:
+        hidden, _ = lean_forward(trunk, ids, mask)
+    finally:
+        kv.gpt2_forward = original
+    assert _LEAN_FORWARD_CHECKED[trunk] is False
+    want = trunk(input_ids=ids, attention_mask=mask, position_ids=kv.position_ids_for(mask)).last_hidden_state
+    torch.testing.assert_close(hidden, want)
+    assert lean_forward(trunk, ids, mask)[0].abs().sum() > 0  # and stays with transformers' forward
+
+
 def test_fused_gelu_gives_gpt2s_gelu_new():
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.activations import NewGELUActivation

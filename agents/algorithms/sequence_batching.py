@@ -78,9 +78,12 @@ def sequence_minibatches(batch: MultiAgentBatch, *, num_epochs: int, minibatch_s
                          shuffle: bool, rng: np.random.Generator, num_total_minibatches: int = 0):
     """Yields `num_epochs` passes over `batch` in minibatches of whole sequences.
 
-    A minibatch takes sequences until it holds at least `minibatch_size` steps
-    (the last one of an epoch may be smaller). Without `seq_id` it falls back to
-    contiguous row slices.
+    A minibatch takes sequences until it holds at least `minibatch_size` steps.
+    The sequences left over at the end of an epoch make a minibatch of their own
+    if they hold at least half of `minibatch_size` steps, else they join the
+    epoch's last minibatch: no Adam step is taken on a few leftover sequences
+    (a batch of 1,300 steps with minibatches of 1,280 is one update, not a full
+    one and one on 20 steps). Without `seq_id` it falls back to one-row groups.
 
     With several learners RLlib passes `num_total_minibatches`: every learner must
     run exactly that many gradient steps (each one all-reduces gradients), whatever
@@ -117,8 +120,11 @@ def _one_pass(batch: MultiAgentBatch, *, minibatch_size, shuffle, rng):
             if minibatch_size and size >= minibatch_size:
                 chunks.append(np.concatenate(current))
                 current, size = [], 0
-        if current:
-            chunks.append(np.concatenate(current))
+        if current:  # the sequences left over: a minibatch of their own only if at least half full
+            if chunks and minibatch_size and 2 * size < minibatch_size:
+                chunks[-1] = np.concatenate([chunks[-1], *current])
+            else:
+                chunks.append(np.concatenate(current))
         per_module[module_id] = (module_batch, chunks)
     n = max(len(chunks) for _, chunks in per_module.values())
     for i in range(n):

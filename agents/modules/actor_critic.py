@@ -43,7 +43,7 @@ from ray.rllib.core.rl_module.torch import TorchRLModule
 from agents.algorithms.sequence_batching import SEQ_ID
 from agents.models import (DTYPES, adapters_disabled, add_lora, build_causal_lm, build_tokenizer, cast_frozen,
                            has_lora, is_adapter_key)
-from agents.modules.kv_cache import (ROW_CONTINUES, WindowKVCache, position_ids_for, rows_that_continue,
+from agents.modules.kv_cache import (ROW_CONTINUES, WindowKVCache, lean_forward, rows_that_continue,
                                      sequence_pass_rows)
 from agents.samplers import MASKED, Sampler
 
@@ -76,8 +76,8 @@ def hidden_at_last_token(trunk: nn.Module, obs: dict, seq_ids: torch.Tensor | No
     state is read at the matching column of that row's pass.
     """
     _, ids, mask, inverse, column = sequence_pass_rows(obs["input_ids"], obs["attention_mask"], seq_ids)
-    out = trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False)
-    return out.last_hidden_state[inverse, column]
+    hidden, _ = lean_forward(trunk, ids, mask)  # GPT-2 as tensor ops where it gives transformers' result
+    return hidden[inverse, column]
 
 
 @torch.no_grad()

@@ -28,6 +28,7 @@ pay for a prompt's prefill once per weight sync instead of once per episode.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -140,17 +141,10 @@ def _same_step_with_4d_mask(trunk, past, ids, mask) -> bool:
     return bool(torch.allclose(outs[0], outs[1], atol=1e-4, rtol=1e-4))
 
 
-def gpt2_step(trunk):
-    """A one-token cached step of a plain `GPT2Model` as tensor ops, or None for any other trunk.
-
-    `step(past, ids, mask)` does what `trunk(input_ids=ids[:, -1:], attention_mask=4-D step mask,
-    position_ids=..., past_key_values=past)` does to `past` (its keys/values lose their first
-    column and gain the new token's) and returns the hidden state at the new token, without the
-    per-layer module calls, wrappers and attention dispatch of transformers' forward (about half of
-    a tiny model's step). Only a trunk whose parts are exactly GPT-2's qualifies: a LoRA-wrapped
-    one (its projections are adapters), one with hooks, cross-attention or GPT-2's rarer attention
-    options keeps transformers' forward. `WindowKVCache` also checks the step against that forward
-    on its first call and keeps the forward when they differ."""
+def _plain_gpt2_blocks(trunk):
+    """The blocks of a plain `GPT2Model` (every part exactly GPT-2's, no hooks, none of GPT-2's
+    rarer attention options), or None for any other trunk: what `gpt2_step` and `gpt2_forward`
+    may run as tensor ops."""
     from transformers.models.gpt2.modeling_gpt2 import GPT2Model
     from transformers.pytorch_utils import Conv1D
 
@@ -171,7 +165,97 @@ def gpt2_step(trunk):
     if type(trunk.ln_f) is not torch.nn.LayerNorm or any(
             m._forward_hooks or m._forward_pre_hooks for m in parts):
         return None
+    return blocks
+
+
+def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: bool = False):
+    """A plain `GPT2Model`'s pass over whole left-padded windows as tensor ops: what
+    `trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask))` computes
+    (last hidden states (rows, T, D), and with `keys_values` the per-layer (keys, values)), without
+    transformers' per-module calls, output-capturing wrappers and mask building, which are most of
+    a small model's pass. Differentiable (the learner's passes take it). Returns None where the
+    trunk does not qualify (`_plain_gpt2_blocks`), uses gradient checkpointing, runs in training
+    mode with dropout, or under autocast: those keep transformers' forward. `lean_forward`
+    checks it against transformers' forward once per trunk."""
+    blocks = _plain_gpt2_blocks(trunk)
+    c = trunk.config
+    if (blocks is None or any(getattr(m, "gradient_checkpointing", False) for m in [trunk, *blocks])
+            or torch.is_autocast_enabled(ids.device.type)
+            or (trunk.training and max(c.resid_pdrop, c.embd_pdrop, c.attn_pdrop) > 0)):
+        return None
     D, heads = trunk.embed_dim, c.n_head
+    hd = D // heads
+    B, T = ids.shape
+    h = F.embedding(ids, trunk.wte.weight) + F.embedding(position_ids_for(mask), trunk.wpe.weight)
+    allowed = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril_()[None] & mask[:, None, :].bool()
+    attention = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill_(
+        ~allowed, torch.finfo(h.dtype).min)[:, None]
+    layers = []
+    for blk in blocks:
+        x = F.layer_norm(h, (D,), blk.ln_1.weight, blk.ln_1.bias, blk.ln_1.eps)
+        q, k, v = torch.addmm(blk.attn.c_attn.bias, x.reshape(B * T, D), blk.attn.c_attn.weight).view(
+            B, T, 3, heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
+        if keys_values:
+            layers.append((k, v))
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=attention).transpose(1, 2).reshape(B * T, D)
+        h = h + torch.addmm(blk.attn.c_proj.bias, a, blk.attn.c_proj.weight).view(B, T, D)
+        x = F.layer_norm(h, (D,), blk.ln_2.weight, blk.ln_2.bias, blk.ln_2.eps)
+        x = blk.mlp.act(torch.addmm(blk.mlp.c_fc.bias, x.reshape(B * T, D), blk.mlp.c_fc.weight))
+        h = h + torch.addmm(blk.mlp.c_proj.bias, x, blk.mlp.c_proj.weight).view(B, T, D)
+    return F.layer_norm(h, (D,), trunk.ln_f.weight, trunk.ln_f.bias, trunk.ln_f.eps), layers
+
+
+_LEAN_FORWARD_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def lean_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: bool = False):
+    """`gpt2_forward` where it applies and gave transformers' results on this trunk's first batch
+    (checked once per trunk, at real tokens only, within float rounding of its dtype), else
+    transformers' forward. Returns (last hidden states, [(keys, values)] per layer or None)."""
+    lean = _LEAN_FORWARD_CHECKED.get(trunk)
+    if lean is not False:
+        out = gpt2_forward(trunk, ids, mask, keys_values=keys_values)
+        if out is not None and lean is None:
+            lean = _same_forward(trunk, ids, mask, out)
+            _LEAN_FORWARD_CHECKED[trunk] = lean
+        if out is not None and lean:
+            return out[0], (out[1] if keys_values else None)
+    result = trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=keys_values)
+    layers = [(l.keys, l.values) for l in result.past_key_values.layers] if keys_values else None
+    return result.last_hidden_state, layers
+
+
+@torch.no_grad()
+def _same_forward(trunk, ids, mask, out) -> bool:
+    """Whether `gpt2_forward`'s `out` equals transformers' forward on this batch (real tokens)."""
+    ref = trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=True)
+    tol = 1e-4 if trunk.dtype == torch.float32 else 3e-2
+    real = mask.bool()
+    same = lambda a, b: a.shape == b.shape and bool(torch.allclose(a[real].float(), b[real].float(), atol=tol, rtol=tol))
+    if not same(ref.last_hidden_state, out[0].detach()):
+        return False
+    if not out[1]:
+        return True
+    per_token = lambda t: t.detach().transpose(1, 2)  # (rows, heads, T, hd) -> (rows, T, heads, hd)
+    return all(same(per_token(l.keys), per_token(k)) and same(per_token(l.values), per_token(v))
+               for l, (k, v) in zip(ref.past_key_values.layers, out[1]))
+
+
+def gpt2_step(trunk):
+    """A one-token cached step of a plain `GPT2Model` as tensor ops, or None for any other trunk.
+
+    `step(past, ids, mask)` does what `trunk(input_ids=ids[:, -1:], attention_mask=4-D step mask,
+    position_ids=..., past_key_values=past)` does to `past` (its keys/values lose their first
+    column and gain the new token's) and returns the hidden state at the new token, without the
+    per-layer module calls, wrappers and attention dispatch of transformers' forward (about half of
+    a tiny model's step). Only a trunk whose parts are exactly GPT-2's qualifies: a LoRA-wrapped
+    one (its projections are adapters), one with hooks, cross-attention or GPT-2's rarer attention
+    options keeps transformers' forward. `WindowKVCache` also checks the step against that forward
+    on its first call and keeps the forward when they differ."""
+    blocks = _plain_gpt2_blocks(trunk)
+    if blocks is None:
+        return None
+    D, heads = trunk.embed_dim, trunk.config.n_head
     hd = D // heads
 
     def attend(q, keys, values, attention):
@@ -286,9 +370,8 @@ def prefill_pass(trunk, ids: torch.Tensor, mask: torch.Tensor):
     is mostly left padding: prompt 64 + 48 new tokens prefills 64 columns, not 112). Those
     columns' keys/values come back as zeros; the attention mask hides them either way."""
     start = first_used_column(mask)
-    ids, part = ids[:, start:], mask[:, start:]
-    out = trunk(input_ids=ids, attention_mask=part, position_ids=position_ids_for(part), use_cache=True)
-    return out.last_hidden_state[:, -1], pad_front([(l.keys, l.values) for l in out.past_key_values.layers], start)
+    hidden, layers = lean_forward(trunk, ids[:, start:], mask[:, start:], keys_values=True)
+    return hidden[:, -1], pad_front(layers, start)
 
 
 def window_keys(ids: torch.Tensor, mask: torch.Tensor) -> list[bytes]:
