@@ -21,8 +21,10 @@ sampled like any other token and decoded away; an early EOS forfeits the missing
       * 64 completions per optimizer step: per_device_train_batch_size=64 and
         num_generations=--trl-num-generations (default 64: every prompt is the same, so one group of
         64 gives GRPO's group baseline the most samples; 8 gives 8 groups of 8);
-        steps_per_generation=1, num_iterations=1 (TRL's default: one gradient step per generation
-        batch, so every update is on-policy), beta=0.0 (TRL's default: no reference model, no KL
+        steps_per_generation=--trl-steps-per-generation (default 1, TRL's default: one gradient step
+        per generation batch, so every update is on-policy; 2 generates 128 completions per
+        `generate()` call and takes two steps of 64, TRL's way of keeping more rows in flight, the
+        counterpart of the project's `num_envs_per_env_runner=128`), num_iterations=1, beta=0.0 (TRL's default: no reference model, no KL
         term), loss_type="dapo", scale_rewards="group", epsilon=0.2 (all TRL defaults);
       * max_completion_length=20, temperature=1.0, top_k=0, top_p=1.0, min_p=None (no truncation);
         generation through `model.generate()` with its KV cache;
@@ -198,7 +200,8 @@ def phase_split(start: dict, end: dict, wall: float, tokens: int) -> dict:
 
 # -- (a) TRL ---------------------------------------------------------------------------
 
-def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads: int) -> dict:
+def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads: int,
+            steps_per_generation: int = 1) -> dict:
     import torch
     import transformers
     from datasets import Dataset
@@ -282,7 +285,7 @@ def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads:
         output_dir=out_dir,
         per_device_train_batch_size=64,
         num_generations=num_generations,
-        steps_per_generation=1,
+        steps_per_generation=steps_per_generation,
         num_iterations=1,
         max_completion_length=new_tokens,
         temperature=1.0, top_k=0, top_p=1.0, min_p=None,
@@ -323,7 +326,7 @@ def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads:
     if state["seen_prompts"] != {prompt_text}:
         raise RuntimeError(f"TRL passed prompts {state['seen_prompts']!r}")
     res = {
-        "name": f"TRL GRPO lr={lr:g}", "lr": lr, "steps": len(pts), "tokens": kn, "completions": state["completions"],
+        "name": f"TRL GRPO lr={lr:g}" + (f" spg={steps_per_generation}" if steps_per_generation > 1 else ""), "lr": lr, "steps": len(pts), "tokens": kn, "completions": state["completions"],
         "tok_s": (kn - k1) / (tn - t1), "wall": tn, "timed_wall": tn - t1,
         "curve": [(t, r) for t, r, _ in pts], "final": pts[-1][1], "best": max(r for _, r, _ in pts),
         "first": pts[0][1], "warmup": t1, "threads": threads_seen,
@@ -458,6 +461,9 @@ def main():
     p.add_argument("--seconds", type=float, default=120.0, help="training wall-clock budget per run")
     p.add_argument("--trl-lr", type=float, nargs="+", default=[1e-3])
     p.add_argument("--trl-num-generations", type=int, default=64, help="completions per prompt group (divides 64)")
+    p.add_argument("--trl-steps-per-generation", type=int, nargs="+", default=[1],
+                   help="TRL's steps_per_generation: each generate() call samples 64 x this many completions, "
+                        "then takes this many optimizer steps of 64 (one run per value and lr)")
     only = p.add_mutually_exclusive_group()
     only.add_argument("--trl-only", action="store_true")
     only.add_argument("--project-only", action="store_true")
@@ -483,10 +489,11 @@ def main():
 
         print(f"TRL {trl.__version__}: lr {args.trl_lr}, 64 completions per step, "
               f"num_generations={args.trl_num_generations}")
-        for lr in args.trl_lr:
-            res = run_trl(base_cfg, lr, args.seconds, args.trl_num_generations, args.threads)
-            report(res, "step", args.target)
-            trl_runs.append(res)
+        for spg in args.trl_steps_per_generation:
+            for lr in args.trl_lr:
+                res = run_trl(base_cfg, lr, args.seconds, args.trl_num_generations, args.threads, spg)
+                report(res, "step", args.target)
+                trl_runs.append(res)
     if not args.trl_only:
         project = run_project(cfg, args.seconds, args.threads)
         report(project, "iteration", args.target)

@@ -121,3 +121,24 @@ def test_masked_out_tokens_get_zero_probability_and_finite_log_probs():
     assert (probs[~keep] == 0).all() and torch.isfinite(torch.log_softmax(masked, -1)).all()
     draws = torch.multinomial(probs, 2000, replacement=True)
     assert keep.gather(-1, draws).all()
+
+
+def test_sample_rows_draws_each_index_with_its_probability_and_never_a_zero_one():
+    from agents.samplers import sample_rows
+
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    draws = sample_rows(probs.repeat(100_000, 1)).view(100_000, 2)
+    freq = torch.bincount(draws[:, 0], minlength=6).float() / 100_000
+    assert torch.allclose(freq, probs[0], atol=0.006), freq  # ~4 standard errors
+    assert (draws[:, 1] == 0).all()
+    # unnormalised rows, and draws at the very bottom and top of a row (0 and just below 1)
+    weights = torch.tensor([[0.0, 3.0, 0.0, 1.0, 0.0], [0.0, 0.0, 2.0, 0.0, 0.0]])
+    original = torch.rand
+    for edge in (0.0, 1.0 - 2 ** -53):
+        torch.rand = lambda *shape, **kw: torch.full(shape, edge, **kw)  # noqa: E731
+        try:
+            got = sample_rows(weights)
+        finally:
+            torch.rand = original
+        assert got.tolist() == ([1, 2] if edge == 0.0 else [3, 2])

@@ -45,7 +45,7 @@ from agents.models import (DTYPES, adapters_disabled, add_lora, build_causal_lm,
                            has_lora, is_adapter_key)
 from agents.modules.kv_cache import (ROW_CONTINUES, WindowKVCache, lean_forward, rows_that_continue,
                                      sequence_pass_rows)
-from agents.samplers import MASKED, Sampler
+from agents.samplers import MASKED, Sampler, sample_rows
 
 SAMPLER_STATE = "sampler_state"  # per-step sampler state (mirostat's mu) used when acting
 MASK_SIZE = "mask_size"  # number of kept tokens per row, from the training forward pass
@@ -235,7 +235,7 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         cont = batch.get(ROW_CONTINUES)
         logits, extra = self._acting_logits(batch[Columns.OBS], cont, values=True)
         logp_all = torch.log_softmax(logits, -1)
-        actions = torch.multinomial(logp_all.exp(), 1)[:, 0]  # masked tokens have probability exactly 0
+        actions = sample_rows(logp_all.exp())  # masked tokens have probability exactly 0: never drawn
         if self.guided is not None:  # the guide's tokens replace the policy's where its roll-in plan says so
             from agents.guides import GUIDE_ROLE
 
