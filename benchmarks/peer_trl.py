@@ -24,8 +24,9 @@ sampled like any other token and decoded away; an early EOS forfeits the missing
         steps_per_generation=--trl-steps-per-generation (default 1, TRL's default: one gradient step
         per generation batch, so every update is on-policy; 2 generates 128 completions per
         `generate()` call and takes two steps of 64, TRL's way of keeping more rows in flight, the
-        counterpart of the project's `num_envs_per_env_runner=128`), num_iterations=1, beta=0.0 (TRL's default: no reference model, no KL
-        term), loss_type="dapo", scale_rewards="group", epsilon=0.2 (all TRL defaults);
+        counterpart of the project's `num_envs_per_env_runner=128`), num_iterations=1, beta=0.0
+        (TRL's default: no reference model, no KL term), loss_type="dapo", scale_rewards="group",
+        epsilon=0.2 (all TRL defaults);
       * max_completion_length=20, temperature=1.0, top_k=0, top_p=1.0, min_p=None (no truncation);
         generation through `model.generate()` with its KV cache;
       * AdamW at --trl-lr with a constant schedule (no warm-up, no decay: the run is stopped on a
@@ -325,8 +326,9 @@ def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads:
     (t1, _, k1), (tn, _, kn) = pts[0], pts[-1]
     if state["seen_prompts"] != {prompt_text}:
         raise RuntimeError(f"TRL passed prompts {state['seen_prompts']!r}")
+    name = f"TRL GRPO lr={lr:g}" + (f" spg={steps_per_generation}" if steps_per_generation > 1 else "")
     res = {
-        "name": f"TRL GRPO lr={lr:g}" + (f" spg={steps_per_generation}" if steps_per_generation > 1 else ""), "lr": lr, "steps": len(pts), "tokens": kn, "completions": state["completions"],
+        "name": name, "lr": lr, "steps": len(pts), "tokens": kn, "completions": state["completions"],
         "tok_s": (kn - k1) / (tn - t1), "wall": tn, "timed_wall": tn - t1,
         "curve": [(t, r) for t, r, _ in pts], "final": pts[-1][1], "best": max(r for _, r, _ in pts),
         "first": pts[0][1], "warmup": t1, "threads": threads_seen,

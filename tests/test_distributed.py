@@ -237,3 +237,23 @@ def test_sequence_minibatches_give_every_learner_the_step_count_rllib_asks_for()
     for total in (1, 4, 9):
         minis = cut(num_epochs=2, num_total_minibatches=total)
         assert len(minis) == total and all(whole_sequences(m) for m in minis)
+
+
+def test_sequences_left_over_from_an_epoch_join_its_last_minibatch_unless_half_a_minibatch():
+    from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
+
+    from agents.algorithms.sequence_batching import SEQ_ID, sequence_minibatches
+
+    def sizes(lengths, minibatch_size):
+        seq = np.repeat(np.arange(len(lengths)), lengths)
+        batch = MultiAgentBatch({"p": SampleBatch({SEQ_ID: torch.as_tensor(seq), "x": torch.arange(len(seq))})},
+                                env_steps=len(seq))
+        minis = sequence_minibatches(batch, num_epochs=1, minibatch_size=minibatch_size, shuffle=False,
+                                     rng=np.random.default_rng(0))
+        return [len(m.policy_batches["p"]) for m in minis]
+
+    assert sizes([20] * 65, 1280) == [1300]  # 20 steps left over: no Adam step of their own
+    assert sizes([20] * 96, 1280) == [1280, 640]  # half a minibatch left over: a minibatch
+    assert sizes([20] * 95, 1280) == [1900]  # just under half: joins the last one
+    assert sizes([20] * 5, 1280) == [100]  # an epoch smaller than a minibatch is one
+    assert sizes([5, 3, 7, 2, 6], None) == [23]  # no minibatch size: the whole epoch

@@ -172,8 +172,8 @@ def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: b
     """A plain `GPT2Model`'s pass over whole left-padded windows as tensor ops: what
     `trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask))` computes
     (last hidden states (rows, T, D), and with `keys_values` the per-layer (keys, values)), without
-    transformers' per-module calls, output-capturing wrappers and mask building, which are most of
-    a small model's pass. Differentiable (the learner's passes take it). Returns None where the
+    transformers' per-module calls, output-capturing wrappers and mask building (the fixed cost of
+    a pass, which a small model's short passes, such as one prompt's prefill, feel). Differentiable (the learner's passes take it). Returns None where the
     trunk does not qualify (`_plain_gpt2_blocks`), uses gradient checkpointing, runs in training
     mode with dropout, or under autocast: those keep transformers' forward. `lean_forward`
     checks it against transformers' forward once per trunk."""
