@@ -200,6 +200,73 @@ def test_learner_adam_is_fused_and_takes_the_same_steps_as_torchs_per_tensor_ada
         algo.stop()
 
 
+@pytest.mark.parametrize("runner", ["fast", "stock"])
+def test_learner_batch_built_from_episode_arrays_equals_rllibs_pieces(ray_local, runner):
+    """The PPO family's learner pipeline builds the train batch of token episodes by one
+    concatenation per column; every column (KL-penalised rewards, value targets, advantages and
+    sequence ids included) equals, dtype and values, what RLlib's own pieces make of them. A
+    custom piece in front of the pipeline, or an episode cut short, runs RLlib's pieces."""
+    import copy
+
+    import torch
+    from ray.rllib.connectors.connector_v2 import ConnectorV2
+    from ray.rllib.connectors.learner import LearnerConnectorPipeline
+
+    from agents.algorithms.sequence_batching import TokenLearnerPipeline, _episode_arrays
+
+    algo = algorithm_config(load(QUICKSTART, ["training.train_batch_size=256", "training.minibatch_size=128",
+                                              "env_runners.num_envs_per_env_runner=8",
+                                              f"env_runners.runner={runner}"])).build_algo()
+    try:
+        algo.train()  # values and log-probs that differ from the initial ones, a KL penalty that is not 0
+        learner = algo.learner_group._learner
+        pipeline = learner._learner_connector
+        assert isinstance(pipeline, TokenLearnerPipeline)
+        episodes = algo.env_runner.sample(num_episodes=12) if runner == "fast" else algo.env_runner.sample()
+        assert len({len(e) for e in episodes}) > 1
+        assert _episode_arrays(learner.module, episodes) is not None  # the arrays path covers them
+
+        def flat(batch):
+            out = {}
+            for k, v in batch["default_policy"].items():
+                for kk, vv in (v.items() if isinstance(v, dict) else [(None, v)]):
+                    out[(k, kk)] = vv
+            return out
+
+        def run(call, eps):
+            return flat(call(pipeline, rl_module=learner.module, episodes=eps, batch={}, shared_data={},
+                             metrics=learner.metrics))
+
+        ours = run(TokenLearnerPipeline.__call__, copy.deepcopy(episodes))
+        rllib = run(LearnerConnectorPipeline.__call__, copy.deepcopy(episodes))
+        assert sorted(ours, key=str) == sorted(rllib, key=str)
+        for key, value in rllib.items():
+            assert torch.is_tensor(ours[key]) and ours[key].dtype == value.dtype, key
+            assert torch.equal(ours[key], value), key
+        assert ours[("rewards", None)].abs().sum() > 0 and ours[("advantages", None)].std() > 0
+
+        class NoTaskReward(ConnectorV2):  # a user's piece in front: it runs, then RLlib's pieces
+            def __call__(self, *, rl_module, batch, episodes, **kwargs):
+                for e in episodes:
+                    e.rewards.data = np.zeros_like(e.rewards.data)
+                return batch
+
+        assert ours[("rewards", None)].abs().max() > 0.1
+        pipeline.prepend(NoTaskReward())
+        try:
+            assert pipeline._rest() is None
+            # only the KL penalty is left
+            assert run(TokenLearnerPipeline.__call__, copy.deepcopy(episodes))[("rewards", None)].abs().max() < 0.01
+        finally:
+            pipeline.remove(NoTaskReward)
+        cut = copy.deepcopy(episodes)
+        cut[3].is_terminated, cut[3].is_truncated = False, True
+        assert _episode_arrays(learner.module, cut) is None
+        assert len(run(TokenLearnerPipeline.__call__, cut)[("actions", None)]) == sum(map(len, episodes)) + len(episodes)
+    finally:
+        algo.stop()
+
+
 def test_terminated_episodes_reach_the_learner_without_rllibs_bootstrap_step(ray_local):
     """Token episodes end terminated, so the learner batch holds their real steps only: the same
     rewards, log-probs and value targets as with RLlib's artificial bootstrap step (masked out),

@@ -33,7 +33,12 @@ from ray.rllib.utils.torch_utils import explained_variance
 from agents.algorithms.base import AlgorithmSpec, adam, plain, use_configured_lr
 from agents.algorithms.kl_control import AdaptiveKLController, ReferenceKLPenalty
 from agents.algorithms.mle import ReferencePairs, reference_nll
-from agents.algorithms.sequence_batching import AddOneTsToUnfinishedEpisodes, AddSequenceIds, sequence_minibatches
+from agents.algorithms.sequence_batching import (
+    AddOneTsToUnfinishedEpisodes,
+    AddSequenceIds,
+    sequence_minibatches,
+    token_learner_pipeline,
+)
 from agents.modules.actor_critic import MASK_SIZE
 from env.validation import ConfigError
 
@@ -296,6 +301,12 @@ class LMPPOConfig(PPOConfig):
 
     def get_default_learner_class(self):
         return LMPPOTorchLearner
+
+    def build_learner_connector(self, input_observation_space, input_action_space, device=None):
+        """RLlib's pipeline, as a `TokenLearnerPipeline`: the same pieces, and the same batch
+        from token episodes built by one concatenation per column (`episodes_to_batch`)."""
+        return token_learner_pipeline(super().build_learner_connector(input_observation_space, input_action_space,
+                                                                      device=device))
 
 
 class LMPPO(PPO):
