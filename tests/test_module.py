@@ -137,6 +137,30 @@ def test_inference_only_module_has_no_learner_parts():
         torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), msg=name)
 
 
+def test_weight_sync_copies_every_tensor_and_drops_the_rollout_caches():
+    """A weight sync (the learner's inference-only state) is copied into the EnvRunner module's
+    own tensors; a state with other keys (e.g. a full learner state) goes through
+    load_state_dict. Either way every weight and buffer equals the source's and cached
+    keys/values are gone."""
+    _, full = make_module()
+    with torch.no_grad():
+        for p in full.parameters():
+            p.add_(torch.randn_like(p))
+    for state in (full.get_state(inference_only=True), full.get_state()):
+        _, lite = make_module(inference_only=True)
+        params = {id(p) for p in lite.parameters()}
+        lite.kv_cache.past = "stale"
+        lite.set_state(state)
+        own = lite.state_dict()
+        assert own.keys() <= state.keys()
+        for name, value in own.items():
+            torch.testing.assert_close(value, torch.as_tensor(state[name]), rtol=0, atol=0, msg=name)
+        assert {id(p) for p in lite.parameters()} == params  # the same tensors, updated in place
+        assert lite.kv_cache.past is None and lite.values_in_rollouts
+    assert lite._copy_state(full.get_state(inference_only=True))
+    assert not lite._copy_state(full.get_state())  # the reference's keys: load_state_dict's path
+
+
 def test_reference_model_is_frozen_initial_policy():
     _, module = make_module()
     assert all(not p.requires_grad for p in module.ref_model.parameters())
