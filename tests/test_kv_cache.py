@@ -231,8 +231,9 @@ def test_gpt2_forward_as_tensor_ops_gives_transformers_states_caches_and_gradien
         torch.testing.assert_close(v.transpose(1, 2)[real], layer.values.transpose(1, 2)[real], atol=1e-5, rtol=1e-5)
     got_grads = grads(gpt2_forward(trunk, ids, mask)[0])
     assert got_grads.keys() == want_grads.keys() and len(got_grads) == len(list(trunk.parameters()))
-    for name in want_grads:
-        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-5, rtol=1e-5)
+    for name in want_grads:  # float32 rounding of a different attention kernel, on the gradient's scale
+        scale = max(1.0, want_grads[name].abs().max().item())
+        torch.testing.assert_close(got_grads[name], want_grads[name], atol=3e-5 * scale, rtol=1e-4, msg=name)
     # lean_forward checks it once per trunk and then takes it
     hidden, _ = lean_forward(trunk, ids, mask)
     assert _LEAN_FORWARD_CHECKED[trunk] is True
@@ -284,3 +285,27 @@ def test_fused_gelu_gives_gpt2s_gelu_new():
     x = torch.randint(0, 30, (3, 10))
     torch.testing.assert_close(fused(x).logits, plain(x).logits, atol=1e-5, rtol=1e-5)
     assert fused.config.activation_function == "gelu_new"  # a saved model loads as before
+
+
+def test_window_attention_by_batched_matmuls_equals_fused_attention():
+    """CPU passes over short windows attend by two batched matmuls: the fused op's result at
+    every query that has a key to attend to; long windows keep the fused op (its memory does not
+    grow with queries x columns), one-query steps the matmuls at any length."""
+    import torch.nn.functional as F
+
+    from agents.modules.kv_cache import MATMUL_ATTENTION_MAX_COLUMNS, attention_mask_per_head, window_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, H, T, hd = 3, 2, 9, 4
+    q, k, v = (torch.randn(B, H, T, hd, generator=g) for _ in range(3))
+    real = torch.ones(B, T, dtype=torch.bool)
+    real[0, :4] = real[1, :1] = False  # left padding
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()[None] & real[:, None, :]
+    mask = torch.zeros(B, 1, T, T).masked_fill_(~allowed[:, None], torch.finfo(torch.float32).min)
+    per_head = attention_mask_per_head(mask, H)
+    assert per_head.shape == (B * H, T, T)
+    got, want = window_attention(q, k, v, per_head), F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], atol=1e-6, rtol=1e-5)
+    long = MATMUL_ATTENTION_MAX_COLUMNS + 1
+    assert attention_mask_per_head(torch.zeros(1, 1, long, long), H).dim() == 4
+    assert attention_mask_per_head(torch.zeros(1, 1, 1, long), H).shape == (H, 1, long)

@@ -168,6 +168,37 @@ def _plain_gpt2_blocks(trunk):
     return blocks
 
 
+MATMUL_ATTENTION_MAX_COLUMNS = 128  # CPU passes over windows up to this long attend by two batched matmuls
+
+
+def attention_mask_per_head(attention: torch.Tensor, heads: int) -> torch.Tensor | None:
+    """The additive (rows, 1, queries, T) mask as `window_attention` takes it: (rows * heads,
+    queries, T) where its batched matmuls apply (on the CPU, one query (a cached step) or windows
+    of at most MATMUL_ATTENTION_MAX_COLUMNS; made once per pass, shared by the layers), else the
+    mask as it is (PyTorch's fused attention broadcasts it)."""
+    B, _, Tq, T = attention.shape
+    if attention.device.type != "cpu" or (Tq > 1 and T > MATMUL_ATTENTION_MAX_COLUMNS):
+        return attention
+    return attention.expand(B, heads, Tq, T).reshape(B * heads, Tq, T)
+
+
+def window_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attention: torch.Tensor):
+    """Attention of (rows, heads, queries, hd) over (rows, heads, T, hd) keys/values with the
+    additive mask from `attention_mask_per_head`. Where that left the mask 4-D, PyTorch's fused
+    attention; else two batched matmuls and a softmax: on 2 cores at tiny-gpt2 to gpt2-medium head sizes they were
+    at most 5% slower than the fused op for one query and up to 2x faster (64 rows of tiny-gpt2
+    over 25 columns); over whole 25-column windows (a learner pass, forward and backward) about
+    2.8x faster; the two were level at 128 columns and the fused op 2x faster at 512."""
+    if attention.dim() == 4:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=attention)
+    B, H, Tq, hd = q.shape
+    T = keys.shape[2]
+    w = torch.baddbmm(attention, q.reshape(B * H, Tq, hd), keys.reshape(B * H, T, hd).transpose(1, 2),
+                      alpha=hd ** -0.5)
+    out = torch.bmm(torch.softmax(w.float(), -1).to(values.dtype), values.reshape(B * H, T, hd))
+    return out.view(B, H, Tq, hd)
+
+
 def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: bool = False):
     """A plain `GPT2Model`'s pass over whole left-padded windows as tensor ops: what
     `trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask))` computes
@@ -188,8 +219,8 @@ def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: b
     B, T = ids.shape
     h = F.embedding(ids, trunk.wte.weight) + F.embedding(position_ids_for(mask), trunk.wpe.weight)
     allowed = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril_()[None] & mask[:, None, :].bool()
-    attention = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill_(
-        ~allowed, torch.finfo(h.dtype).min)[:, None]
+    attention = attention_mask_per_head(torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill_(
+        ~allowed, torch.finfo(h.dtype).min)[:, None], heads)
     layers = []
     for blk in blocks:
         x = F.layer_norm(h, (D,), blk.ln_1.weight, blk.ln_1.bias, blk.ln_1.eps)
@@ -197,7 +228,7 @@ def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: b
             B, T, 3, heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
         if keys_values:
             layers.append((k, v))
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=attention).transpose(1, 2).reshape(B * T, D)
+        a = window_attention(q, k, v, attention).transpose(1, 2).reshape(B * T, D)
         h = h + torch.addmm(blk.attn.c_proj.bias, a, blk.attn.c_proj.weight).view(B, T, D)
         x = F.layer_norm(h, (D,), blk.ln_2.weight, blk.ln_2.bias, blk.ln_2.eps)
         x = blk.mlp.act(torch.addmm(blk.mlp.c_fc.bias, x.reshape(B * T, D), blk.mlp.c_fc.weight))
@@ -258,30 +289,16 @@ def gpt2_step(trunk):
     D, heads = trunk.embed_dim, trunk.config.n_head
     hd = D // heads
 
-    def attend(q, keys, values, attention):
-        """One query per row and head over the window's keys: PyTorch's fused attention off the CPU;
-        on the CPU two batched matmuls and a softmax: on 2 cores at 16-64 rows, 25-112 columns and
-        tiny-gpt2 to gpt2-medium head sizes they were at most 5% slower than the fused op and up to
-        2x faster (64 rows of tiny-gpt2 over 25 columns)."""
-        if q.device.type != "cpu":
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=attention)
-        B, T = keys.shape[0], keys.shape[2]
-        w = torch.baddbmm(attention, q.reshape(B * heads, 1, hd), keys.reshape(B * heads, T, hd).transpose(1, 2),
-                          alpha=hd ** -0.5)
-        return torch.bmm(torch.softmax(w.float(), -1).to(values.dtype), values.reshape(B * heads, T, hd))
-
     def step(past, ids, mask):
         B = ids.shape[0]
         h = F.embedding(ids[:, -1], trunk.wte.weight) + F.embedding(mask.sum(-1) - 1, trunk.wpe.weight)
-        attention = step_attention_mask(mask, h.dtype)
-        if h.device.type == "cpu":  # the additive mask per (row, head), as `attend` takes it there
-            attention = attention.expand(B, heads, 1, -1).reshape(B * heads, 1, -1)
+        attention = attention_mask_per_head(step_attention_mask(mask, h.dtype), heads)
         for blk, layer in zip(blocks, past.layers):
             x = F.layer_norm(h, (D,), blk.ln_1.weight, blk.ln_1.bias, blk.ln_1.eps)
             q, k, v = torch.addmm(blk.attn.c_attn.bias, x, blk.attn.c_attn.weight).view(B, 3, heads, 1, hd).unbind(1)
             layer.keys = torch.cat([layer.keys[:, :, 1:], k.to(layer.keys.dtype)], 2)
             layer.values = torch.cat([layer.values[:, :, 1:], v.to(layer.values.dtype)], 2)
-            a = attend(q, layer.keys, layer.values, attention).reshape(B, D)
+            a = window_attention(q, layer.keys, layer.values, attention).reshape(B, D)
             h = h + torch.addmm(blk.attn.c_proj.bias, a.to(h.dtype), blk.attn.c_proj.weight)
             x = F.layer_norm(h, (D,), blk.ln_2.weight, blk.ln_2.bias, blk.ln_2.eps)
             x = blk.mlp.act(torch.addmm(blk.mlp.c_fc.bias, x, blk.mlp.c_fc.weight))
