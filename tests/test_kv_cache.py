@@ -309,3 +309,9 @@ def test_window_attention_by_batched_matmuls_equals_fused_attention():
     long = MATMUL_ATTENTION_MAX_COLUMNS + 1
     assert attention_mask_per_head(torch.zeros(1, 1, long, long), H).dim() == 4
     assert attention_mask_per_head(torch.zeros(1, 1, 1, long), H).shape == (H, 1, long)
+    # fp16 passes keep the fused op: its padding query rows would be NaN through the matmuls
+    half = torch.zeros(B, 1, T, T, dtype=torch.float16).masked_fill_(~allowed[:, None], torch.finfo(torch.float16).min)
+    assert attention_mask_per_head(half, H).dim() == 4
+    out = window_attention(*(x.half() * 8 for x in (q, k, v)), attention_mask_per_head(half, H))
+    assert torch.isfinite(out).all()
+    assert attention_mask_per_head(half[:, :, -1:], H).shape == (B * H, 1, T)  # a step: the matmuls

@@ -225,6 +225,7 @@ def test_learner_batch_built_from_episode_arrays_equals_rllibs_pieces(ray_local,
         episodes = algo.env_runner.sample(num_episodes=12) if runner == "fast" else algo.env_runner.sample()
         assert len({len(e) for e in episodes}) > 1
         assert _episode_arrays(learner.module, episodes) is not None  # the arrays path covers them
+        assert pipeline._rest() is not None  # ... and the pipeline takes it
 
         def flat(batch):
             out = {}

@@ -101,6 +101,12 @@ EPISODES_TO_BATCH = (AddOneTsToUnfinishedEpisodes, AddObservationsFromEpisodesTo
                      AddStatesFromEpisodesToBatch, BatchIndividualItems, NumpyToTensor)
 
 
+# Batch columns the episodes-to-batch pieces make themselves or never copy from a model output.
+RESERVED_COLUMNS = frozenset({Columns.OBS, Columns.ACTIONS, Columns.REWARDS, Columns.TERMINATEDS,
+                              Columns.TRUNCATEDS, Columns.LOSS_MASK, Columns.STATE_IN, Columns.STATE_OUT,
+                              Columns.INFOS, SEQ_ID})
+
+
 def _arrays(buffer, n: int):
     """The first n items of an episode's buffer with no lookback (a dict of arrays for a dict
     space), or None where it holds something else (a list, a lookback)."""
@@ -128,6 +134,8 @@ def _episode_arrays(rl_module, episodes):
                 or e.module_id not in (None, module_id)):
             return None
         obs = _arrays(e.observations, n)
+        if RESERVED_COLUMNS & e.extra_model_outputs.keys():  # RLlib's pieces skip these; leave it to them
+            return None
         cols = {Columns.ACTIONS: _arrays(e.actions, n), Columns.REWARDS: _arrays(e.rewards, n),
                 **{k: _arrays(b, n) for k, b in e.extra_model_outputs.items()}}
         if obs is None or any(v is None or isinstance(v, dict) for v in cols.values()):
@@ -141,11 +149,11 @@ def _episode_arrays(rl_module, episodes):
 
 
 def episodes_to_batch(rl_module, episodes, arrays=None) -> dict | None:
-    """The train batch RLlib's default learner pieces make of `episodes` (with
-    `AddOneTsToUnfinishedEpisodes`, `AddSequenceIds` and NumpyToTensor), built by one
-    concatenation per column, or None where the episodes are not what it covers (see
-    `_episode_arrays`, whose result `arrays` is, when the caller has it). The pieces cost
-    about 60 us per episode (a token episode of 20 steps: 3 us per step)."""
+    """The train batch RLlib's default learner pieces (`EPISODES_TO_BATCH`, with
+    `AddOneTsToUnfinishedEpisodes`) make of `episodes`, built by one concatenation per column,
+    or None where the episodes are not what it covers (see `_episode_arrays`, whose result
+    `arrays` is, when the caller has it). The sequence ids are `AddSequenceIds`', after it. The
+    pieces cost about 60 us per episode (a token episode of 20 steps: 3 us per step)."""
     arrays = arrays or _episode_arrays(rl_module, episodes)
     if arrays is None:
         return None
@@ -163,14 +171,12 @@ def episodes_to_batch(rl_module, episodes, arrays=None) -> dict | None:
             Columns.TRUNCATEDS: np.zeros(total, dtype=bool), Columns.OBS: obs,
             **{k: np.concatenate([cols[k] for _, cols in per_episode]) for k in per_episode[0][1]}}
     device = next(iter(rl_module[module_id].parameters()), torch.empty(0)).device
-    data = convert_to_torch_tensor(data, device=device)
-    data[SEQ_ID] = torch.as_tensor(np.repeat(np.arange(len(lens)), lens), device=device)
-    return {module_id: data}
+    return {module_id: convert_to_torch_tensor(data, device=device)}
 
 
 class TokenLearnerPipeline(LearnerConnectorPipeline):
     """The learner pipeline of the PPO family. Where its first pieces are exactly RLlib's
-    default episodes-to-batch pieces (`EPISODES_TO_BATCH`, ending with NumpyToTensor) and the
+    default episodes-to-batch pieces (`EPISODES_TO_BATCH`, in that order) and the
     episodes are what `episodes_to_batch` covers (both EnvRunners' token episodes), those
     pieces are replaced by `episodes_to_batch`: the same batch, built in one pass over arrays.
     The pieces after them (sequence ids, the KL penalty, GAE, ...) run as usual. Any other
@@ -180,7 +186,7 @@ class TokenLearnerPipeline(LearnerConnectorPipeline):
         """The pieces after the episodes-to-batch prefix, or None where the pipeline does not
         start with exactly that prefix."""
         cut = next((i for i, c in enumerate(self.connectors) if type(c) is NumpyToTensor), None)
-        if cut is None or any(type(c) not in EPISODES_TO_BATCH for c in self.connectors[:cut]):
+        if cut is None or [type(c) for c in self.connectors[:cut + 1]] != list(EPISODES_TO_BATCH):
             return None
         return self.connectors[cut + 1:]
 

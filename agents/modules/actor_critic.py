@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import numpy as np
 import torch
@@ -313,7 +314,8 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         own = self.state_dict(keep_vars=True)
         if own.keys() != state.keys() or any(tuple(own[k].shape) != tuple(np.shape(v)) for k, v in state.items()):
             return False
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # Ray's arrays are read-only; copy_ only reads them
             for k, v in state.items():
                 own[k].copy_(torch.as_tensor(v))
         return True

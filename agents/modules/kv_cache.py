@@ -171,13 +171,17 @@ def _plain_gpt2_blocks(trunk):
 MATMUL_ATTENTION_MAX_COLUMNS = 128  # CPU passes over windows up to this long attend by two batched matmuls
 
 
-def attention_mask_per_head(attention: torch.Tensor, heads: int) -> torch.Tensor | None:
+def attention_mask_per_head(attention: torch.Tensor, heads: int) -> torch.Tensor:
     """The additive (rows, 1, queries, T) mask as `window_attention` takes it: (rows * heads,
     queries, T) where its batched matmuls apply (on the CPU, one query (a cached step) or windows
     of at most MATMUL_ATTENTION_MAX_COLUMNS; made once per pass, shared by the layers), else the
-    mask as it is (PyTorch's fused attention broadcasts it)."""
+    mask as it is (PyTorch's fused attention broadcasts it). Passes over fp16 windows keep the
+    fused op: a padding query row masks every key, and fp16's mask value (-65504) plus a score
+    below about -16 rounds to -inf, so the matmuls' softmax of that row would be NaN (the fused
+    op adds the mask in float32). A cached step's new token always attends to itself."""
     B, _, Tq, T = attention.shape
-    if attention.device.type != "cpu" or (Tq > 1 and T > MATMUL_ATTENTION_MAX_COLUMNS):
+    if attention.device.type != "cpu" or (Tq > 1 and (T > MATMUL_ATTENTION_MAX_COLUMNS
+                                                      or attention.dtype == torch.float16)):
         return attention
     return attention.expand(B, heads, Tq, T).reshape(B * heads, Tq, T)
 
@@ -188,7 +192,9 @@ def window_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     attention; else two batched matmuls and a softmax: on 2 cores at tiny-gpt2 to gpt2-medium head sizes they were
     at most 5% slower than the fused op for one query and up to 2x faster (64 rows of tiny-gpt2
     over 25 columns); over whole 25-column windows (a learner pass, forward and backward) about
-    2.8x faster; the two were level at 128 columns and the fused op 2x faster at 512."""
+    2.8x faster; the two were level at 128 columns and the fused op 2x faster at 512. The
+    matmuls keep the (rows * heads, queries, T) softmax for the backward pass (at 64 rows, 12
+    heads and 128 columns about 50 MB per layer, float32); the fused CPU kernel keeps less."""
     if attention.dim() == 4:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=attention)
     B, H, Tq, hd = q.shape
