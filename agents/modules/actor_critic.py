@@ -309,8 +309,9 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
 
     def _copy_state(self, state) -> bool:
         """Copies `state` into the module's tensors where it holds exactly the module's state
-        keys with their shapes (a weight sync: RLlib's `load_state_dict` costs about 4x as much
-        on a small model), and says whether it did."""
+        keys with their shapes (a weight sync; on the quickstart's module a `set_state` took 190
+        us this way against 460 us through `load_state_dict`, one-off timing), and says whether
+        it did."""
         own = self.state_dict(keep_vars=True)
         if own.keys() != state.keys() or any(tuple(own[k].shape) != tuple(np.shape(v)) for k, v in state.items()):
             return False

@@ -189,12 +189,13 @@ def attention_mask_per_head(attention: torch.Tensor, heads: int) -> torch.Tensor
 def window_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attention: torch.Tensor):
     """Attention of (rows, heads, queries, hd) over (rows, heads, T, hd) keys/values with the
     additive mask from `attention_mask_per_head`. Where that left the mask 4-D, PyTorch's fused
-    attention; else two batched matmuls and a softmax: on 2 cores at tiny-gpt2 to gpt2-medium head sizes they were
-    at most 5% slower than the fused op for one query and up to 2x faster (64 rows of tiny-gpt2
-    over 25 columns); over whole 25-column windows (a learner pass, forward and backward) about
-    2.8x faster; the two were level at 128 columns and the fused op 2x faster at 512. The
-    matmuls keep the (rows * heads, queries, T) softmax for the backward pass (at 64 rows, 12
-    heads and 128 columns about 50 MB per layer, float32); the fused CPU kernel keeps less."""
+    attention; else two batched matmuls and a softmax. On 2 cores at tiny-gpt2 to gpt2-medium
+    head sizes the matmuls were at most 5% slower than the fused op for one query and up to 2x
+    faster (64 rows of tiny-gpt2 over 25 columns); over whole 25-column windows (a learner pass,
+    forward and backward, 57 sequences x 4 heads) 0.70 against 2.02 ms (one-off timings); the
+    two were level at 128 columns and the fused op 2x faster at 512. The matmuls keep the
+    (rows * heads, queries, T) softmax for the backward pass (at 64 rows, 12 heads and 128
+    columns about 50 MB per layer, float32); the fused CPU kernel keeps less."""
     if attention.dim() == 4:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=attention)
     B, H, Tq, hd = q.shape
@@ -210,10 +211,11 @@ def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: b
     `trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask))` computes
     (last hidden states (rows, T, D), and with `keys_values` the per-layer (keys, values)), without
     transformers' per-module calls, output-capturing wrappers and mask building (the fixed cost of
-    a pass, which a small model's short passes, such as one prompt's prefill, feel). Differentiable (the learner's passes take it). Returns None where the
-    trunk does not qualify (`_plain_gpt2_blocks`), uses gradient checkpointing, runs in training
-    mode with dropout, or under autocast: those keep transformers' forward. `lean_forward`
-    checks it against transformers' forward once per trunk."""
+    a pass, which a small model's short passes, such as one prompt's prefill, feel).
+    Differentiable (the learner's passes take it). Returns None where the trunk does not qualify
+    (`_plain_gpt2_blocks`), uses gradient checkpointing, runs in training mode with dropout, or
+    under autocast: those keep transformers' forward. `lean_forward` checks it against
+    transformers' forward once per trunk."""
     blocks = _plain_gpt2_blocks(trunk)
     c = trunk.config
     if (blocks is None or any(getattr(m, "gradient_checkpointing", False) for m in [trunk, *blocks])
