@@ -119,6 +119,10 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         # by one set of weights, as the stock runner's complete episodes always are (the stock
         # runner ignores this key)
         "carry_episodes": F(bool, True),
+        # rollouts in the learner's process and on its device, each weight sync one in-place device
+        # copy (agents/weight_sync.py): unset, wherever it applies (num_env_runners 0 and
+        # learners.num_learners 0); true to require it; false for RLlib's sync through the host
+        "colocated": F(bool, None, optional=True),
     },
     "learners": {
         "num_learners": F(int, 0, **NONNEG_INT),
@@ -373,6 +377,13 @@ def _check_cross_fields(cfg: dict, spec):
     if not spec.whole_episodes and cfg["env_runners"]["runner"] == "fast":
         raise ConfigError(f"env_runners.runner: 'fast' samples whole episodes; {cfg['algorithm']!r} samples n-step "
                           "fragments (batch_mode truncate_episodes) for its replay buffer: use 'stock' or 'auto'")
+    er = cfg["env_runners"]
+    if er["colocated"]:
+        from agents.weight_sync import colocation_refusal
+
+        why = colocation_refusal(_plain(er["num_env_runners"]), _plain(cfg["learners"]["num_learners"]))
+        if why:
+            raise ConfigError(f"env_runners.colocated: true needs rollouts in the learner's process, but {why}")
     stop = cfg["stop"]
     if all(v is None for v in stop.values()):
         raise ConfigError("stop: give at least one of " + ", ".join(stop))
@@ -712,6 +723,7 @@ def algorithm_config(cfg: dict):
 
     from agents.algorithms.base import module_seed
     from agents.env_runner import CARRY_EPISODES, TOKEN_ENV, FastTokenEnvRunner, StockTokenEnvRunner, make_token_env
+    from agents.weight_sync import COLOCATED
 
     cfg = with_absolute_paths(cfg)
     spec = algorithm_spec(cfg)
@@ -730,6 +742,7 @@ def algorithm_config(cfg: dict):
     fast = env_runner_kind(cfg) == "fast"
     if fast:  # the vector env, built through RLlib's vector entry point; the runner resets its rows
         runner_env_cfg = {**runner_env_cfg, "autoreset_mode": "Disabled", CARRY_EPISODES: er["carry_episodes"]}
+    runner_env_cfg = {**runner_env_cfg, COLOCATED: er["colocated"]}
     config = (
         spec.config_class()()
         .environment(TOKEN_ENV, env_config=runner_env_cfg)

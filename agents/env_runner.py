@@ -94,6 +94,7 @@ from ray.rllib.utils.metrics import (
 )
 
 from agents.modules.kv_cache import ROW_CONTINUES
+from agents.weight_sync import COLOCATED
 from env.text_env import TokenGenerationEnv
 from env.vector_env import TokenGenerationVectorEnv, row_info
 
@@ -233,6 +234,7 @@ def make_token_env(config):
 
         row_cls = RepeatedPromptEnv
     cfg.pop(CARRY_EPISODES, None)  # the fast EnvRunner's setting, not the env's
+    cfg.pop(COLOCATED, None)  # the algorithm's (agents.weight_sync)
     if "num_envs" in cfg:
         return TokenGenerationVectorEnv(cfg, row_env_cls=row_cls)
     cfg.pop("autoreset_mode", None)
@@ -255,6 +257,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         self._reuses_prefills = self.module is not None and (self._cache is None or hasattr(self._cache, "store"))
         self._seen_windows: set[bytes] = set()
         self._restarts_free = False
+        self._host = HostTransfers()
 
     def _note_windows(self, obs: dict, rows: np.ndarray) -> None:
         # A cache told not to reuse prefills (`reuse_prefills = False`, as if every prompt
@@ -269,9 +272,13 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
 
     def set_state(self, state) -> None:
         super().set_state(state)
-        if COMPONENT_RL_MODULE in state:  # new weights: the module's stored prefills are gone
-            self._seen_windows.clear()
-            self._restarts_free = False
+        if COMPONENT_RL_MODULE in state:
+            self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """New weights (RLlib's sync or a colocated one): the module's stored prefills are gone."""
+        self._seen_windows.clear()
+        self._restarts_free = False
 
     def _vector_env(self) -> TokenGenerationVectorEnv:
         env = self.env.unwrapped
@@ -378,8 +385,9 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
                 if not st.ever_started.all():  # rows that never started run along on a one-token window
                     obs = {**obs, "attention_mask": obs["attention_mask"].copy()}
                     obs["attention_mask"][~st.ever_started, -1] = 1
-                batch = {Columns.OBS: {k: torch.from_numpy(v).to(device) for k, v in obs.items()},
-                         ROW_CONTINUES: torch.from_numpy(st.cont).to(device)}
+                # ROW_CONTINUES stays on the CPU: the caches branch on it with no device sync
+                batch = {Columns.OBS: {k: self._host.to_device(k, v, device) for k, v in obs.items()},
+                         ROW_CONTINUES: torch.from_numpy(st.cont.copy())}
                 if explore:
                     out = module.act(batch, t=t_global + steps)
                 else:
@@ -387,7 +395,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
                     actions = logits.argmax(-1)
                     out = {Columns.ACTIONS: actions,
                            Columns.ACTION_LOGP: torch.log_softmax(logits.float(), -1).gather(-1, actions[:, None])[:, 0]}
-            out = {k: v.cpu().numpy() for k, v in out.items() if k != Columns.ACTION_DIST_INPUTS}
+            out = self._host({k: v for k, v in out.items() if k != Columns.ACTION_DIST_INPUTS})
             actions = out.pop(Columns.ACTIONS)
             before = st.obs
             st.obs, rewards, terminated, _, infos = env.step(actions)
@@ -451,6 +459,45 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         log((NUM_AGENT_STEPS_SAMPLED_LIFETIME, DEFAULT_AGENT_ID), steps, reduce="lifetime_sum")
         log((NUM_MODULE_STEPS_SAMPLED_LIFETIME, DEFAULT_MODULE_ID), steps, reduce="lifetime_sum")
         log(NUM_EPISODES_LIFETIME, len(episodes), reduce="lifetime_sum")
+
+
+class HostTransfers:
+    """A rollout step's copies between the host and a CUDA device through pinned buffers (kept per
+    name, reused each step): observations go up without blocking, outputs come down with one
+    sync per step. The arrays returned are views of the pinned buffers, valid until the next
+    step (the runner copies them into its episode buffers first). On the CPU, plain tensors."""
+
+    def __init__(self):
+        self.up, self.down = {}, {}
+
+    @staticmethod
+    def _pinned(cache: dict, name: str, like: torch.Tensor) -> torch.Tensor:
+        buf = cache.get(name)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = cache[name] = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        return buf
+
+    def to_device(self, name: str, array: np.ndarray, device: torch.device) -> torch.Tensor:
+        host = torch.from_numpy(array)
+        if device.type != "cuda":
+            return host.to(device)
+        pinned = self._pinned(self.up, name, host)
+        pinned.copy_(host)  # the last step's copy out of this buffer finished: its outputs were synced
+        return pinned.to(device, non_blocking=True)
+
+    def to_host(self, out: dict) -> dict:
+        devices = {v.device for v in out.values()}
+        if not any(d.type == "cuda" for d in devices):
+            return {k: v.cpu().numpy() for k, v in out.items()}
+        pinned = {k: self._pinned(self.down, k, v) for k, v in out.items()}
+        for k, v in out.items():
+            pinned[k].copy_(v, non_blocking=True)
+        for d in devices:
+            if d.type == "cuda":
+                torch.cuda.current_stream(d).synchronize()
+        return {k: p.numpy() for k, p in pinned.items()}
+
+    __call__ = to_host
 
 
 def _put(buf, n: int, row: np.ndarray) -> np.ndarray:

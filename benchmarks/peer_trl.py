@@ -2,7 +2,7 @@
 
     python benchmarks/peer_trl.py [--seconds 120] [--trl-lr 1e-3 3e-3] [--trl-only | --project-only]
                                   [--set key=value ...] [--threads 2] [--plot reward.png] [--target 0.8]
-                                  [--trl-num-generations 64]
+                                  [--trl-num-generations 64] [--model tiny-gpt2] [--device cpu|cuda]
 
 Needs the optional peers: `.venv/bin/python -m pip install -r benchmarks/requirements-peers.txt`
 (TRL 1.16.0; `--project-only` runs without it). Prints measured figures; it never passes or fails on a
@@ -14,7 +14,11 @@ tokens over a vocabulary of 50 number tokens + pad + EOS, reward = the fraction 
 pairs in ascending order, computed by the env's own `TokenGenerationEnv.score` (EOS and pad are
 sampled like any other token and decoded away; an early EOS forfeits the missing pairs).
 
-(a) TRL `GRPOTrainer` (public API only) on the same randomly initialised tiny GPT-2
+--model (default tiny-gpt2; gpt2-small-shaped for GPT-2-small's shape) and --device (cpu, or cuda:
+both systems on the GPU: TRL without use_cpu, the project with learners.num_gpus_per_learner=1, whose
+rollouts then run on the learner's GPU (agents/weight_sync.py); both fp32) apply to both sides.
+
+(a) TRL `GRPOTrainer` (public API only) on the same randomly initialised --model
     (`agents.models.build_causal_lm({"name_or_path": "tiny-gpt2"}, tokenizer, seed=0,
     max_positions=5 + 20)`, sized to the task's tokenizer; the task comes from --config without the
     --set overrides, which are the project's). Settings:
@@ -32,7 +36,8 @@ sampled like any other token and decoded away; an early EOS forfeits the missing
       * AdamW at --trl-lr with a constant schedule (no warm-up, no decay: the run is stopped on a
         wall-clock budget, so a schedule over max_steps would be arbitrary), max_grad_norm=1.0,
         fp32 (bf16=False; TRL defaults to bf16), gradient_checkpointing=False (TRL defaults to True),
-        use_cpu=True, report_to="none", save_strategy="no", no dropout (the project model has none);
+        use_cpu=True unless --device cuda, report_to="none", save_strategy="no", no dropout (the project
+        model has none);
       * the dataset is an in-memory `datasets.Dataset` whose rows all hold the task's prompt text
         "<pad> <pad> <pad> <pad> <pad>". TRL tokenizes a plain-text prompt with
         `tokenizer(text=prompts)`; the project's word-level tokenizer adds no special tokens and
@@ -154,10 +159,11 @@ class PhaseTimer:
     that calls another is counted once). `wrap` patches an instance's or a class's attribute;
     `restore` undoes every patch."""
 
-    def __init__(self):
+    def __init__(self, sync=None):
         self.s = dict.fromkeys(PHASES, 0.0)
         self._depth = 0
         self._patches = []
+        self._sync = sync or (lambda: None)  # on a GPU: wait for the device, so a phase holds its kernels
 
     def wrap(self, owner, name: str, phase: str):
         orig = getattr(owner, name)
@@ -167,10 +173,12 @@ class PhaseTimer:
             if timer._depth:
                 return orig(*args, **kwargs)
             timer._depth += 1
+            timer._sync()
             t0 = time.perf_counter()
             try:
                 return orig(*args, **kwargs)
             finally:
+                timer._sync()
                 timer._depth -= 1
                 timer.s[phase] += time.perf_counter() - t0
 
@@ -201,8 +209,15 @@ def phase_split(start: dict, end: dict, wall: float, tokens: int) -> dict:
 
 # -- (a) TRL ---------------------------------------------------------------------------
 
+def device_sync(device: str):
+    """A function that waits for `device`'s queued work (None on the CPU)."""
+    import torch
+
+    return torch.cuda.synchronize if device == "cuda" else None
+
+
 def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads: int,
-            steps_per_generation: int = 1) -> dict:
+            steps_per_generation: int = 1, model_name: str = "tiny-gpt2", device: str = "cpu") -> dict:
     import torch
     import transformers
     from datasets import Dataset
@@ -217,7 +232,7 @@ def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads:
     env = TokenGenerationEnv(ecfg)
     tokenizer = build_tokenizer(ecfg)
     prompt_len, new_tokens = ecfg["max_prompt_len"], ecfg["max_new_tokens"]
-    model = build_causal_lm({"name_or_path": "tiny-gpt2"}, tokenizer, seed=0,
+    model = build_causal_lm({"name_or_path": model_name}, tokenizer, seed=0,
                             max_positions=prompt_len + new_tokens)
     prompt_text = env.examples[0]["prompt"]
     n_rows = 4096  # rows are all the same prompt; the trainer cycles epochs until stopped
@@ -279,7 +294,7 @@ def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads:
                 state["trl_num_tokens"] = (logs["num_tokens"], state["completions"], state["tokens"])
 
     clock = Clock()
-    phases = PhaseTimer()
+    phases = PhaseTimer(device_sync(device))
     progress = Progress(f"TRL lr={lr:g}")
     out_dir = tempfile.mkdtemp(prefix="peer_trl_")
     args = GRPOConfig(
@@ -292,7 +307,7 @@ def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads:
         temperature=1.0, top_k=0, top_p=1.0, min_p=None,
         learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         max_steps=10**6,
-        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True,
+        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=device == "cpu",
         report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, log_level="error",
         dataloader_num_workers=0, seed=0,
     )
@@ -344,12 +359,13 @@ def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads:
 
 # -- (b) the project -------------------------------------------------------------------
 
-def run_project(cfg: dict, seconds: float, threads: int) -> dict:
+def run_project(cfg: dict, seconds: float, threads: int, device: str = "cpu") -> dict:
     import ray
     import torch
 
     progress = Progress("project")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(num_cpus=2, num_gpus=1 if device == "cuda" else 0, include_dashboard=False, logging_level="ERROR",
+             log_to_driver=False)
     try:
         algo = algorithm_config(cfg).build_algo()
         torch.set_num_threads(threads)
@@ -357,7 +373,7 @@ def run_project(cfg: dict, seconds: float, threads: int) -> dict:
         # step), its training passes (the loss's forward pass, the losses, backward, optimizer
         # step) and the reference pass of the KL penalty. Patched on the classes, so the
         # EnvRunner's and the learner's instances are both timed.
-        phases = PhaseTimer()
+        phases = PhaseTimer(device_sync(device))
         module_cls, learner_cls = type(algo.env_runner_group.local_env_runner.module), algo.config.learner_class
         phases.wrap(module_cls, "act", "generation")
         for name in ("forward_train",):
@@ -437,7 +453,7 @@ def report(res: dict, unit: str, target: float):
             f"{k} {v:.1f} us ({v / total:.0%})" for k, v in res["phases"].items()) + f"; total {total:.1f} us")
 
 
-def plot(path: str, runs: list[dict]):
+def plot(path: str, runs: list[dict], title: str = "increasing-numbers task, tiny GPT-2, CPU"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -449,7 +465,7 @@ def plot(path: str, runs: list[dict]):
         ax.plot(ts, rs, label=f"{res['name']} ({res['tok_s']:,.0f} tok/s)")
     ax.set_xlabel("training wall-clock (s)")
     ax.set_ylabel(f"mean reward (last {WINDOW} episodes)")
-    ax.set_title("increasing-numbers task, tiny GPT-2, CPU")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -473,6 +489,8 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--plot", default=None, help="save a PNG of reward vs wall-clock here")
     p.add_argument("--target", type=float, default=0.8, help="report the seconds each run took to reach this reward")
+    p.add_argument("--model", default="tiny-gpt2", help="both sides' model: a built-in config or a local directory")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="both sides on this device")
     args = p.parse_args()
     if 64 % args.trl_num_generations:
         p.error("--trl-num-generations must divide 64")
@@ -480,10 +498,14 @@ def main():
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device")
     base_cfg = load(args.config)  # TRL: the task as the config file gives it
-    cfg = load(args.config, args.overrides)  # the project: with --set overrides
+    both = [f"model.name_or_path={args.model}"] + (["learners.num_gpus_per_learner=1"] if args.device == "cuda" else [])
+    cfg = load(args.config, both + args.overrides)  # the project: with --set overrides
+    gpu = f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""
     print(f"config={args.config} overrides={args.overrides} threads={args.threads} seconds={args.seconds:g} "
-          f"torch={torch.__version__}")
+          f"torch={torch.__version__} model={args.model} device={args.device}{gpu}")
 
     trl_runs, project = [], None
     if not args.project_only:
@@ -493,11 +515,12 @@ def main():
               f"num_generations={args.trl_num_generations}")
         for spg in args.trl_steps_per_generation:
             for lr in args.trl_lr:
-                res = run_trl(base_cfg, lr, args.seconds, args.trl_num_generations, args.threads, spg)
+                res = run_trl(base_cfg, lr, args.seconds, args.trl_num_generations, args.threads, spg,
+                              model_name=args.model, device=args.device)
                 report(res, "step", args.target)
                 trl_runs.append(res)
     if not args.trl_only:
-        project = run_project(cfg, args.seconds, args.threads)
+        project = run_project(cfg, args.seconds, args.threads, args.device)
         report(project, "iteration", args.target)
 
     print("\n== summary")
@@ -531,7 +554,7 @@ def main():
                 print(f"  project with nothing but its {label}: {us:.1f} us per token = {1e6 / us:,.0f} tok/s, "
                       f"{1e6 / us / by_speed['tok_s']:.2f}x TRL's fastest")
     if args.plot:
-        plot(args.plot, rows)
+        plot(args.plot, rows, f"increasing-numbers task, {args.model}, {args.device}{gpu}")
 
 
 if __name__ == "__main__":

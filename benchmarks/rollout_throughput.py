@@ -10,6 +10,10 @@ Measures tokens/s of
   (d)  the fast EnvRunner (agents/env_runner.py) stepping the vector env,
   (d0) the same with prefills never reused: every row that starts is prefilled, as if every prompt
        differed (this task's prompt is always the same, so (d) prefills it once per weight sync),
+  (dw) (d) with the module stepping through the window cache (the path before the decode engine),
+  (e)  the decode engine alone: one prefill, then static steps that sample inside the step (a
+       replayed CUDA graph on CUDA), with the step's milliseconds beside the floor: the bytes a
+       step must read (weights and KV buffers) over the device's measured copy bandwidth,
 and prints each EnvRunner's ratio to (a) and (a') and the bytes stored per sampled step.
 Repetitions run round-robin over the paths, so all see the same machine state.
 With --profile, it also splits the stock cached path's time by area (cProfile).
@@ -95,15 +99,24 @@ def stored_bytes_per_step(episodes) -> float:
     return total / max(steps, 1)
 
 
-def env_runner_path(args, *, kv_cache: bool, runner: str, stored: list, reuse_prefills: bool = True):
-    """One rep of an EnvRunner's sample(): (env steps, seconds). `runner`: fast or stock.
-    `reuse_prefills=False`: every row that starts is prefilled, as if every prompt differed."""
+def make_env_runner(args, kv_cache: bool, runner: str):
     config = algorithm_config(make_cfg(args, kv_cache, runner))
     if args.device == "cuda":  # RLlib places only remote EnvRunners (index >= 1) on a GPU
         config.env_runners(num_gpus_per_env_runner=1)
-        env_runner = config.env_runner_cls(config=config, worker_index=1)
-    else:
-        env_runner = config.env_runner_cls(config=config)
+        return config.env_runner_cls(config=config, worker_index=1)
+    return config.env_runner_cls(config=config)
+
+
+def env_runner_path(args, *, kv_cache: bool, runner: str, stored: list, reuse_prefills: bool = True,
+                    window_cache: bool = False):
+    """One rep of an EnvRunner's sample(): (env steps, seconds). `runner`: fast or stock.
+    `reuse_prefills=False`: every row that starts is prefilled, as if every prompt differed.
+    `window_cache`: the module steps through `WindowKVCache` (the path before the decode engine)."""
+    env_runner = make_env_runner(args, kv_cache, runner)
+    if window_cache:
+        from agents.modules.kv_cache import WindowKVCache
+
+        env_runner.module.kv_cache = env_runner._cache = WindowKVCache()
     if not reuse_prefills and kv_cache:
         env_runner.module.kv_cache.reuse_prefills = False
     steps = args.batch * args.new
@@ -118,6 +131,60 @@ def env_runner_path(args, *, kv_cache: bool, runner: str, stored: list, reuse_pr
         return sum(len(e) for e in episodes), elapsed
 
     return rep
+
+
+def engine_path(args, report: dict):
+    """One rep of the decode engine alone (agents/modules/decode_engine.py), as the fast EnvRunner's
+    module runs it: every row prefilled on the prompt, then --new - 1 static steps, each drawing
+    its token inside the step (a replayed CUDA graph on CUDA). (tokens, seconds); `report` gets
+    the step's milliseconds and the bytes a step must read."""
+    from ray.rllib.core.columns import Columns
+
+    module = make_env_runner(args, True, "fast").module
+    cache, trunk = module.kv_cache, module.lm.base_model
+    device = next(module.parameters()).device
+    L = args.prompt + args.new
+    ids = torch.full((args.batch, L), module.tokenizer.pad_token_id, device=device)
+    mask = torch.zeros_like(ids)
+    mask[:, L - args.prompt:] = 1
+    key = ("explore", module.values_in_rollouts)
+    weights = {t.data_ptr(): t.nbytes for t in module.state_dict().values()}  # tied weights once
+    kv = 2 * trunk.config.n_layer * args.batch * L * trunk.embed_dim * next(trunk.parameters()).element_size()
+    report["bytes"] = sum(weights.values()) + kv
+
+    @torch.no_grad()
+    def rep():
+        cache.invalidate()
+        sync(device)
+        start = time.perf_counter()
+        uniform = torch.rand(args.batch, 1, dtype=torch.float64, device=device)
+        out = cache.hidden_at_last_token(trunk, {"input_ids": ids, "attention_mask": mask}, None,
+                                         tail=module._sample, tail_inputs=(uniform,), key=key)
+        sync(device)
+        prefilled = time.perf_counter()
+        for _ in range(args.new - 1):
+            uniform = torch.rand(args.batch, 1, dtype=torch.float64, device=device)
+            out = cache.engine.step(out[Columns.ACTIONS], module._sample, (uniform,), key)
+        sync(device)
+        end = time.perf_counter()
+        report.setdefault("step_s", []).append((end - prefilled) / max(1, args.new - 1))
+        return args.batch * args.new, end - start
+
+    return rep
+
+
+def copy_bandwidth(device, nbytes: int = 256 << 20) -> float:
+    """Bytes per second a large device-to-device copy moves (read + write), best of 5."""
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        b.copy_(a)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
 
 
 PROFILE_PARTS = (  # (label, file suffix, function): inclusive time of these calls
@@ -169,7 +236,7 @@ def main():
     torch.manual_seed(0)
     print(f"model={args.model} vocab={args.vocab} batch={args.batch} prompt={args.prompt} new={args.new} "
           f"threads={torch.get_num_threads()} device={args.device}", flush=True)
-    stored_stock, stored_fast = [], []
+    stored_stock, stored_fast, engine_report = [], [], {}
     paths = {  # label -> one-rep callable; reps run round-robin so every path sees the same machine state
         "a": ("(a) generate(), forced to --new tokens", generate_path(args, stop_at_eos=False)),
         "a_eos": ("(a') generate(), stopping at EOS", generate_path(args, stop_at_eos=True)),
@@ -179,6 +246,9 @@ def main():
                                                                   stored=stored_fast)),
         "d0": ("(d0) fast, every prompt prefilled", env_runner_path(args, kv_cache=True, runner="fast",
                                                                      stored=[], reuse_prefills=False)),
+        "dw": ("(dw) fast, window cache (no engine)", env_runner_path(args, kv_cache=True, runner="fast",
+                                                                       stored=[], window_cache=True)),
+        "e": ("(e) decode engine alone, --new tokens", engine_path(args, engine_report)),
     }
     if args.uncached:
         paths["c"] = ("(c) stock RLlib EnvRunner, no cache", env_runner_path(args, kv_cache=False, runner="stock",
@@ -199,7 +269,13 @@ def main():
             extra = f"   /a = {rate[k] / rate['a']:.2f}   /a' = {rate[k] / rate['a_eos']:.2f}"
         print(f"{label:42s} {rate[k]:10.1f} tokens/s{extra}", flush=True)
     print(f"stored per step: stock {np.mean(stored_stock):,.0f} B, fast {np.mean(stored_fast):,.0f} B")
-    print(f"fast / stock = {rate['d'] / rate['b']:.2f}")
+    print(f"fast / stock = {rate['d'] / rate['b']:.2f}   engine / window cache (d / dw) = {rate['d'] / rate['dw']:.2f}")
+    step_ms = 1e3 * float(np.median(engine_report["step_s"]))
+    bandwidth = copy_bandwidth(torch.device(args.device))
+    floor_ms = 1e3 * engine_report["bytes"] / bandwidth
+    print(f"decode engine step: {step_ms:.3f} ms (median of reps); floor {floor_ms:.3f} ms = "
+          f"{engine_report['bytes'] / 1e6:,.1f} MB read per step (weights + KV buffers) at "
+          f"{bandwidth / 1e9:,.1f} GB/s (measured copy bandwidth); step / floor = {step_ms / floor_ms:.1f}")
     if args.profile:
         profile_env_runner(args)
 

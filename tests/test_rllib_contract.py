@@ -95,6 +95,22 @@ def test_wandb_logger_hooks_used_by_the_resuming_wandb_logger():
     assert "self._logger_actor_cls" in inspect.getsource(WandbLoggerCallback)
 
 
+def test_sync_weights_and_fused_copy_used_by_the_colocated_weight_sync():
+    # agents/weight_sync.py install_colocated_sync wraps an EnvRunnerGroup's sync_weights (same
+    # keywords; the algorithms call it with from_worker_or_learner_group=their learner group) and
+    # copies the tensors with torch._foreach_copy_ (one fused copy, casting to the destination's dtype).
+    from ray.rllib.algorithms.ppo import PPO
+    from ray.rllib.env.env_runner_group import EnvRunnerGroup
+
+    assert params(EnvRunnerGroup.sync_weights) == ["self", "policies", "from_worker_or_learner_group",
+                                                   "to_worker_indices", "global_vars", "timeout_seconds",
+                                                   "inference_only"]
+    assert "from_worker_or_learner_group=self.learner_group" in inspect.getsource(PPO.training_step)
+    dst, src = [torch.zeros(3, dtype=torch.bfloat16), torch.zeros(2)], [torch.ones(3), torch.full((2,), 2.0)]
+    torch._foreach_copy_(dst, src)
+    assert dst[0].dtype == torch.bfloat16 and dst[0].tolist() == [1.0] * 3 and dst[1].tolist() == [2.0] * 2
+
+
 # Every private Ray/RLlib/Tune/Gymnasium/transformers name the project overrides or reads, each
 # pinned by a test above. RLlib's documented extension points (methods it marks
 # @OverrideToImplementCustomLogic, e.g. RLModule._forward_train) are not private in that sense.
@@ -104,7 +120,7 @@ PINNED = {
     "_summary_writer_cls", "_trial_files", "_setup_trial", "_WandbLoggingActor", "_wandb", "_logger_actor_cls",
     "_grad_scalers", "_module_optimizers", "_logged",
     "_schedule_tracked_actor_task", "_tracked_actor", "_actor_task_events", "_tracked_futures",
-    "_tracked_actors_to_task_futures", "_forward_hooks", "_forward_pre_hooks",
+    "_tracked_actors_to_task_futures", "_forward_hooks", "_forward_pre_hooks", "_foreach_copy_",
 }
 THIRD_PARTY_PRIVATE_OK = {"_model"}  # bert_score's scorer (env/rewards/bertscore.py), not Ray's or transformers'
 

@@ -40,6 +40,7 @@ from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBu
 from agents.algorithms.base import AlgorithmSpec, adam, candidates, plain, use_configured_lr
 from agents.algorithms.sequence_batching import SEQ_ID
 from agents.modules.actor_critic import reference_logp
+from agents.weight_sync import install_colocated_sync
 from env.validation import ConfigError, Field
 
 REF_LOGP_MEAN = "ref_logp_mean"
@@ -122,6 +123,10 @@ class LMDQN(DQN):
     @classmethod
     def get_default_config(cls) -> LMDQNConfig:
         return LMDQNConfig()
+
+    def setup(self, config):
+        super().setup(config)
+        install_colocated_sync(self)  # one process, one device: weights go device to device
 
     def _create_local_replay_buffer_if_necessary(self, config):
         # RLlib builds buffers from a type name it looks up in its own package. A dotted type

@@ -40,6 +40,7 @@ from agents.algorithms.sequence_batching import (
     token_learner_pipeline,
 )
 from agents.modules.actor_critic import MASK_SIZE
+from agents.weight_sync import install_colocated_sync
 from env.validation import ConfigError
 
 LEARNER_RNG = "rng_state"  # learner state key: the generators of its updates
@@ -313,6 +314,10 @@ class LMPPO(PPO):
     @classmethod
     def get_default_config(cls):
         return LMPPOConfig()
+
+    def setup(self, config):
+        super().setup(config)
+        install_colocated_sync(self)  # one process, one device: weights go device to device
 
 
 class PPOSpec(AlgorithmSpec):

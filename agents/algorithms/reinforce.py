@@ -32,7 +32,7 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 
 from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner, PPOSpec, loss_step_mean, policy_shift_metrics
 from agents.algorithms.sequence_batching import SEQ_ID
-from agents.modules.kv_cache import WindowKVCache
+from agents.modules.decode_engine import RingKVCache
 from env.text_env import TokenGenerationEnv
 from env.validation import Field
 
@@ -88,7 +88,7 @@ def greedy_generations(module, input_ids: torch.Tensor, attention_mask: torch.Te
     on (typical sampling can drop the most likely token); mirostat keeps the argmax anyway.
     """
     lm, sampler = module.lm, module.sampler
-    cache = WindowKVCache()
+    cache = RingKVCache()  # the decode engine (static ring-buffer step) where the trunk is a plain GPT-2
     ids, mask = input_ids.clone(), attention_mask.clone()
     out = [[] for _ in range(ids.shape[0])]
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)

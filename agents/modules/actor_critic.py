@@ -45,8 +45,8 @@ from ray.rllib.core.rl_module.torch import TorchRLModule
 from agents.algorithms.sequence_batching import SEQ_ID
 from agents.models import (DTYPES, adapters_disabled, add_lora, build_causal_lm, build_tokenizer, cast_frozen,
                            has_lora, is_adapter_key)
-from agents.modules.kv_cache import (ROW_CONTINUES, WindowKVCache, lean_forward, rows_that_continue,
-                                     sequence_pass_rows)
+from agents.modules.decode_engine import RingKVCache
+from agents.modules.kv_cache import ROW_CONTINUES, lean_forward, rows_that_continue, sequence_pass_rows
 from agents.samplers import MASKED, Sampler, sample_rows
 
 SAMPLER_STATE = "sampler_state"  # per-step sampler state (mirostat's mu) used when acting
@@ -162,7 +162,7 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         return build_causal_lm(cfg["model"], self.tokenizer, seed=cfg.get("seed", 0), max_positions=seq_len)
 
     def _new_cache(self):
-        return WindowKVCache()
+        return RingKVCache()
 
     @staticmethod
     def _trunk(lm: nn.Module) -> nn.Module:
@@ -198,7 +198,12 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         """Next-token logits with the sampler's mask applied, plus what to store with the step
         (with `values`, V(s) from the same hidden state when the value head reads the policy's
         trunk). `cont`: which rows continue the previous call's (the batch's ROW_CONTINUES), if known."""
-        hidden = self._next_token_hidden(obs, cont)
+        return self._masked_logits(self._next_token_hidden(obs, cont), obs, cont, values)
+
+    def _masked_logits(self, hidden: torch.Tensor, obs: dict | None = None, cont=None,
+                       values: bool = False) -> tuple[torch.Tensor, dict]:
+        """`_acting_logits` from the hidden state at the new token (`obs` and `cont` are needed
+        only by a learned mask (NLPO) and a stateful sampler (mirostat))."""
         logits = self._logits(self.lm, hidden).float()
         extra = {}
         if values and self.values_in_rollouts:
@@ -234,14 +239,35 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         (V floats: 200 KB per token at a 50k vocabulary); the loss needs only
         the log-prob of the action taken.
         """
-        cont = batch.get(ROW_CONTINUES)
-        logits, extra = self._acting_logits(batch[Columns.OBS], cont, values=True)
+        cont, obs = batch.get(ROW_CONTINUES), batch[Columns.OBS]
+        ids = obs["input_ids"]
+        # The draws come first (the forward pass draws nothing), so a static step can take them.
+        uniform = torch.rand(ids.shape[0], 1, dtype=torch.float64, device=ids.device)
+        if self.guided is None and self._static_tail() and isinstance(self.kv_cache, RingKVCache):
+            # forward, mask, draw, log-prob and value in one static step (a CUDA graph on CUDA)
+            return dict(self.kv_cache.hidden_at_last_token(self._trunk(self.lm), obs, cont, tail=self._sample,
+                                                           tail_inputs=(uniform,),
+                                                           key=("explore", self.values_in_rollouts)))
+        logits, extra = self._acting_logits(obs, cont, values=True)
         logp_all = torch.log_softmax(logits, -1)
-        actions = sample_rows(logp_all.exp())  # masked tokens have probability exactly 0: never drawn
+        actions = sample_rows(logp_all.exp(), uniform)  # masked tokens have probability exactly 0: never drawn
         if self.guided is not None:  # the guide's tokens replace the policy's where its roll-in plan says so
             from agents.guides import GUIDE_ROLE
 
-            actions, extra[GUIDE_ROLE] = self.guided(batch[Columns.OBS], actions, cont)
+            actions, extra[GUIDE_ROLE] = self.guided(obs, actions, cont)
+        return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: logp_all.gather(-1, actions[:, None])[:, 0], **extra}
+
+    def _static_tail(self) -> bool:
+        """Whether the rollout step after the trunk is a function of the hidden state alone (no
+        learned mask model, no per-row sampler state)."""
+        return not (self.sampler.learned or self.sampler.stateful)
+
+    def _sample(self, hidden: torch.Tensor, uniform: torch.Tensor) -> dict:
+        """The rollout step after the trunk (`_static_tail` samplers): logits, the sampler's mask,
+        the action drawn at `uniform`, its log-prob and V(s). Tensors of fixed shapes only."""
+        logits, extra = self._masked_logits(hidden, values=True)
+        logp_all = torch.log_softmax(logits, -1)
+        actions = sample_rows(logp_all.exp(), uniform)
         return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: logp_all.gather(-1, actions[:, None])[:, 0], **extra}
 
     def _forward_train(self, batch, **kwargs):
@@ -346,12 +372,26 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
                 super().set_state(state)
             if self.inference_only and any(k.startswith("value_head.") for k in state):
                 self.values_in_rollouts = True
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """New weights (a sync): every cached key/value is stale."""
         for cache in (self.kv_cache, getattr(self, "mask_kv_cache", None)):
-            if cache is not None:  # new weights: every cached key/value is stale
+            if cache is not None:
                 cache.invalidate()
         guide_cache = getattr(getattr(self.guided, "guide", None), "cache", None)
         if guide_cache is not None:  # re-prefilled here too, so a resumed run computes what an uninterrupted one does
             guide_cache.invalidate()
+
+    def sync_skips(self, key: str) -> bool:
+        """State keys a colocated weight sync leaves alone (`agents.weight_sync`): with LoRA, an
+        EnvRunner module's frozen base (the same weights on both sides; only adapters train)."""
+        return self.inference_only and has_lora(self.lm) and self._frozen_base_key(key)
+
+    @property
+    def can_move_device(self) -> bool:
+        """Whether rollouts may move to the learner's device (a guide acts on the CPU)."""
+        return self.guided is None
 
     # -- rollout state (EnvRunner side): seeded per EnvRunner, saved in its checkpoints --------
 

@@ -168,5 +168,9 @@ class CausalLMQNetwork(TorchRLModule, QNetAPI, TargetNetworkAPI, InferenceOnlyAP
 
     def set_state(self, state) -> None:
         super().set_state(state)
-        if self.kv_cache is not None:  # new weights: every cached key/value is stale
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """New weights (a sync): every cached key/value is stale."""
+        if self.kv_cache is not None:
             self.kv_cache.invalidate()

@@ -1,0 +1,211 @@
+"""The decode engine: a ring-buffer KV cache and a decode step of fixed shapes.
+
+`WindowKVCache` keeps each row's keys/values in the env's window layout and shifts them by one
+column per step (`torch.cat` per layer: a new tensor and a full copy each step). Here, per layer,
+one preallocated (rows, heads, L, head_dim) key and value buffer is written in place: the new
+token's column goes to slot `t mod L`, where t counts the engine's steps (one slot for all rows).
+GPT-2 adds positions at the input, so the order of the columns in the buffer does not matter to
+attention; a boolean (rows, L) ring of real columns rotates with it. A window prefilled for a row
+is written rotated so that its newest column sits at the current slot; the next step then
+overwrites the window's oldest column, which is padding for every row that continues (the env's
+window is longer than any episode's prompt plus generated tokens).
+
+`DecodeEngine.step` is a function of tensors of fixed shapes: no `torch.cat`, no host sync, no
+Python branch on data. It returns the hidden state at the new token, or, given a `tail` (the
+policy's head, sampler mask and draw from uniforms passed in), whatever the tail returns, so a
+whole rollout step (forward, mask, sample, log-prob, value) is one static function. On CUDA that
+function is captured once per (batch size, tail) as a `torch.cuda.CUDAGraph` and replayed;
+weight syncs copy into the module's tensors in place, so a captured graph stays valid. On the
+CPU the same function runs eagerly (and compiles with `torch.compile(fullgraph=True)`: the
+tests check it, the precondition for capture). Prefills stay eager and write into the buffers.
+
+Only a plain `GPT2Model` trunk qualifies (`_plain_gpt2_blocks`); others keep `WindowKVCache`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from agents.modules.kv_cache import (WindowKVCache, _plain_gpt2_blocks, attention_mask_per_head,
+                                     continuing_rows, window_attention)
+
+
+class DecodeEngine:
+    """Ring-buffer keys/values for `rows` rows of `length` columns of a plain GPT-2 trunk, and its
+    one-token step. `capture`: replay the step as a CUDA graph (default: on CUDA devices)."""
+
+    def __init__(self, trunk, rows: int, length: int, capture: bool | None = None):
+        blocks = _plain_gpt2_blocks(trunk)
+        if blocks is None:
+            raise TypeError(f"DecodeEngine needs a plain GPT2Model trunk, got {type(trunk).__name__}")
+        self.trunk, self.blocks = trunk, blocks
+        self.rows, self.length = rows, length
+        p = trunk.wte.weight
+        self.device, self.dtype = p.device, p.dtype
+        c = trunk.config
+        self.heads, self.head_dim = c.n_head, trunk.embed_dim // c.n_head
+        shape = (rows, self.heads, length, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in blocks]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in blocks]
+        self.real = torch.zeros(rows, length, dtype=torch.bool, device=self.device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # the newest token's slot
+        self.slot_host = 0  # the same, on the host (prefills read it; no sync)
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.graphs: dict = {}  # tail key -> (graph, static inputs, static output)
+
+    def matches(self, trunk, rows: int, length: int) -> bool:
+        p = trunk.wte.weight
+        return (trunk is self.trunk and rows == self.rows and length == self.length
+                and p.device == self.device and p.dtype == self.dtype)
+
+    # -- the static step ------------------------------------------------------------------
+
+    def step_hidden(self, token: torch.Tensor) -> torch.Tensor:
+        """Appends `token` (rows,) to every row: advances the slot, writes each layer's new key
+        and value there, and returns the final hidden state at the new token (rows, D). Fixed
+        shapes, in-place writes, no host sync."""
+        trunk, B, heads, hd = self.trunk, self.rows, self.heads, self.head_dim
+        D = heads * hd
+        slot = self.slot.add_(1).remainder_(self.length)
+        real = self.real.index_fill_(1, slot, True)
+        position = real.sum(-1) - 1
+        h = F.embedding(token, trunk.wte.weight) + F.embedding(position, trunk.wpe.weight)
+        attention = attention_mask_per_head(torch.zeros(B, 1, 1, self.length, dtype=h.dtype, device=h.device)
+                                            .masked_fill_(~real[:, None, None, :], torch.finfo(h.dtype).min), heads)
+        for blk, keys, values in zip(self.blocks, self.keys, self.values):
+            x = F.layer_norm(h, (D,), blk.ln_1.weight, blk.ln_1.bias, blk.ln_1.eps)
+            q, k, v = torch.addmm(blk.attn.c_attn.bias, x, blk.attn.c_attn.weight).view(B, 3, heads, 1, hd).unbind(1)
+            keys.index_copy_(2, slot, k.to(keys.dtype))
+            values.index_copy_(2, slot, v.to(values.dtype))
+            a = window_attention(q, keys, values, attention).reshape(B, D)
+            h = h + torch.addmm(blk.attn.c_proj.bias, a.to(h.dtype), blk.attn.c_proj.weight)
+            x = F.layer_norm(h, (D,), blk.ln_2.weight, blk.ln_2.bias, blk.ln_2.eps)
+            x = blk.mlp.act(torch.addmm(blk.mlp.c_fc.bias, x, blk.mlp.c_fc.weight))
+            h = h + torch.addmm(blk.mlp.c_proj.bias, x, blk.mlp.c_proj.weight)
+        return F.layer_norm(h, (D,), trunk.ln_f.weight, trunk.ln_f.bias, trunk.ln_f.eps)
+
+    def step(self, token: torch.Tensor, tail=None, tail_inputs: tuple = (), key=None):
+        """One decode step: the hidden state at the new token, or `tail(hidden, *tail_inputs)`
+        (a function of tensors of fixed shapes; `key` names it among captured graphs). Replays a
+        captured CUDA graph where `capture` is on."""
+        if not self.capture:
+            self.slot_host = (self.slot_host + 1) % self.length
+            hidden = self.step_hidden(token)
+            return hidden if tail is None else tail(hidden, *tail_inputs)
+        graph = self.graphs.get(key if tail is not None else None)
+        if graph is None:
+            graph = self.graphs[key if tail is not None else None] = self._capture(token, tail, tail_inputs)
+        cuda_graph, static_inputs, out = graph
+        for static, given in zip(static_inputs, (token, *tail_inputs)):
+            static.copy_(given)
+        self.slot_host = (self.slot_host + 1) % self.length
+        cuda_graph.replay()
+        return out
+
+    def _capture(self, token, tail, tail_inputs):
+        """A CUDA graph of one step (after warm-up steps whose effects on the ring are undone)."""
+        static_inputs = [token.clone(), *(t.clone() for t in tail_inputs)]
+
+        def run():
+            hidden = self.step_hidden(static_inputs[0])
+            return hidden if tail is None else tail(hidden, *static_inputs[1:])
+
+        saved_slot, saved_real = self.slot.clone(), self.real.clone()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: kernels picked and workspaces allocated outside the capture
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.slot.copy_(saved_slot)
+        self.real.copy_(saved_real)  # the warm-up's writes land at slots the real steps overwrite
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        return graph, static_inputs, out
+
+    # -- prefills (eager) -----------------------------------------------------------------
+
+    def load_rows(self, rows: torch.Tensor | None, layers, mask: torch.Tensor) -> None:
+        """Writes prefilled windows (per layer (n, heads, L, hd) keys and values in the env's
+        window layout, newest column last) into `rows` (None: every row), rotated so that the
+        newest column sits at the current slot. Loading every row starts the ring over in the
+        window's own layout (newest column at slot L-1), so what follows a full load does not
+        depend on the steps before it (float rounding included)."""
+        if rows is None:
+            self.slot_host = self.length - 1
+            self.slot.fill_(self.slot_host)
+        shift = (self.slot_host + 1) % self.length
+        index = slice(None) if rows is None else rows
+        for keys, values, (k, v) in zip(self.keys, self.values, layers):
+            keys[index] = torch.roll(k, shift, 2).to(keys.dtype)
+            values[index] = torch.roll(v, shift, 2).to(values.dtype)
+        self.real[index] = torch.roll(mask.bool(), shift, 1)
+
+
+class RingKVCache(WindowKVCache):
+    """`WindowKVCache`'s interface over a `DecodeEngine` where the trunk is a plain GPT-2 (other
+    trunks: `WindowKVCache` itself). Rows that continue take the engine's static step; rows that
+    (re)start are prefilled (eagerly, shared and stored by window as in `WindowKVCache`) and
+    written into the ring. `cont` given on the CPU (the fast EnvRunner's `ROW_CONTINUES`) costs
+    no device sync."""
+
+    def __init__(self, *args, capture: bool | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.capture = capture
+        self.engine: DecodeEngine | None = None
+        self.use_engine = True  # False: always WindowKVCache's path
+
+    def invalidate(self) -> None:
+        super().invalidate()
+        self.loaded = False  # no row of the engine holds a window computed by the current weights
+
+    def forget_rows(self) -> None:
+        super().forget_rows()
+        self.loaded = False
+
+    def _engine_for(self, trunk, ids):
+        if not (self.use_engine and self.use_lean_step):
+            return None
+        rows, length = ids.shape
+        if self.engine is not None and self.engine.matches(trunk, rows, length):
+            return self.engine
+        if _plain_gpt2_blocks(trunk) is None:
+            return None
+        self.engine, self.loaded = DecodeEngine(trunk, rows, length, capture=self.capture), False
+        return self.engine
+
+    def _continuing(self, ids, mask, cont) -> torch.Tensor:
+        """Which rows continue, on the CPU."""
+        if not self.loaded or self.ids is None or self.ids.shape != ids.shape:
+            return torch.zeros(ids.shape[0], dtype=torch.bool)
+        if cont is None:
+            return continuing_rows(self.ids, self.mask, ids, mask).cpu()
+        return torch.as_tensor(cont, dtype=torch.bool).cpu()
+
+    @torch.no_grad()
+    def hidden_at_last_token(self, trunk, obs: dict, cont=None, tail=None, tail_inputs: tuple = (), key=None):
+        """The hidden state at each row's newest token (or `tail` of it, see `DecodeEngine.step`)."""
+        ids, mask = obs["input_ids"], obs["attention_mask"]
+        engine = self._engine_for(trunk, ids)
+        if engine is None:
+            hidden = super().hidden_at_last_token(trunk, obs, cont)
+            return hidden if tail is None else tail(hidden, *tail_inputs)
+        cont = self._continuing(ids, mask, cont)
+        n, n_step = ids.shape[0], int(cont.sum())
+        self.stats["prefill_rows"] += n - n_step
+        self.stats["incremental_rows"] += n_step
+        self.ids, self.mask = ids, mask
+        if n_step == n:  # the usual step: static, captured where the engine captures
+            return engine.step(ids[:, -1], tail, tail_inputs, key)
+        if n_step == 0:
+            hidden, layers = self._prefill(trunk, ids, mask)
+            engine.load_rows(None, layers, mask)
+            self.loaded = True
+        else:  # every row steps (a row that starts computes a throwaway token), then restarts are written over
+            hidden = engine.step(ids[:, -1]).clone()
+            fill_rows = torch.nonzero(~cont)[:, 0].to(ids.device)
+            h_fill, filled = self._prefill(trunk, ids[fill_rows], mask[fill_rows])
+            engine.load_rows(fill_rows, filled, mask[fill_rows])
+            hidden[fill_rows] = h_fill.to(hidden.dtype)
+        return hidden if tail is None else tail(hidden, *tail_inputs)

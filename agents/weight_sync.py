@@ -1,0 +1,104 @@
+"""Colocated weight syncs: the learner's weights to the local EnvRunner's module, device to device.
+
+RLlib's sync (`EnvRunnerGroup.sync_weights`) turns the learner's whole inference state into
+numpy arrays on the host, puts them into the object store (even with no remote EnvRunner), and
+loads them into the local EnvRunner's module. Where one local learner (`learners.num_learners:
+0`) and no remote EnvRunner (`env_runners.num_env_runners: 0`) train together, which is the
+default on one GPU and on a CPU, the local EnvRunner samples on the learner's device and each
+sync is one fused in-place copy (`torch._foreach_copy_`) of the learner module's tensors into
+the EnvRunner module's own (cast to the rollout precision where that differs; tied weights once;
+with LoRA, the adapters only: the frozen base is the same on both sides). No numpy, no object
+store, no host copy; tensors are never shared (the learner trains, the EnvRunner's module stays
+in eval mode and may hold another precision), and a captured decode step stays valid since its
+weights are written in place. `env_runners.colocated`: unset for this wherever it applies, true
+to require it (refused where it cannot apply), false for RLlib's sync.
+"""
+from __future__ import annotations
+
+import torch
+from ray.rllib.core import DEFAULT_MODULE_ID
+from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
+
+COLOCATED = "colocated"  # env_config key: env_runners.colocated (None: wherever it applies)
+
+
+def colocation_refusal(num_env_runners: int, num_learners: int) -> str | None:
+    """Why rollouts cannot share the learner's process and device with these settings, or None."""
+    if num_env_runners:
+        return f"env_runners.num_env_runners is {num_env_runners} (remote EnvRunners sample in their own processes)"
+    if num_learners:
+        return f"learners.num_learners is {num_learners} (the learners run in their own processes)"
+    return None
+
+
+@torch.no_grad()
+def copy_module_weights(dst: torch.nn.Module, src: torch.nn.Module) -> int:
+    """Copies `src`'s tensors into `dst`'s in place, one fused copy, for every state key `dst`
+    has (each tensor once: tied weights share one), and returns the bytes written. `dst` is moved
+    to `src`'s device first where they differ (the first colocated sync of a GPU learner).
+    A module's `sync_skips(key)` names keys it never receives (LoRA's frozen base)."""
+    device = next(src.parameters()).device
+    if next(dst.parameters()).device != device and getattr(dst, "can_move_device", True):
+        dst.to(device)
+    skip = getattr(dst, "sync_skips", lambda key: False)
+    own, theirs = dst.state_dict(keep_vars=True), src.state_dict(keep_vars=True)
+    missing = [k for k in own if k not in theirs and not skip(k)]
+    if missing:
+        raise ValueError(f"colocated weight sync: the learner's module lacks {missing[:5]}")
+    targets, sources, seen = [], [], set()
+    for key, tensor in own.items():
+        if skip(key) or tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        targets.append(tensor.data)
+        sources.append(theirs[key].data)
+    torch._foreach_copy_(targets, sources)
+    if hasattr(dst, "weights_changed"):
+        dst.weights_changed()
+    return sum(t.nbytes for t in targets)
+
+
+def _single(module) -> dict:
+    """{module id: module} of a MultiRLModule, {DEFAULT_MODULE_ID: module} of a single one."""
+    return dict(module.items()) if isinstance(module, MultiRLModule) else {DEFAULT_MODULE_ID: module}
+
+
+def sync_colocated(learner_group, env_runner) -> int:
+    """The learner's modules into `env_runner`'s (same process); returns the bytes copied."""
+    def copy(learner):
+        learned = _single(learner.module)
+        total = sum(copy_module_weights(m.unwrapped(), learned[mid].unwrapped())
+                    for mid, m in _single(env_runner.module).items())
+        if hasattr(env_runner, "weights_changed"):
+            env_runner.weights_changed()
+        return total
+
+    results = learner_group.foreach_learner(copy)
+    return sum(r.get() for r in results)
+
+
+def install_colocated_sync(algo) -> bool:
+    """Makes `algo`'s weight syncs to its local EnvRunner colocated where that applies (see the
+    module's docstring) and says whether it did. Syncs from anything else, to remote EnvRunners
+    or with global vars keep RLlib's path. The EnvRunner gets the learner's weights (and device)
+    at once."""
+    setting = algo.config.env_config.get(COLOCATED)
+    group, learners = algo.env_runner_group, algo.learner_group
+    if (setting is False or group is None or group.local_env_runner is None or learners is None
+            or not learners.is_local or group.num_remote_workers() > 0):
+        return False
+    original = group.sync_weights
+    algo.colocated_sync_bytes = 0  # bytes copied by the last colocated sync
+
+    def sync_weights(policies=None, from_worker_or_learner_group=None, to_worker_indices=None, global_vars=None,
+                     timeout_seconds=0.0, inference_only=False):
+        if from_worker_or_learner_group is learners and global_vars is None and group.num_remote_workers() == 0:
+            algo.colocated_sync_bytes = sync_colocated(learners, group.local_env_runner)
+            return None
+        return original(policies=policies, from_worker_or_learner_group=from_worker_or_learner_group,
+                        to_worker_indices=to_worker_indices, global_vars=global_vars,
+                        timeout_seconds=timeout_seconds, inference_only=inference_only)
+
+    group.sync_weights = sync_weights
+    algo.colocated_sync_bytes = sync_colocated(learners, group.local_env_runner)
+    return True

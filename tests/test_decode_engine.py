@@ -1,0 +1,189 @@
+"""The decode engine: a ring-buffer KV cache and a static step that gives the window cache's
+tokens and log-probs, compiles without a graph break, and (on CUDA) replays as a CUDA graph."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from ray.rllib.core.columns import Columns
+
+from agents.modules import CausalLMActorCritic
+from agents.modules.decode_engine import DecodeEngine, RingKVCache
+from agents.modules.kv_cache import ROW_CONTINUES, WindowKVCache, prefill_pass
+from env.text_env import TokenGenerationEnv
+
+ENV_CFG = {"task": {"name": "increasing_numbers", "num_numbers": 10}, "max_prompt_len": 4, "max_new_tokens": 6}
+PROMPTS = ["1", "2 3", "4 5 6 7", "8", "3", "9 2"]
+
+
+def make_module(sampler=None, **model):
+    env = TokenGenerationEnv(ENV_CFG)
+    return CausalLMActorCritic(
+        observation_space=env.observation_space, action_space=env.action_space, inference_only=True,
+        model_config={"model": {"name_or_path": "tiny-gpt2", **model}, "env": ENV_CFG, "seed": 0,
+                      "sampler": sampler or {"name": "none"}},
+    ).eval()
+
+
+def rollout(module, steps=40, seed=0, device="cpu"):
+    """Explores `steps` vector steps over 6 rows (EOS and restarts as the fast EnvRunner has them:
+    a finished row restarts at once, ROW_CONTINUES on the CPU); returns actions and log-probs."""
+    envs = [TokenGenerationEnv(ENV_CFG) for _ in PROMPTS]
+    obs = [e.reset(seed=i, options={"prompt": p})[0] for i, (e, p) in enumerate(zip(envs, PROMPTS))]
+    cont = np.zeros(len(envs), dtype=bool)
+    torch.manual_seed(seed)
+    actions, logps = [], []
+    for t in range(steps):
+        batch = {Columns.OBS: {k: torch.as_tensor(np.stack([o[k] for o in obs])).to(device) for k in obs[0]},
+                 ROW_CONTINUES: torch.from_numpy(cont.copy())}
+        out = module.act(batch)
+        a = out[Columns.ACTIONS].cpu().numpy()
+        actions.append(a)
+        logps.append(out[Columns.ACTION_LOGP].cpu().numpy())
+        for i, e in enumerate(envs):
+            o, _, done, _, _ = e.step(int(a[i]))
+            obs[i], cont[i] = (e.reset(seed=100 + t)[0], False) if done else (o, True)
+    return np.stack(actions), np.stack(logps)
+
+
+@pytest.mark.parametrize("sampler", [None, {"name": "top_k", "k": 4}, {"name": "top_p", "p": 0.8},
+                                     {"name": "typical", "p": 0.9}, {"name": "epsilon", "epsilon": 0.05},
+                                     {"name": "eta", "eta": 0.01}, {"name": "mirostat", "tau": 3.0,
+                                                                    "learning_rate": 0.5}])
+def test_engine_rollout_gives_the_window_caches_tokens_and_log_probs(sampler):
+    ring = make_module(sampler)
+    window = copy.deepcopy(ring)
+    window.kv_cache = WindowKVCache()
+    if getattr(window, "row_sampler_state", None) is not None:
+        window.row_sampler_state = type(ring.row_sampler_state)(window.sampler)
+    a1, l1 = rollout(ring)
+    a2, l2 = rollout(window)
+    np.testing.assert_array_equal(a1, a2)
+    np.testing.assert_allclose(l1, l2, atol=1e-5)
+    stats = ring.kv_cache.stats
+    assert ring.kv_cache.engine is not None and stats["incremental_rows"] > 3 * stats["prefill_rows"]
+
+
+def _engine_and_window(B=5, L=10):
+    module = make_module()
+    trunk = module.lm.base_model
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 12, (B, L), generator=g)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for r, n in enumerate(torch.randint(1, 4, (B,), generator=g).tolist()):
+        mask[r, L - n:] = 1
+    return module, trunk, ids, mask
+
+
+@torch.no_grad()
+def test_ring_step_equals_a_whole_window_pass_as_the_slot_wraps_around():
+    """Episodes restarted at any slot, stepped past the end of the ring (the slot wraps around),
+    give the uncached pass's hidden state at every step."""
+    module, trunk, ids, mask = _engine_and_window(L=10)
+    engine = DecodeEngine(trunk, 5, 10)
+    g = torch.Generator().manual_seed(2)
+    for episode in range(3):  # each: every row (re)started, then 6 steps (windows never fill)
+        if episode:  # restarts written at the current slot (rows given: the ring does not start over)
+            rows = torch.arange(5)
+            ids = torch.randint(2, 12, ids.shape, generator=g)
+            mask = torch.zeros_like(mask)
+            mask[:, -3:] = 1
+            engine.load_rows(rows, prefill_pass(trunk, ids, mask)[1], mask)
+        else:
+            engine.load_rows(None, prefill_pass(trunk, ids, mask)[1], mask)
+        for t in range(6):
+            token = torch.randint(2, 12, (5,), generator=g)
+            ids = torch.cat([ids[:, 1:], token[:, None]], 1)
+            mask = torch.cat([mask[:, 1:], torch.ones(5, 1, dtype=torch.long)], 1)
+            hidden = engine.step(token)
+            want = trunk(input_ids=ids, attention_mask=mask,
+                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).last_hidden_state[:, -1]
+            torch.testing.assert_close(hidden, want, atol=1e-5, rtol=1e-5)
+    # a full load starts the ring at slot 9; 18 steps later (past its end twice): 7, on the device and the host
+    assert engine.slot_host == int(engine.slot) == 7
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("sampler", [None, {"name": "top_k", "k": 4}, {"name": "top_p", "p": 0.8},
+                                     {"name": "typical", "p": 0.9}, {"name": "eta", "eta": 0.01}])
+def test_static_step_compiles_with_fullgraph_and_gives_the_eager_steps_outputs(sampler):
+    """No graph break in the whole rollout step (trunk, head, mask, draw, log-prob, value): the
+    precondition for capturing it as a CUDA graph."""
+    torch._dynamo.reset()
+    module = make_module(sampler)
+    trunk = module.lm.base_model
+    _, _, ids, mask = _engine_and_window()
+    eager, compiled = DecodeEngine(trunk, 5, 10), DecodeEngine(trunk, 5, 10)
+    layers = prefill_pass(trunk, ids, mask)[1]
+    for e in (eager, compiled):
+        e.load_rows(None, layers, mask)
+
+    def whole_step(engine, token, uniform):
+        return module._sample(engine.step_hidden(token), uniform)
+
+    step = torch.compile(whole_step, fullgraph=True, backend="aot_eager")
+    for t in range(4):
+        token, uniform = torch.randint(2, 12, (5,)), torch.rand(5, 1, dtype=torch.float64)
+        want, got = whole_step(eager, token, uniform), step(compiled, token, uniform)
+        assert want.keys() == got.keys()
+        torch.testing.assert_close(got[Columns.ACTIONS], want[Columns.ACTIONS])
+        torch.testing.assert_close(got[Columns.ACTION_LOGP], want[Columns.ACTION_LOGP], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[Columns.VF_PREDS], want[Columns.VF_PREDS], atol=1e-5, rtol=1e-5)
+    for a, b in zip(eager.keys + eager.values, compiled.keys + compiled.values):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_other_trunks_keep_the_window_cache():
+    """A trunk the engine cannot run (hooks here) gets WindowKVCache's path, same logits."""
+    module = make_module()
+    module.lm.base_model.h[0].mlp.register_forward_hook(lambda *a: None)
+    plain = make_module(kv_cache=False)
+    a1, l1 = rollout(module, steps=12)
+    a2, l2 = rollout(plain, steps=12)
+    assert module.kv_cache.engine is None
+    np.testing.assert_array_equal(a1, a2)
+    np.testing.assert_allclose(l1, l2, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_cuda_graph_step_gives_the_eager_steps_tokens():
+    ring = make_module().cuda()
+    eager = copy.deepcopy(ring)
+    eager.kv_cache = RingKVCache(capture=False)
+    a1, l1 = rollout(ring, device="cuda")
+    a2, l2 = rollout(eager, device="cuda")
+    assert ring.kv_cache.engine.graphs  # the step was captured and replayed
+    np.testing.assert_array_equal(a1, a2)
+    np.testing.assert_allclose(l1, l2, atol=1e-4)
+
+
+def test_rollout_benchmark_engine_row_samples_every_token_and_counts_the_bytes_a_step_reads():
+    """benchmarks/rollout_throughput.py (e): the engine alone, as the EnvRunner's module runs it."""
+    import argparse
+
+    from benchmarks.rollout_throughput import engine_path, make_env_runner
+
+    args = argparse.Namespace(model="tiny-gpt2", vocab=52, batch=4, prompt=6, new=5, device="cpu")
+    report = {}
+    rep = engine_path(args, report)
+    tokens, seconds = rep()
+    assert tokens == 4 * 5 and seconds > 0 and len(report["step_s"]) == 1
+    # tiny-gpt2 (tied embedding once) in float32, plus 2 layers' keys and values of 4 rows x 11 columns x 64
+    weights = sum(p.nbytes for p in make_env_runner(args, True, "fast").module.parameters())
+    assert report["bytes"] == weights + 2 * 2 * 4 * 11 * 64 * 4
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_host_transfers_round_trip_a_steps_observations_and_outputs(device):
+    from agents.env_runner import HostTransfers
+
+    transfers = HostTransfers()
+    for step in range(3):  # buffers are reused step after step
+        ids = np.arange(12, dtype=np.int64).reshape(3, 4) + step
+        on_device = transfers.to_device("input_ids", ids, torch.device(device))
+        assert on_device.device.type == device
+        out = transfers({"actions": on_device[:, -1] * 2, "logp": on_device[:, 0].float() / 2})
+        np.testing.assert_array_equal(out["actions"], ids[:, -1] * 2)
+        np.testing.assert_allclose(out["logp"], ids[:, 0] / 2)
