@@ -46,7 +46,8 @@ of each `sample()` call with the same seed, so every call would replay the same
 Seeds and checkpoints. Everything an EnvRunner draws from derives from the config's
 `seed` and the EnvRunner's index: RLlib seeds the process's `random`, NumPy and torch
 generators with `seed + worker_index` (+1e6 for evaluation), the env rows with the
-seeds above, and the module's rollout generators (guide roll-in plans, an LM guide's
+seeds above, and the module's rollout generators (the sampling generator, on the module's
+device, which nothing else in the process draws from; guide roll-in plans, an LM guide's
 sampling) get `rollout_seed(seed, index)`. Building the module cannot disturb the
 process's generators (it runs inside `torch.random.fork_rng`). `get_state` adds
 `ROLLOUT_STATE`: those generators' states, the env (each row's generator and the
@@ -215,7 +216,41 @@ class _SeededRunnerMixin:
             state[ROLLOUT_STATE] = self._rollout_state()
         return state
 
+    # -- weight syncs to the driver's EnvRunner while remote ones sample: applied when used --------
+
+    hold_back_syncs = True  # False: the driver's EnvRunner loads every sync at once (RLlib's way)
+
+    @property
+    def module(self):
+        """The RLModule, with a weight sync held back (`set_state`) applied first."""
+        pending = self.__dict__.get("_pending_sync")
+        if pending is not None:
+            self.__dict__["_pending_sync"] = None
+            self.__dict__["_applying_sync"] = True
+            try:
+                self.set_state(pending)
+            finally:
+                self.__dict__["_applying_sync"] = False
+        return self.__dict__.get("_module")
+
+    @module.setter
+    def module(self, value) -> None:
+        self.__dict__["_module"] = value
+
+    def _holds_back(self, state) -> bool:
+        """Whether `state` is a weight sync to the driver's training EnvRunner while remote
+        EnvRunners do the sampling: it nothing samples with, so the copy waits until its module is
+        next used (a checkpoint, `Algorithm.get_module`, a sample) and a newer sync replaces it."""
+        return (self.hold_back_syncs and not self.__dict__.get("_applying_sync") and (self.worker_index or 0) == 0
+                and not self.config.in_evaluation and self.config.num_env_runners > 0
+                and COMPONENT_RL_MODULE in state and ROLLOUT_STATE not in state)
+
     def set_state(self, state) -> None:
+        if self._holds_back(state):
+            self.__dict__["_pending_sync"] = state
+            return
+        if COMPONENT_RL_MODULE in state:  # newer weights replace any held back
+            self.__dict__["_pending_sync"] = None
         super().set_state(state)
         saved = state.get(ROLLOUT_STATE)  # a checkpoint's; weight syncs carry none
         # Only this EnvRunner's own (RLlib hands evaluation runners the training runner's state).
@@ -272,7 +307,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
 
     def set_state(self, state) -> None:
         super().set_state(state)
-        if COMPONENT_RL_MODULE in state:
+        if COMPONENT_RL_MODULE in state and self.__dict__.get("_pending_sync") is None:
             self.weights_changed()
 
     def weights_changed(self) -> None:

@@ -1,6 +1,7 @@
-"""Weight sync: RLlib's path against the colocated copy, same run, same algorithm.
+"""Weight sync: RLlib's path against the colocated copy and the lean sync, same run, same algorithm.
 
     python benchmarks/weight_sync.py [--model gpt2-small-shaped] [--vocab 50257] [--reps 5] [--device cuda]
+                                     [--remote]
 
 Builds PPO with one local learner and no remote EnvRunner (`num_env_runners: 0`, where
 `agents/weight_sync.py` makes every sync a colocated in-place copy), then times, alternately:
@@ -12,6 +13,14 @@ Builds PPO with one local learner and no remote EnvRunner (`num_env_runners: 0`,
 and prints, for each, the seconds per sync (median), the bytes put into the object store and
 the bytes copied. With --device cuda the learner is on the GPU (the colocated EnvRunner moves
 there at its first sync; RLlib's path then goes through the host).
+
+With --remote, one remote EnvRunner samples (`num_env_runners: 1`) and the rows are RLlib's sync
+to it, waiting until the EnvRunner has loaded the weights:
+  (b) before: RLlib's inference state (every tensor as float32 numpy, tied weights twice) and a
+      copy into the driver's EnvRunner too;
+  (l) the lean sync (`CausalLMActorCritic.sync_state`): inference weights once each, in the
+      rollout precision (--precision), from a GPU through pinned buffers, and no copy into the
+      driver's EnvRunner, which does not sample.
 """
 from __future__ import annotations
 
@@ -35,13 +44,17 @@ def main():
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--remote", action="store_true", help="one remote EnvRunner: before / after the lean sync")
+    p.add_argument("--precision", default="fp32", help="env_runners.precision (the rollout copy's)")
     args = p.parse_args()
     cfg = validate({
         "task": {"name": "increasing_numbers", "num_numbers": args.vocab - 2},
         "model": {"name_or_path": args.model},
         "env": {"max_prompt_len": 5, "max_new_tokens": 20},
-        "env_runners": {"num_env_runners": 0, "num_envs_per_env_runner": 8},
-        "learners": {"num_gpus_per_learner": 1 if args.device == "cuda" else 0},
+        "env_runners": {"num_env_runners": 1 if args.remote else 0, "num_envs_per_env_runner": 8,
+                        "num_cpus_per_env_runner": 0.5, "precision": args.precision,
+                        "num_gpus_per_env_runner": 0.5 if args.remote and args.device == "cuda" else 0},
+        "learners": {"num_gpus_per_learner": (0.5 if args.remote else 1) if args.device == "cuda" else 0},
         "training": {"train_batch_size": 160, "minibatch_size": 160},
         "seed": 0,
     })
@@ -58,14 +71,29 @@ def main():
     algo = algorithm_config(cfg).build_algo()
     group, learners = algo.env_runner_group, algo.learner_group
     device = torch.device(args.device)
-    assert getattr(algo, "colocated_sync_bytes", 0) > 0, "the colocated sync is not installed"
-    rllib_sync = lambda: type(group).sync_weights(group, from_worker_or_learner_group=learners,  # noqa: E731
-                                                   inference_only=True)
-    colocated_sync = lambda: group.sync_weights(from_worker_or_learner_group=learners, inference_only=True)  # noqa: E731
-    seconds = {"r": [], "c": []}
-    stored = {"r": [], "c": []}
+    if args.remote:
+        from agents.modules import CausalLMActorCritic
+
+        local = group.local_env_runner
+
+        def mode(lean: bool):
+            def sync():
+                CausalLMActorCritic.lean_sync = local.hold_back_syncs = lean
+                group.sync_weights(from_worker_or_learner_group=learners, inference_only=True, timeout_seconds=600)
+            return sync
+
+        rows = (("b", "(b) before: RLlib's state, driver copy too", mode(False)),
+                ("l", "(l) lean sync, no driver copy", mode(True)))
+    else:
+        assert getattr(algo, "colocated_sync_bytes", 0) > 0, "the colocated sync is not installed"
+        rows = (("r", "(r) RLlib's sync (numpy, object store)",
+                 lambda: type(group).sync_weights(group, from_worker_or_learner_group=learners, inference_only=True)),
+                ("c", "(c) colocated in-place copy",
+                 lambda: group.sync_weights(from_worker_or_learner_group=learners, inference_only=True)))
+    seconds = {k: [] for k, _, _ in rows}
+    stored = {k: [] for k, _, _ in rows}
     for _ in range(args.reps + 1):  # the first round warms up
-        for k, sync in (("r", rllib_sync), ("c", colocated_sync)):
+        for k, _, sync in rows:
             put_bytes.clear()
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -79,13 +107,15 @@ def main():
     module = group.local_env_runner.module
     weights = sum({t.data_ptr(): t.nbytes for t in module.state_dict().values()}.values())
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"model={args.model} vocab={args.vocab} device={args.device} ({gpu}) threads={torch.get_num_threads()}")
+    print(f"model={args.model} vocab={args.vocab} device={args.device} ({gpu}) threads={torch.get_num_threads()} "
+          f"rollout precision={args.precision} remote EnvRunners={int(args.remote)}")
     print(f"EnvRunner module: {weights / 1e6:,.1f} MB of distinct tensors")
-    for k, label in (("r", "(r) RLlib's sync (numpy, object store)"), ("c", "(c) colocated in-place copy")):
+    for k, label, _ in rows:
         s = float(np.median(seconds[k][1:]))
         copied = f"   copied {algo.colocated_sync_bytes / 1e6:,.1f} MB" if k == "c" else ""
         print(f"{label:42s} {1e3 * s:9.2f} ms per sync   object store {np.mean(stored[k][1:]) / 1e6:8.1f} MB{copied}")
-    print(f"RLlib's sync / colocated = {np.median(seconds['r'][1:]) / np.median(seconds['c'][1:]):.1f}x")
+    (a, _, _), (b, _, _) = rows
+    print(f"{a} / {b} = {np.median(seconds[a][1:]) / np.median(seconds[b][1:]):.1f}x per sync")
     algo.stop()
     ray.shutdown()
 

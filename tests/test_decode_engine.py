@@ -187,3 +187,16 @@ def test_host_transfers_round_trip_a_steps_observations_and_outputs(device):
         out = transfers({"actions": on_device[:, -1] * 2, "logp": on_device[:, 0].float() / 2})
         np.testing.assert_array_equal(out["actions"], ids[:, -1] * 2)
         np.testing.assert_allclose(out["logp"], ids[:, 0] / 2)
+
+
+@torch.no_grad()
+def test_warm_up_before_capture_leaves_the_ring_as_it_was():
+    """The steps run before a CUDA graph is captured (on the CPU here) undo their writes."""
+    _, trunk, ids, mask = _engine_and_window(L=10)
+    engine = DecodeEngine(trunk, 5, 10)
+    engine.load_rows(None, prefill_pass(trunk, ids, mask)[1], mask)
+    engine.step(torch.full((5,), 3))
+    before = [t.clone() for t in engine.keys + engine.values + [engine.real, engine.slot]]
+    engine._warm_up(lambda: engine.step_hidden(torch.full((5,), 4)), times=3)
+    for a, b in zip(before, engine.keys + engine.values + [engine.real, engine.slot]):
+        assert torch.equal(a, b)

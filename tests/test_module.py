@@ -151,10 +151,10 @@ def test_weight_sync_copies_every_tensor_and_drops_the_rollout_caches():
         params = {id(p) for p in lite.parameters()}
         lite.kv_cache.past = "stale"
         lite.set_state(state)
-        own = lite.state_dict()
-        assert own.keys() <= state.keys()
-        for name, value in own.items():
-            torch.testing.assert_close(value, torch.as_tensor(state[name]), rtol=0, atol=0, msg=name)
+        own, source = lite.state_dict(), full.state_dict()
+        assert state.keys() <= own.keys() or own.keys() <= state.keys()  # the lean sync's, or a full state
+        for name, value in own.items():  # a tied weight the lean sync sent once is its partner's
+            torch.testing.assert_close(value, source[name], rtol=0, atol=0, msg=name)
         assert {id(p) for p in lite.parameters()} == params  # the same tensors, updated in place
         assert lite.kv_cache.past is None and lite.values_in_rollouts
     assert lite._copy_state(full.get_state(inference_only=True))

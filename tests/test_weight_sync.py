@@ -83,3 +83,100 @@ def test_weight_sync_benchmark_prints_both_paths_bytes_and_seconds():
     lines = {line.split(")")[0] + ")": line for line in out.stdout.splitlines() if line.startswith("(")}
     assert "object store      0.0 MB" in lines["(c)"] and "copied 0.4 MB" in lines["(c)"]
     assert "object store      0.4 MB" in lines["(r)"]
+
+
+def make_module(inference_only=False, **config):
+    from agents.modules import CausalLMActorCritic
+    from env.text_env import TokenGenerationEnv
+
+    env_cfg = {"task": {"name": "increasing_numbers", "num_numbers": 10}, "max_prompt_len": 4, "max_new_tokens": 6}
+    env = TokenGenerationEnv(env_cfg)
+    return CausalLMActorCritic(observation_space=env.observation_space, action_space=env.action_space,
+                               inference_only=inference_only,
+                               model_config={"model": {"name_or_path": "tiny-gpt2"}, "env": env_cfg, "seed": 0,
+                                             "reference_model": True, **config})
+
+
+def test_lean_sync_sends_inference_weights_once_in_the_rollout_precision():
+    from agents.modules.actor_critic import SYNC_BF16, CausalLMActorCritic
+
+    learner = make_module(rollout_precision="bf16")
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(torch.randn_like(p))
+    lean = learner.get_state(inference_only=True)
+    assert not any(k.startswith("ref_model.") for k in lean)  # learner-only parts stay
+    assert "lm.transformer.wte.weight" in lean and "lm.lm_head.weight" not in lean  # the tied embedding once
+    assert set(lean[SYNC_BF16]) == {k for k in lean if k.startswith("lm.")}  # the LM in bf16 bits
+    assert all(lean[k].dtype == np.int16 for k in lean[SYNC_BF16]) and lean["value_head.weight"].dtype == np.float32
+    CausalLMActorCritic.lean_sync = False
+    try:
+        before = learner.get_state(inference_only=True)  # RLlib's inference state: fp32, the tie twice
+    finally:
+        CausalLMActorCritic.lean_sync = True
+    sent = lambda state: sum(v.nbytes for k, v in state.items() if k != SYNC_BF16)  # noqa: E731
+    assert sent(lean) < 0.51 * sent(before)  # bf16 halves it; the tie (a tiny vocabulary here) a little more
+    runner = make_module(inference_only=True, rollout_precision="bf16")
+    runner.set_state(lean)
+    own, source = runner.state_dict(), learner.state_dict()
+    for name, value in own.items():  # equal to the learner's weights in the rollout precision
+        assert torch.equal(value, source[name].to(value.dtype)), name
+    assert own["lm.lm_head.weight"].data_ptr() == own["lm.transformer.wte.weight"].data_ptr()  # still tied
+
+
+def test_rollout_sampling_draws_from_the_modules_own_generator():
+    """A colocated learner's draws (here: the process's global generator) do not move rollouts,
+    and a restored rollout state draws on where the saved one was."""
+    from ray.rllib.core.columns import Columns
+
+    from env.text_env import TokenGenerationEnv
+    from tests.test_decode_engine import ENV_CFG, PROMPTS
+
+    envs = [TokenGenerationEnv(ENV_CFG) for _ in PROMPTS]
+    obs = [e.reset(seed=i, options={"prompt": p})[0] for i, (e, p) in enumerate(zip(envs, PROMPTS))]
+    batch = {Columns.OBS: {k: torch.as_tensor(np.stack([o[k] for o in obs])) for k in obs[0]}}
+    runs = []
+    for disturb in (False, True):
+        module = make_module(inference_only=True).eval()
+        module.seed_rollouts(7)
+        actions = []
+        for _ in range(5):
+            if disturb:
+                torch.rand(1000)
+            actions.append(module.act(batch)[Columns.ACTIONS].tolist())
+        saved = module.get_rollout_state()
+        runs.append((actions, module.act(batch)[Columns.ACTIONS].tolist()))
+    assert runs[0] == runs[1]
+    restored = make_module(inference_only=True).eval()
+    restored.seed_rollouts(123)
+    restored.set_rollout_state(saved)
+    assert restored.act(batch)[Columns.ACTIONS].tolist() == runs[1][1]
+    other = make_module(inference_only=True).eval()
+    other.seed_rollouts(123)
+    assert [other.act(batch)[Columns.ACTIONS].tolist() for _ in range(6)] != runs[0][0] + [runs[0][1]]
+
+
+def test_driver_env_runner_loads_no_weights_while_remote_env_runners_sample(ray_local, monkeypatch):
+    """With a remote EnvRunner sampling, syncs to the driver's EnvRunner wait until its module is
+    used (here `Algorithm.get_module`), which then holds the learner's latest weights."""
+    from agents.modules import CausalLMActorCritic
+
+    cfg = load(QUICKSTART, SMALL + ["env_runners.num_env_runners=1", "env_runners.num_cpus_per_env_runner=0.5"])
+    algo = algorithm_config(cfg).build_algo()
+    try:
+        local = algo.env_runner_group.local_env_runner
+        driver_module = local.__dict__["_module"]
+        loads = []
+        original = CausalLMActorCritic.set_state
+        monkeypatch.setattr(CausalLMActorCritic, "set_state",
+                            lambda self, state: (loads.append(self is driver_module), original(self, state))[1])
+        rewards = [algo.train()["env_runners"]["episode_return_mean"] for _ in range(2)]
+        assert all(np.isfinite(rewards))  # the remote EnvRunner sampled
+        assert not any(loads) and local.__dict__["_pending_sync"] is not None
+        module = algo.get_module()
+        assert module is driver_module and any(loads)
+        _, learner = runner_and_learner_modules(algo)
+        learned = learner.state_dict()
+        assert all(torch.equal(t, learned[k].to(t.dtype)) for k, t in module.state_dict().items())
+    finally:
+        algo.stop()

@@ -50,6 +50,7 @@ from agents.modules.kv_cache import ROW_CONTINUES, lean_forward, rows_that_conti
 from agents.samplers import MASKED, Sampler, sample_rows
 
 SAMPLER_STATE = "sampler_state"  # per-step sampler state (mirostat's mu) used when acting
+SYNC_BF16 = "__bf16_as_int16__"  # a weight sync's state: keys whose bf16 tensors travel as int16 bits
 MASK_SIZE = "mask_size"  # number of kept tokens per row, from the training forward pass
 
 
@@ -242,7 +243,8 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         cont, obs = batch.get(ROW_CONTINUES), batch[Columns.OBS]
         ids = obs["input_ids"]
         # The draws come first (the forward pass draws nothing), so a static step can take them.
-        uniform = torch.rand(ids.shape[0], 1, dtype=torch.float64, device=ids.device)
+        uniform = torch.rand(ids.shape[0], 1, dtype=torch.float64, device=ids.device,
+                             generator=self.rollout_generator(ids.device))
         if self.guided is None and self._static_tail() and isinstance(self.kv_cache, RingKVCache):
             # forward, mask, draw, log-prob and value in one static step (a CUDA graph on CUDA)
             return dict(self.kv_cache.hidden_at_last_token(self._trunk(self.lm), obs, cont, tail=self._sample,
@@ -315,10 +317,15 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
     def _reference_logp(self, lm, batch) -> torch.Tensor:
         return reference_logp(lm, batch)
 
+    lean_sync = True  # False: weight syncs send RLlib's inference state (benchmarks/weight_sync.py's "before")
+
     def get_state(self, *args, inference_only: bool = False, **kwargs):
         """RLlib's state (numpy arrays), bf16 weights as float32 (numpy has no bfloat16). With
         LoRA, the state EnvRunners receive (inference_only) holds the adapters only: the base
-        weights are frozen, and every module builds the same ones from the config."""
+        weights are frozen, and every module builds the same ones from the config. A learner's
+        inference state (what a weight sync sends) is `sync_state`'s."""
+        if inference_only and not self.inference_only and self.lean_sync and not args and not kwargs:
+            return self.sync_state()
         if not any(p.dtype == torch.bfloat16 for p in self.parameters()):
             state = super().get_state(*args, inference_only=inference_only, **kwargs)
         else:
@@ -333,13 +340,67 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             state = {k: v for k, v in state.items() if not self._frozen_base_key(k)}
         return state
 
+    @torch.no_grad()
+    def sync_state(self) -> dict:
+        """What a weight sync sends EnvRunners: the inference weights only, each tensor once
+        (tied weights under their first key), with LoRA the adapters only (filtered before any
+        copy), the LM in the rollout precision, on the host as numpy arrays (from a GPU through
+        pinned buffers kept for the next sync; bf16 as its bits in int16 arrays, listed under
+        SYNC_BF16, since numpy has no bfloat16). `set_state` takes it back."""
+        drop = tuple(a + "." for a in self.get_non_inference_attributes())
+        rollout_dtype = DTYPES[self.model_config.get("rollout_precision") or "fp32"]
+        lora = has_lora(self.lm)
+        picked, seen = {}, set()
+        for key, t in self.state_dict(keep_vars=True).items():
+            if key.startswith(drop) or (lora and self._frozen_base_key(key)) or t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            t = t.detach()
+            if t.is_floating_point() and key.startswith(("lm.", "mask_lm.")):
+                t = t.to(rollout_dtype)
+            picked[key] = t
+        buffers = self.__dict__.setdefault("_sync_buffers", {})
+        if any(t.is_cuda for t in picked.values()):  # one pass of non-blocking copies, then one sync
+            for key, t in picked.items():
+                buf = buffers.get(key)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                picked[key] = buf
+            torch.cuda.synchronize()
+        state = {k: (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).cpu().numpy() for k, t in picked.items()}
+        bf16 = [k for k, t in picked.items() if t.dtype == torch.bfloat16]
+        if bf16:
+            state[SYNC_BF16] = bf16
+        return state
+
+    @staticmethod
+    def _from_sync_state(state) -> dict:
+        """A state as `set_state` loads it: `sync_state`'s int16 arrays back to bf16 tensors."""
+        if SYNC_BF16 not in state:
+            return state
+        state = dict(state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # Ray's arrays are read-only; only read here
+            for k in state.pop(SYNC_BF16):
+                state[k] = torch.as_tensor(state[k]).view(torch.bfloat16)
+        return state
+
     def _copy_state(self, state) -> bool:
         """Copies `state` into the module's tensors where it holds exactly the module's state
-        keys with their shapes (a weight sync; on the quickstart's module a `set_state` took 190
-        us this way against 460 us through `load_state_dict`, one-off timing), and says whether
-        it did."""
+        keys with their shapes, or those less tied duplicates and keys a sync leaves out
+        (`sync_state`; a weight sync: on the quickstart's module a `set_state` took 190 us this
+        way against 460 us through `load_state_dict`, one-off timing), and says whether it did."""
         own = self.state_dict(keep_vars=True)
-        if own.keys() != state.keys() or any(tuple(own[k].shape) != tuple(np.shape(v)) for k, v in state.items()):
+        if own.keys() != state.keys():
+            seen, lean = set(), set()
+            for k, t in own.items():
+                if t.data_ptr() not in seen and not self.sync_skips(k):
+                    lean.add(k)
+                seen.add(t.data_ptr())
+            if lean != state.keys():
+                return False
+        if any(tuple(own[k].shape) != tuple(np.shape(v)) for k, v in state.items()):
             return False
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # Ray's arrays are read-only; copy_ only reads them
@@ -354,6 +415,7 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
     def set_state(self, state) -> None:
         from ray.rllib.utils.torch_utils import convert_to_torch_tensor
 
+        state = self._from_sync_state(state)
         if has_lora(self.lm) and self.inference_only:  # adapters only (see get_state)
             missing, _ = self.load_state_dict(convert_to_torch_tensor(state), strict=False)
             lacking = [k for k in missing if not self._frozen_base_key(k)]
@@ -396,10 +458,24 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
     # -- rollout state (EnvRunner side): seeded per EnvRunner, saved in its checkpoints --------
 
     def seed_rollouts(self, seed: int) -> None:
-        """Reseeds what acting draws from besides the global torch generator (the guide's roll-in
-        plans and an LM guide's sampling); EnvRunners call it with their own seed."""
+        """Reseeds what acting draws from: the sampling generator (`rollout_generator`), the
+        guide's roll-in plans and an LM guide's sampling. EnvRunners call it with their own seed."""
+        self._sampling_seed = int(np.random.SeedSequence([int(seed), 0x73616D70]).generate_state(1)[0])
+        self._sampling_generator = None
         if self.guided is not None:
             self.guided.seed(seed)
+
+    def rollout_generator(self, device: torch.device) -> torch.Generator:
+        """The generator rollout sampling draws from: the module's own, on `device`, so nothing
+        else in the process (a colocated learner's draws on the same device included) moves it.
+        Seeded by `seed_rollouts` (else from torch's global seed); made anew from its seed where
+        the device changes (a colocated EnvRunner moving to the learner's GPU, before it samples)."""
+        g = getattr(self, "_sampling_generator", None)
+        if g is None or g.device.type != device.type:
+            g = self._sampling_generator = torch.Generator(device)
+            seed = getattr(self, "_sampling_seed", None)
+            g.manual_seed(seed if seed is not None else torch.initial_seed())
+        return g
 
     def get_rollout_state(self) -> dict:
         """Per-row state carried from one rollout call to the next (mirostat's mu, guide plans)
@@ -414,6 +490,9 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
                                                             ("source", rs.source))}
         if self.guided is not None:
             state["guided"] = self.guided.get_state()
+        g = getattr(self, "_sampling_generator", None)
+        if g is not None:
+            state["sampling"] = {"device": g.device.type, "state": g.get_state()}
         return state
 
     def set_rollout_state(self, state: dict) -> None:
@@ -425,6 +504,8 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
                 setattr(self.row_sampler_state, k, on_device(v, device))
         if "guided" in state and self.guided is not None:
             self.guided.set_state(state["guided"], device=device)
+        if "sampling" in state and state["sampling"]["device"] == device.type:
+            self.rollout_generator(device).set_state(state["sampling"]["state"])
 
     def set_guide_mode(self, mode: str) -> None:
         """Which roll-in new episodes get (`none`, `ppo_pp`, `aggrevated`); DLOLS/LOLS switch it."""

@@ -110,19 +110,34 @@ class DecodeEngine:
             hidden = self.step_hidden(static_inputs[0])
             return hidden if tail is None else tail(hidden, *static_inputs[1:])
 
-        saved_slot, saved_real = self.slot.clone(), self.real.clone()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: kernels picked and workspaces allocated outside the capture
-                run()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        self.slot.copy_(saved_slot)
-        self.real.copy_(saved_real)  # the warm-up's writes land at slots the real steps overwrite
+        self._warm_up(run)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = run()
         return graph, static_inputs, out
+
+    def _warm_up(self, run, times: int = 2) -> None:
+        """Runs the step `times` (on CUDA on a side stream, as capture wants: kernels picked and
+        workspaces allocated outside the graph), then puts the ring back as it was: the slot, the
+        real columns and the keys/values at the slots the warm-up steps wrote."""
+        touched = (self.slot + torch.arange(1, times + 1, device=self.device)) % self.length
+        saved = [(k.index_select(2, touched), v.index_select(2, touched)) for k, v in zip(self.keys, self.values)]
+        saved_slot, saved_real = self.slot.clone(), self.real.clone()
+        if self.device.type == "cuda":
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(times):
+                    run()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        else:
+            for _ in range(times):
+                run()
+        self.slot.copy_(saved_slot)
+        self.real.copy_(saved_real)
+        for (k, v), (k0, v0) in zip(zip(self.keys, self.values), saved):
+            k.index_copy_(2, touched, k0)
+            v.index_copy_(2, touched, v0)
 
     # -- prefills (eager) -----------------------------------------------------------------
 
