@@ -93,8 +93,9 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         "mle_batch_size": F(int, 16, **POS_INT),
         # The learner's passes under autocast (fp16 with a loss scaler); weights and optimizer
         # state stay float32 (LoRA: the frozen base is stored in this precision). Log-probs, the
-        # PPO ratio and the KL are computed from float32 logits.
-        "precision": F(str, "fp32", choices=PRECISIONS),
+        # PPO ratio and the KL are computed from float32 logits. auto: bf16 where the learner is on
+        # a GPU that has it (TF32 matmuls on), else fp32 (the CPU's passes as in fp32).
+        "precision": F(str, "auto", choices=["auto"] + PRECISIONS),
         "gradient_checkpointing": F(bool, False),  # recompute activations in the backward pass
     },
     "evaluation": {  # greedy (explore off) evaluation episodes every `interval` iterations; 0: none

@@ -247,7 +247,7 @@ def test_precision_and_checkpointing_are_refused_for_dqn_and_precision_is_not_se
                        ({"env_runners": {"precision": "bf16"}}, "env_runners.precision")):
         with pytest.raises(ConfigError, match=rf"^{field}: not supported by algorithm 'dqn': DQN's Q-network"):
             validate({"algorithm": "dqn", **raw})
-    with pytest.raises(ConfigError, match=r"training\.precision: expected one of 'fp32', 'bf16', 'fp16'"):
+    with pytest.raises(ConfigError, match=r"training\.precision: expected one of 'auto', 'fp32', 'bf16', 'fp16'"):
         validate({"training": {"precision": "int8"}})
     with pytest.raises(ConfigError, match=r"training\.precision: not searchable"):
         validate({"training": {"precision": {"grid_search": ["fp32", "bf16"]}}})

@@ -180,3 +180,20 @@ def test_driver_env_runner_loads_no_weights_while_remote_env_runners_sample(ray_
         assert all(torch.equal(t, learned[k].to(t.dtype)) for k, t in module.state_dict().items())
     finally:
         algo.stop()
+
+
+def test_auto_precision_keeps_the_cpu_learner_in_fp32_and_picks_bf16_on_a_gpu_with_it():
+    from agents.config import validate
+
+    assert validate({"task": {"name": "increasing_numbers"}})["training"]["precision"] == "auto"
+    auto, bf16 = make_module(train_precision="auto"), make_module(train_precision="bf16")
+    with auto.autocast():
+        assert not torch.is_autocast_enabled("cpu")  # the CPU path is unchanged
+    with bf16.autocast():
+        assert torch.is_autocast_enabled("cpu")  # (bf16 asked for by name autocasts on the CPU too)
+    assert all(p.dtype == torch.float32 for p in auto.parameters())
+    from agents.modules.actor_critic import auto_precision
+
+    assert auto_precision("cpu") == "fp32"
+    if torch.cuda.is_available():
+        assert auto_precision("cuda") == ("bf16" if torch.cuda.is_bf16_supported() else "fp32")

@@ -54,6 +54,16 @@ SYNC_BF16 = "__bf16_as_int16__"  # a weight sync's state: keys whose bf16 tensor
 MASK_SIZE = "mask_size"  # number of kept tokens per row, from the training forward pass
 
 
+def auto_precision(device_type: str) -> str:
+    """`training.precision: auto`: bf16 autocast on a GPU that has bf16 (with TF32 matmuls for
+    what stays float32), else fp32 (the CPU's passes are unchanged)."""
+    if device_type == "cuda" and torch.cuda.is_bf16_supported():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        return "bf16"
+    return "fp32"
+
+
 class RowSamplerState:
     """A stateful sampler's state per vector-env row, carried while the row's episode continues."""
 
@@ -104,7 +114,7 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         # Rollouts: the whole LM in `rollout_precision`. Learner: float32 weights under autocast
         # in `train_precision`; with LoRA the frozen base weights are stored in it too.
         self.precision = cfg.get("rollout_precision" if self.inference_only else "train_precision") or "fp32"
-        if self.precision != "fp32":
+        if self.precision not in ("fp32", "auto"):  # auto: fp32 weights, autocast decided by the device
             if self.inference_only:
                 self.lm.to(DTYPES[self.precision])
             elif has_lora(self.lm):
@@ -155,7 +165,10 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         if self.precision == "fp32" or self.inference_only:
             return contextlib.nullcontext()
         device = next(self.lm.parameters()).device.type
-        return torch.autocast(device_type=device, dtype=DTYPES[self.precision])
+        precision = self.precision if self.precision != "auto" else auto_precision(device)
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device, dtype=DTYPES[precision])
 
     # -- what depends on the kind of LM (Seq2SeqActorCritic overrides these) ------------
 
