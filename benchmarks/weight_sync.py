@@ -5,9 +5,10 @@
 
 Builds PPO with one local learner and no remote EnvRunner (`num_env_runners: 0`, where
 `agents/weight_sync.py` makes every sync a colocated in-place copy), then times, alternately:
-  (r) RLlib's `EnvRunnerGroup.sync_weights` from the learner group: the learner's inference state
-      as numpy arrays on the host, `ray.put` into the object store, loaded into the local
-      EnvRunner's module;
+  (r0) RLlib's `EnvRunnerGroup.sync_weights` from the learner group: the learner's inference state
+      as numpy arrays on the host (RLlib's: every tensor in float32, tied weights twice), `ray.put`
+      into the object store, loaded into the local EnvRunner's module;
+  (r) the same with the lean state (`CausalLMActorCritic.sync_state`, see --remote);
   (c) the colocated sync: one fused in-place copy of the learner module's tensors into the
       EnvRunner module's own.
 and prints, for each, the seconds per sync (median), the bytes put into the object store and
@@ -85,9 +86,18 @@ def main():
         rows = (("b", "(b) before: RLlib's state, driver copy too", mode(False)),
                 ("l", "(l) lean sync, no driver copy", mode(True)))
     else:
+        from agents.modules import CausalLMActorCritic
+
         assert getattr(algo, "colocated_sync_bytes", 0) > 0, "the colocated sync is not installed"
-        rows = (("r", "(r) RLlib's sync (numpy, object store)",
-                 lambda: type(group).sync_weights(group, from_worker_or_learner_group=learners, inference_only=True)),
+
+        def rllib(lean: bool):
+            def sync():
+                CausalLMActorCritic.lean_sync = lean
+                type(group).sync_weights(group, from_worker_or_learner_group=learners, inference_only=True)
+            return sync
+
+        rows = (("r0", "(r0) RLlib's sync of RLlib's state", rllib(False)),
+                ("r", "(r) RLlib's sync of the lean state", rllib(True)),
                 ("c", "(c) colocated in-place copy",
                  lambda: group.sync_weights(from_worker_or_learner_group=learners, inference_only=True)))
     seconds = {k: [] for k, _, _ in rows}
@@ -114,7 +124,7 @@ def main():
         s = float(np.median(seconds[k][1:]))
         copied = f"   copied {algo.colocated_sync_bytes / 1e6:,.1f} MB" if k == "c" else ""
         print(f"{label:42s} {1e3 * s:9.2f} ms per sync   object store {np.mean(stored[k][1:]) / 1e6:8.1f} MB{copied}")
-    (a, _, _), (b, _, _) = rows
+    a, b = rows[0][0], rows[-1][0]
     print(f"{a} / {b} = {np.median(seconds[a][1:]) / np.median(seconds[b][1:]):.1f}x per sync")
     algo.stop()
     ray.shutdown()

@@ -82,6 +82,7 @@ def test_weight_sync_benchmark_prints_both_paths_bytes_and_seconds():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = {line.split(")")[0] + ")": line for line in out.stdout.splitlines() if line.startswith("(")}
     assert "object store      0.0 MB" in lines["(c)"] and "copied 0.4 MB" in lines["(c)"]
+    assert "object store      0.4 MB" in lines["(r0)"]
     assert "object store      0.4 MB" in lines["(r)"]
 
 
@@ -166,6 +167,7 @@ def test_driver_env_runner_loads_no_weights_while_remote_env_runners_sample(ray_
     try:
         local = algo.env_runner_group.local_env_runner
         driver_module = local.__dict__["_module"]
+        counted = object_store_bytes(monkeypatch)
         loads = []
         original = CausalLMActorCritic.set_state
         monkeypatch.setattr(CausalLMActorCritic, "set_state",
@@ -173,6 +175,10 @@ def test_driver_env_runner_loads_no_weights_while_remote_env_runners_sample(ray_
         rewards = [algo.train()["env_runners"]["episode_return_mean"] for _ in range(2)]
         assert all(np.isfinite(rewards))  # the remote EnvRunner sampled
         assert not any(loads) and local.__dict__["_pending_sync"] is not None
+        # each sync put the lean state into the object store: every distinct tensor once (the tie once)
+        distinct = sum({t.data_ptr(): t.nbytes for t in driver_module.state_dict().values()}.values())
+        syncs = [n for n in counted if n > 100_000]
+        assert len(syncs) >= 2 and all(n == distinct for n in syncs), (syncs, distinct)
         module = algo.get_module()
         assert module is driver_module and any(loads)
         _, learner = runner_and_learner_modules(algo)

@@ -337,7 +337,7 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         LoRA, the state EnvRunners receive (inference_only) holds the adapters only: the base
         weights are frozen, and every module builds the same ones from the config. A learner's
         inference state (what a weight sync sends) is `sync_state`'s."""
-        if inference_only and not self.inference_only and self.lean_sync and not args and not kwargs:
+        if inference_only and not self.inference_only and self.lean_sync:  # (components: as TorchRLModule, none)
             return self.sync_state()
         if not any(p.dtype == torch.bfloat16 for p in self.parameters()):
             state = super().get_state(*args, inference_only=inference_only, **kwargs)
