@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 import time
 
 import numpy as np
@@ -70,7 +69,6 @@ import torch
 from ray.rllib.callbacks.utils import make_callback
 from ray.rllib.core import COMPONENT_RL_MODULE, DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
-from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
 from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
@@ -94,7 +92,11 @@ from ray.rllib.utils.metrics import (
     SAMPLE_TIMER,
 )
 
+from agents.modules.decode_engine import HostTransfers
 from agents.modules.kv_cache import ROW_CONTINUES
+from agents.rollout_state import (_module_rollout_states, _seed_module_rollouts, _set_module_rollout_states,
+                                  env_state, global_rng_state, rollout_seed, set_env_state, set_global_rng_state,
+                                  state_requested)
 from agents.weight_sync import COLOCATED
 from env.text_env import TokenGenerationEnv
 from env.vector_env import TokenGenerationVectorEnv, row_info
@@ -104,83 +106,6 @@ TOKEN_ENV = "token_generation"  # the name `make_token_env` is registered under 
 ROLLOUT_STATE = "rollout_state"  # the EnvRunner state key (and component name) added here
 CARRY_EPISODES = "carry_episodes"  # env_config key: env_runners.carry_episodes (FastTokenEnvRunner)
 SEEN_WINDOWS_MAX = 100_000  # windows remembered per weight version (for the restart schedule only)
-
-
-def state_requested(name: str, components, not_components) -> bool:
-    """Whether a get_state(components, not_components) call asks for the top-level key `name`."""
-    def names(c):
-        return set() if c is None else {c} if isinstance(c, str) else set(c)
-
-    return (components is None or name in names(components)) and name not in names(not_components)
-
-
-def rollout_seed(seed: int, index: int) -> int:
-    """The seed of a module's rollout generators on EnvRunner `index`: its own stream, apart
-    from the env rows' (`seed + index * num_envs + row`) and the process's (`seed + index`)."""
-    return int(np.random.SeedSequence([int(seed), int(index), 0x6775]).generate_state(1)[0])
-
-
-def global_rng_state() -> dict:
-    """The process's Python, NumPy and torch (CPU and CUDA) generator states."""
-    state = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_global_rng_state(state: dict) -> None:
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _private_state(obj) -> dict:
-    """An env's mutable episode state: its underscore attributes (per-row arrays, the row's
-    prompt, generated tokens and generator; the tokenizer, task and data are public)."""
-    return {k: copy.deepcopy(v) for k, v in vars(obj).items() if k.startswith("_")}
-
-
-def env_state(env) -> dict:
-    env = env.unwrapped
-    state = {"env": _private_state(env)}
-    if isinstance(env, TokenGenerationVectorEnv):
-        state["rows"] = [_private_state(row) for row in env.rows]
-    elif hasattr(env, "envs"):  # gymnasium's SyncVectorEnv
-        state["rows"] = [_private_state(e.unwrapped) for e in env.envs]
-    return state
-
-
-def set_env_state(env, state: dict) -> None:
-    env = env.unwrapped
-    rows = env.rows if isinstance(env, TokenGenerationVectorEnv) else [e.unwrapped for e in getattr(env, "envs", [])]
-    for obj, saved in [(env, state["env"])] + list(zip(rows, state.get("rows", []))):
-        for k, v in saved.items():
-            setattr(obj, k, copy.deepcopy(v))
-
-
-def _modules(module) -> dict:
-    """{module id: module} of a MultiRLModule, {None: module} of a single one, {} of none."""
-    if module is None:
-        return {}
-    return dict(module.items()) if isinstance(module, MultiRLModule) else {None: module}
-
-
-def _module_rollout_states(module) -> dict:
-    return {mid: m.unwrapped().get_rollout_state() for mid, m in _modules(module).items()
-            if hasattr(m.unwrapped(), "get_rollout_state")}
-
-
-def _set_module_rollout_states(module, states: dict) -> None:
-    for mid, state in states.items():
-        (module if mid is None else module[mid]).unwrapped().set_rollout_state(state)
-
-
-def _seed_module_rollouts(module, seed: int) -> None:
-    for m in _modules(module).values():
-        if hasattr(m.unwrapped(), "seed_rollouts"):
-            m.unwrapped().seed_rollouts(seed)
 
 
 class _SeededRunnerMixin:
@@ -238,9 +163,8 @@ class _SeededRunnerMixin:
         self.__dict__["_module"] = value
 
     def _holds_back(self, state) -> bool:
-        """Whether `state` is a weight sync to the driver's training EnvRunner while remote
-        EnvRunners do the sampling: it nothing samples with, so the copy waits until its module is
-        next used (a checkpoint, `Algorithm.get_module`, a sample) and a newer sync replaces it."""
+        """Whether `state` is a weight sync to the driver's training EnvRunner while remote ones
+        sample: the copy waits until its module is next used (a checkpoint, `get_module`, a sample)."""
         return (self.hold_back_syncs and not self.__dict__.get("_applying_sync") and (self.worker_index or 0) == 0
                 and not self.config.in_evaluation and self.config.num_env_runners > 0
                 and COMPONENT_RL_MODULE in state and ROLLOUT_STATE not in state)
@@ -430,7 +354,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
                     actions = logits.argmax(-1)
                     out = {Columns.ACTIONS: actions,
                            Columns.ACTION_LOGP: torch.log_softmax(logits.float(), -1).gather(-1, actions[:, None])[:, 0]}
-            out = self._host({k: v for k, v in out.items() if k != Columns.ACTION_DIST_INPUTS})
+            out = self._host.to_host({k: v for k, v in out.items() if k != Columns.ACTION_DIST_INPUTS})
             actions = out.pop(Columns.ACTIONS)
             before = st.obs
             st.obs, rewards, terminated, _, infos = env.step(actions)
@@ -494,45 +418,6 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         log((NUM_AGENT_STEPS_SAMPLED_LIFETIME, DEFAULT_AGENT_ID), steps, reduce="lifetime_sum")
         log((NUM_MODULE_STEPS_SAMPLED_LIFETIME, DEFAULT_MODULE_ID), steps, reduce="lifetime_sum")
         log(NUM_EPISODES_LIFETIME, len(episodes), reduce="lifetime_sum")
-
-
-class HostTransfers:
-    """A rollout step's copies between the host and a CUDA device through pinned buffers (kept per
-    name, reused each step): observations go up without blocking, outputs come down with one
-    sync per step. The arrays returned are views of the pinned buffers, valid until the next
-    step (the runner copies them into its episode buffers first). On the CPU, plain tensors."""
-
-    def __init__(self):
-        self.up, self.down = {}, {}
-
-    @staticmethod
-    def _pinned(cache: dict, name: str, like: torch.Tensor) -> torch.Tensor:
-        buf = cache.get(name)
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = cache[name] = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
-        return buf
-
-    def to_device(self, name: str, array: np.ndarray, device: torch.device) -> torch.Tensor:
-        host = torch.from_numpy(array)
-        if device.type != "cuda":
-            return host.to(device)
-        pinned = self._pinned(self.up, name, host)
-        pinned.copy_(host)  # the last step's copy out of this buffer finished: its outputs were synced
-        return pinned.to(device, non_blocking=True)
-
-    def to_host(self, out: dict) -> dict:
-        devices = {v.device for v in out.values()}
-        if not any(d.type == "cuda" for d in devices):
-            return {k: v.cpu().numpy() for k, v in out.items()}
-        pinned = {k: self._pinned(self.down, k, v) for k, v in out.items()}
-        for k, v in out.items():
-            pinned[k].copy_(v, non_blocking=True)
-        for d in devices:
-            if d.type == "cuda":
-                torch.cuda.current_stream(d).synchronize()
-        return {k: p.numpy() for k, p in pinned.items()}
-
-    __call__ = to_host
 
 
 def _put(buf, n: int, row: np.ndarray) -> np.ndarray:

@@ -381,3 +381,13 @@ def load_pretrained_lm(path: str) -> PreTrainedModel:
         base = os.path.join(path, base)
     lm = load_pretrained_lm(base)
     return PeftModel.from_pretrained(lm, path).merge_and_unload()
+
+
+def auto_precision(device_type: str) -> str:
+    """`training.precision: auto`: bf16 autocast on a GPU that has bf16 (with TF32 matmuls for
+    what stays float32), else fp32 (the CPU's passes are unchanged)."""
+    if device_type == "cuda" and torch.cuda.is_bf16_supported():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        return "bf16"
+    return "fp32"

@@ -19,6 +19,8 @@ import torch
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
 
+from agents.modules.sync_state import synced_tensors
+
 COLOCATED = "colocated"  # env_config key: env_runners.colocated (None: wherever it applies)
 
 
@@ -36,22 +38,15 @@ def copy_module_weights(dst: torch.nn.Module, src: torch.nn.Module) -> int:
     """Copies `src`'s tensors into `dst`'s in place, one fused copy, for every state key `dst`
     has (each tensor once: tied weights share one), and returns the bytes written. `dst` is moved
     to `src`'s device first where they differ (the first colocated sync of a GPU learner).
-    A module's `sync_skips(key)` names keys it never receives (LoRA's frozen base)."""
+    What is copied is `synced_tensors(dst)`: what any weight sync carries."""
     device = next(src.parameters()).device
     if next(dst.parameters()).device != device and getattr(dst, "can_move_device", True):
         dst.to(device)
-    skip = getattr(dst, "sync_skips", lambda key: False)
-    own, theirs = dst.state_dict(keep_vars=True), src.state_dict(keep_vars=True)
-    missing = [k for k in own if k not in theirs and not skip(k)]
+    own, theirs = synced_tensors(dst), src.state_dict(keep_vars=True)
+    missing = [k for k in own if k not in theirs]
     if missing:
         raise ValueError(f"colocated weight sync: the learner's module lacks {missing[:5]}")
-    targets, sources, seen = [], [], set()
-    for key, tensor in own.items():
-        if skip(key) or tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
-        targets.append(tensor.data)
-        sources.append(theirs[key].data)
+    targets, sources = list(own.values()), [theirs[k].detach() for k in own]
     torch._foreach_copy_(targets, sources)
     if hasattr(dst, "weights_changed"):
         dst.weights_changed()

@@ -177,14 +177,14 @@ def test_rollout_benchmark_engine_row_samples_every_token_and_counts_the_bytes_a
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_host_transfers_round_trip_a_steps_observations_and_outputs(device):
-    from agents.env_runner import HostTransfers
+    from agents.modules.decode_engine import HostTransfers
 
     transfers = HostTransfers()
     for step in range(3):  # buffers are reused step after step
         ids = np.arange(12, dtype=np.int64).reshape(3, 4) + step
         on_device = transfers.to_device("input_ids", ids, torch.device(device))
         assert on_device.device.type == device
-        out = transfers({"actions": on_device[:, -1] * 2, "logp": on_device[:, 0].float() / 2})
+        out = transfers.to_host({"actions": on_device[:, -1] * 2, "logp": on_device[:, 0].float() / 2})
         np.testing.assert_array_equal(out["actions"], ids[:, -1] * 2)
         np.testing.assert_allclose(out["logp"], ids[:, 0] / 2)
 

@@ -63,7 +63,7 @@ def test_colocated_sync_moves_nothing_through_the_object_store_and_trains_as_rll
     np.testing.assert_array_equal(colocated, rllib)  # the same seed gives the same curve
 
 
-def test_colocated_sync_casts_to_the_rollout_precision_and_keeps_ties(ray_local, monkeypatch):
+def test_colocated_sync_casts_to_the_rollout_precision(ray_local, monkeypatch):
     _, synced = train(["env_runners.precision=bf16"], monkeypatch, iterations=1)
     assert synced[0][0] and synced[0][1] == 0
 
@@ -99,7 +99,8 @@ def make_module(inference_only=False, **config):
 
 
 def test_lean_sync_sends_inference_weights_once_in_the_rollout_precision():
-    from agents.modules.actor_critic import SYNC_BF16, CausalLMActorCritic
+    from agents.modules import CausalLMActorCritic
+    from agents.modules.sync_state import SYNC_BF16
 
     learner = make_module(rollout_precision="bf16")
     with torch.no_grad():
@@ -198,7 +199,7 @@ def test_auto_precision_keeps_the_cpu_learner_in_fp32_and_picks_bf16_on_a_gpu_wi
     with bf16.autocast():
         assert torch.is_autocast_enabled("cpu")  # (bf16 asked for by name autocasts on the CPU too)
     assert all(p.dtype == torch.float32 for p in auto.parameters())
-    from agents.modules.actor_critic import auto_precision
+    from agents.models import auto_precision
 
     assert auto_precision("cpu") == "fp32"
     if torch.cuda.is_available():

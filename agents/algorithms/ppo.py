@@ -232,7 +232,7 @@ class LMPPOTorchLearner(PPOTorchLearner):
         state["num_updates"] = self.num_updates
         if self.kl_penalty is not None:
             state["ref_kl_coef"] = self.kl_penalty.controller.coef
-        from agents.env_runner import state_requested
+        from agents.rollout_state import state_requested
 
         if state_requested(LEARNER_RNG, components, not_components):
             state[LEARNER_RNG] = self._rng_state()
@@ -250,7 +250,7 @@ class LMPPOTorchLearner(PPOTorchLearner):
     def _rng_state(self) -> dict:
         """The generators an update draws from: minibatch shuffles, the MLE pairs, and the
         process's (Python, NumPy, torch), saved with this learner's rank."""
-        from agents.env_runner import global_rng_state
+        from agents.rollout_state import global_rng_state
 
         return {"rank": learner_rank(),
                 "minibatch": self._minibatch_rng.bit_generator.state,
@@ -260,7 +260,7 @@ class LMPPOTorchLearner(PPOTorchLearner):
     def _set_rng_state(self, saved: dict) -> None:
         """RLlib checkpoints learner 0's state and gives it to every learner: learner 0 takes the
         saved generators back; the others restart theirs from (seed, rank, updates so far)."""
-        from agents.env_runner import set_global_rng_state
+        from agents.rollout_state import set_global_rng_state
 
         if saved["rank"] != learner_rank():
             self._minibatch_rng = np.random.default_rng(self._learner_seed(self.num_updates, 0))

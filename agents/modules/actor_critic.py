@@ -43,25 +43,15 @@ from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, ValueFunctionAPI
 from ray.rllib.core.rl_module.torch import TorchRLModule
 
 from agents.algorithms.sequence_batching import SEQ_ID
-from agents.models import (DTYPES, adapters_disabled, add_lora, build_causal_lm, build_tokenizer, cast_frozen,
+from agents.models import (DTYPES, adapters_disabled, auto_precision, add_lora, build_causal_lm, build_tokenizer, cast_frozen,
                            has_lora, is_adapter_key)
-from agents.modules.decode_engine import RingKVCache
+from agents.modules.decode_engine import HostTransfers, RingKVCache
 from agents.modules.kv_cache import ROW_CONTINUES, lean_forward, rows_that_continue, sequence_pass_rows
+from agents.modules.sync_state import from_lean_state, lean_state, synced_tensors
 from agents.samplers import MASKED, Sampler, sample_rows
 
 SAMPLER_STATE = "sampler_state"  # per-step sampler state (mirostat's mu) used when acting
-SYNC_BF16 = "__bf16_as_int16__"  # a weight sync's state: keys whose bf16 tensors travel as int16 bits
 MASK_SIZE = "mask_size"  # number of kept tokens per row, from the training forward pass
-
-
-def auto_precision(device_type: str) -> str:
-    """`training.precision: auto`: bf16 autocast on a GPU that has bf16 (with TF32 matmuls for
-    what stays float32), else fp32 (the CPU's passes are unchanged)."""
-    if device_type == "cuda" and torch.cuda.is_bf16_supported():
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        return "bf16"
-    return "fp32"
 
 
 class RowSamplerState:
@@ -263,14 +253,10 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             return dict(self.kv_cache.hidden_at_last_token(self._trunk(self.lm), obs, cont, tail=self._sample,
                                                            tail_inputs=(uniform,),
                                                            key=("explore", self.values_in_rollouts)))
-        logits, extra = self._acting_logits(obs, cont, values=True)
-        logp_all = torch.log_softmax(logits, -1)
-        actions = sample_rows(logp_all.exp(), uniform)  # masked tokens have probability exactly 0: never drawn
+        guide = None
         if self.guided is not None:  # the guide's tokens replace the policy's where its roll-in plan says so
-            from agents.guides import GUIDE_ROLE
-
-            actions, extra[GUIDE_ROLE] = self.guided(obs, actions, cont)
-        return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: logp_all.gather(-1, actions[:, None])[:, 0], **extra}
+            guide = lambda actions: self.guided(obs, actions, cont)  # noqa: E731
+        return self._draw(*self._acting_logits(obs, cont, values=True), uniform, guide)
 
     def _static_tail(self) -> bool:
         """Whether the rollout step after the trunk is a function of the hidden state alone (no
@@ -280,9 +266,18 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
     def _sample(self, hidden: torch.Tensor, uniform: torch.Tensor) -> dict:
         """The rollout step after the trunk (`_static_tail` samplers): logits, the sampler's mask,
         the action drawn at `uniform`, its log-prob and V(s). Tensors of fixed shapes only."""
-        logits, extra = self._masked_logits(hidden, values=True)
+        return self._draw(*self._masked_logits(hidden, values=True), uniform)
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, extra: dict, uniform: torch.Tensor, guide=None) -> dict:
+        """The action drawn at `uniform` from the (masked) logits (masked tokens have probability
+        exactly 0: never drawn), or the guide's where `guide(actions)` says so, and its log-prob."""
         logp_all = torch.log_softmax(logits, -1)
         actions = sample_rows(logp_all.exp(), uniform)
+        if guide is not None:
+            from agents.guides import GUIDE_ROLE
+
+            actions, extra[GUIDE_ROLE] = guide(actions)
         return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: logp_all.gather(-1, actions[:, None])[:, 0], **extra}
 
     def _forward_train(self, batch, **kwargs):
@@ -353,51 +348,15 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             state = {k: v for k, v in state.items() if not self._frozen_base_key(k)}
         return state
 
-    @torch.no_grad()
     def sync_state(self) -> dict:
-        """What a weight sync sends EnvRunners: the inference weights only, each tensor once
-        (tied weights under their first key), with LoRA the adapters only (filtered before any
-        copy), the LM in the rollout precision, on the host as numpy arrays (from a GPU through
-        pinned buffers kept for the next sync; bf16 as its bits in int16 arrays, listed under
-        SYNC_BF16, since numpy has no bfloat16). `set_state` takes it back."""
-        drop = tuple(a + "." for a in self.get_non_inference_attributes())
-        rollout_dtype = DTYPES[self.model_config.get("rollout_precision") or "fp32"]
-        lora = has_lora(self.lm)
-        picked, seen = {}, set()
-        for key, t in self.state_dict(keep_vars=True).items():
-            if key.startswith(drop) or (lora and self._frozen_base_key(key)) or t.data_ptr() in seen:
-                continue
-            seen.add(t.data_ptr())
-            t = t.detach()
-            if t.is_floating_point() and key.startswith(("lm.", "mask_lm.")):
-                t = t.to(rollout_dtype)
-            picked[key] = t
-        buffers = self.__dict__.setdefault("_sync_buffers", {})
-        if any(t.is_cuda for t in picked.values()):  # one pass of non-blocking copies, then one sync
-            for key, t in picked.items():
-                buf = buffers.get(key)
-                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                    buf = buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                buf.copy_(t, non_blocking=True)
-                picked[key] = buf
-            torch.cuda.synchronize()
-        state = {k: (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).cpu().numpy() for k, t in picked.items()}
-        bf16 = [k for k, t in picked.items() if t.dtype == torch.bfloat16]
-        if bf16:
-            state[SYNC_BF16] = bf16
-        return state
-
-    @staticmethod
-    def _from_sync_state(state) -> dict:
-        """A state as `set_state` loads it: `sync_state`'s int16 arrays back to bf16 tensors."""
-        if SYNC_BF16 not in state:
-            return state
-        state = dict(state)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # Ray's arrays are read-only; only read here
-            for k in state.pop(SYNC_BF16):
-                state[k] = torch.as_tensor(state[k]).view(torch.bfloat16)
-        return state
+        """What a weight sync sends EnvRunners (`agents.modules.sync_state.lean_state`): the
+        inference weights once each, with LoRA the adapters only, the LM in the rollout precision,
+        from a GPU through pinned buffers. `set_state` takes it back."""
+        dtype = DTYPES[self.model_config.get("rollout_precision") or "fp32"]
+        cast = lambda key, t: t.to(dtype) if t.is_floating_point() and key.startswith(("lm.", "mask_lm.")) else t  # noqa: E731
+        if "_sync_transfers" not in self.__dict__:
+            self.__dict__["_sync_transfers"] = HostTransfers()
+        return lean_state(self, cast, self.__dict__["_sync_transfers"])
 
     def _copy_state(self, state) -> bool:
         """Copies `state` into the module's tensors where it holds exactly the module's state
@@ -405,14 +364,8 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         (`sync_state`; a weight sync: on the quickstart's module a `set_state` took 190 us this
         way against 460 us through `load_state_dict`, one-off timing), and says whether it did."""
         own = self.state_dict(keep_vars=True)
-        if own.keys() != state.keys():
-            seen, lean = set(), set()
-            for k, t in own.items():
-                if t.data_ptr() not in seen and not self.sync_skips(k):
-                    lean.add(k)
-                seen.add(t.data_ptr())
-            if lean != state.keys():
-                return False
+        if own.keys() != state.keys() and synced_tensors(self).keys() != state.keys():
+            return False
         if any(tuple(own[k].shape) != tuple(np.shape(v)) for k, v in state.items()):
             return False
         with torch.no_grad(), warnings.catch_warnings():
@@ -428,7 +381,7 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
     def set_state(self, state) -> None:
         from ray.rllib.utils.torch_utils import convert_to_torch_tensor
 
-        state = self._from_sync_state(state)
+        state = from_lean_state(state)
         if has_lora(self.lm) and self.inference_only:  # adapters only (see get_state)
             missing, _ = self.load_state_dict(convert_to_torch_tensor(state), strict=False)
             lacking = [k for k in missing if not self._frozen_base_key(k)]
@@ -459,9 +412,11 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             guide_cache.invalidate()
 
     def sync_skips(self, key: str) -> bool:
-        """State keys a colocated weight sync leaves alone (`agents.weight_sync`): with LoRA, an
-        EnvRunner module's frozen base (the same weights on both sides; only adapters train)."""
-        return self.inference_only and has_lora(self.lm) and self._frozen_base_key(key)
+        """State keys a weight sync leaves out (`agents.modules.sync_state`): the learner-only
+        parts, and with LoRA the frozen base (the same weights on both sides; only adapters train)."""
+        if not self.inference_only and key.startswith(tuple(a + "." for a in self.get_non_inference_attributes())):
+            return True
+        return has_lora(self.lm) and self._frozen_base_key(key)
 
     @property
     def can_move_device(self) -> bool:

@@ -1,0 +1,94 @@
+"""What an EnvRunner's rollouts draw from and where they stand, for seeding and checkpoints.
+
+Everything an EnvRunner draws from derives from the config's `seed` and the EnvRunner's index
+(`rollout_seed`); its state (the process's generators, the env's rows, the module's per-row
+rollout state and generators) goes into the EnvRunner's checkpoints (agents/env_runner.py) and,
+for the learner's own draws, into the learner's (agents/algorithms/ppo.py).
+"""
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+import torch
+from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
+
+from env.vector_env import TokenGenerationVectorEnv
+
+
+def state_requested(name: str, components, not_components) -> bool:
+    """Whether a get_state(components, not_components) call asks for the top-level key `name`."""
+    def names(c):
+        return set() if c is None else {c} if isinstance(c, str) else set(c)
+
+    return (components is None or name in names(components)) and name not in names(not_components)
+
+
+def rollout_seed(seed: int, index: int) -> int:
+    """The seed of a module's rollout generators on EnvRunner `index`: its own stream, apart
+    from the env rows' (`seed + index * num_envs + row`) and the process's (`seed + index`)."""
+    return int(np.random.SeedSequence([int(seed), int(index), 0x6775]).generate_state(1)[0])
+
+
+def global_rng_state() -> dict:
+    """The process's Python, NumPy and torch (CPU and CUDA) generator states."""
+    state = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_global_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _private_state(obj) -> dict:
+    """An env's mutable episode state: its underscore attributes (per-row arrays, the row's
+    prompt, generated tokens and generator; the tokenizer, task and data are public)."""
+    return {k: copy.deepcopy(v) for k, v in vars(obj).items() if k.startswith("_")}
+
+
+def env_state(env) -> dict:
+    env = env.unwrapped
+    state = {"env": _private_state(env)}
+    if isinstance(env, TokenGenerationVectorEnv):
+        state["rows"] = [_private_state(row) for row in env.rows]
+    elif hasattr(env, "envs"):  # gymnasium's SyncVectorEnv
+        state["rows"] = [_private_state(e.unwrapped) for e in env.envs]
+    return state
+
+
+def set_env_state(env, state: dict) -> None:
+    env = env.unwrapped
+    rows = env.rows if isinstance(env, TokenGenerationVectorEnv) else [e.unwrapped for e in getattr(env, "envs", [])]
+    for obj, saved in [(env, state["env"])] + list(zip(rows, state.get("rows", []))):
+        for k, v in saved.items():
+            setattr(obj, k, copy.deepcopy(v))
+
+
+def _modules(module) -> dict:
+    """{module id: module} of a MultiRLModule, {None: module} of a single one, {} of none."""
+    if module is None:
+        return {}
+    return dict(module.items()) if isinstance(module, MultiRLModule) else {None: module}
+
+
+def _module_rollout_states(module) -> dict:
+    return {mid: m.unwrapped().get_rollout_state() for mid, m in _modules(module).items()
+            if hasattr(m.unwrapped(), "get_rollout_state")}
+
+
+def _set_module_rollout_states(module, states: dict) -> None:
+    for mid, state in states.items():
+        (module if mid is None else module[mid]).unwrapped().set_rollout_state(state)
+
+
+def _seed_module_rollouts(module, seed: int) -> None:
+    for m in _modules(module).values():
+        if hasattr(m.unwrapped(), "seed_rollouts"):
+            m.unwrapped().seed_rollouts(seed)
