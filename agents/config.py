@@ -775,7 +775,7 @@ def algorithm_config(cfg: dict):
                     **spec.training(cfg, c))
     spec.configure(config, cfg, c)
     if cfg["training"]["precision"] == "fp16":  # loss scaling (the learner unscales before clipping)
-        from agents.algorithms.ppo import LossScaler
+        from agents.algorithms.token_learner import LossScaler
 
         config.experimental(_torch_grad_scaler_class=LossScaler)
     ev = cfg["evaluation"]

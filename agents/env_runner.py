@@ -98,7 +98,7 @@ from agents.rollout_state import (_module_rollout_states, _seed_module_rollouts,
                                   env_state, global_rng_state, rollout_seed, set_env_state, set_global_rng_state,
                                   state_requested)
 from agents.weight_sync import COLOCATED
-from env.text_env import TokenGenerationEnv
+from env.text_env import RepeatedPromptEnv, TokenGenerationEnv
 from env.vector_env import TokenGenerationVectorEnv, row_info
 
 SEED_STRIDE = 1_000_003  # far apart from the per-sub-env (+i) and per-EnvRunner (+index) offsets
@@ -189,8 +189,6 @@ def make_token_env(config):
     cfg = dict(config or {})
     row_cls = TokenGenerationEnv
     if "repeat_prompt" in cfg:
-        from agents.algorithms.reinforce import RepeatedPromptEnv
-
         row_cls = RepeatedPromptEnv
     cfg.pop(CARRY_EPISODES, None)  # the fast EnvRunner's setting, not the env's
     cfg.pop(COLOCATED, None)  # the algorithm's (agents.weight_sync)

@@ -36,10 +36,10 @@ import random
 import numpy as np
 import torch
 
+from agents.core import GUIDE_ROLE, cpu_copy, on_device
 from agents.modules.kv_cache import WindowKVCache, rows_that_continue
 from env.validation import first_line
 
-GUIDE_ROLE = "guide_role"  # per-step column: POLICY, GUIDE or DEVIATION
 POLICY, GUIDE, DEVIATION = 0, 1, 2
 
 
@@ -152,16 +152,6 @@ class CallableGuide:
                 plans[r] = plan
         self.plans, self.prev_ids, self.prev_mask = plans, ids.clone(), mask.clone()
         return torch.tensor([plans[int(r)][0] for r in rows], dtype=torch.long, device=ids.device)
-
-
-def cpu_copy(x):
-    """A tensor's detached CPU copy for a checkpoint (None stays None)."""
-    return None if x is None else x.detach().cpu().clone()
-
-
-def on_device(x, device):
-    """A restored tensor on the module's device (None, or no device given: as it is)."""
-    return None if x is None or device is None else x.to(device)
 
 
 def import_callable(spec: str):

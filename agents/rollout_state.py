@@ -8,43 +8,19 @@ for the learner's own draws, into the learner's (agents/algorithms/ppo.py).
 from __future__ import annotations
 
 import copy
-import random
 
 import numpy as np
 import torch
 from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
 
+from agents.core import global_rng_state, set_global_rng_state, state_requested  # noqa: F401
 from env.vector_env import TokenGenerationVectorEnv
-
-
-def state_requested(name: str, components, not_components) -> bool:
-    """Whether a get_state(components, not_components) call asks for the top-level key `name`."""
-    def names(c):
-        return set() if c is None else {c} if isinstance(c, str) else set(c)
-
-    return (components is None or name in names(components)) and name not in names(not_components)
 
 
 def rollout_seed(seed: int, index: int) -> int:
     """The seed of a module's rollout generators on EnvRunner `index`: its own stream, apart
     from the env rows' (`seed + index * num_envs + row`) and the process's (`seed + index`)."""
     return int(np.random.SeedSequence([int(seed), int(index), 0x6775]).generate_state(1)[0])
-
-
-def global_rng_state() -> dict:
-    """The process's Python, NumPy and torch (CPU and CUDA) generator states."""
-    state = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_global_rng_state(state: dict) -> None:
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _private_state(obj) -> dict:

@@ -237,3 +237,31 @@ class TokenGenerationEnv(gym.Env):
             obs["encoder_input_ids"][:n] = self._prompt_ids
             obs["encoder_attention_mask"] = (np.arange(self.max_prompt_len) < n).astype(np.int64)
         return obs
+
+
+class RepeatedPromptEnv(TokenGenerationEnv):
+    """The token env, drawing each prompt for `repeat_prompt` consecutive episodes, and
+    reporting the prompt's task metadata in the reset info (for the learner's rewards)."""
+
+    def __init__(self, config: dict | None = None, **kwargs):
+        cfg = {**dict(config or {}), **kwargs}
+        self.repeat = int(cfg.pop("repeat_prompt", 1))
+        super().__init__(cfg)
+        self._left, self._current = 0, None
+
+    def reset(self, *, seed=None, options=None):
+        if options:  # an explicit restart: as asked
+            return super().reset(seed=seed, options=options)
+        if seed is not None:  # seeds np_random for the next draws; the current group goes on
+            super().reset(seed=seed)
+        # RLlib resets with a seed at every sample() call of whole episodes, and one call gives
+        # each vector-env row about one episode: a group must go on across calls, or every prompt
+        # would appear once per batch and its baseline would be its own return (advantage 0).
+        # A group cut by the end of a train batch is averaged over the part in each batch.
+        if self._left == 0:
+            self._current = self.examples[int(self.np_random.integers(len(self.examples)))]
+            self._left = self.repeat
+        self._left -= 1
+        meta = self._current.get("meta", {})
+        obs, info = super().reset(options={"prompt": self._current["prompt"], "meta": meta})
+        return obs, {**info, "meta": meta}

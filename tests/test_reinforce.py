@@ -6,7 +6,8 @@ import torch
 from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 
-from agents.algorithms.reinforce import RepeatedPromptEnv, SequenceLevelAdvantages, per_prompt_baselines
+from agents.algorithms.reinforce import SequenceLevelAdvantages, per_prompt_baselines
+from env.text_env import RepeatedPromptEnv
 from agents.config import ConfigError, validate
 from agents.modules import CausalLMActorCritic
 from env.text_env import TokenGenerationEnv

@@ -10,7 +10,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 
-from agents.algorithms.reinforce import RepeatedPromptEnv
+from env.text_env import RepeatedPromptEnv
 from agents.config import algorithm_config, env_config, validate
 from agents.env_runner import make_token_env
 from env.text_env import TokenGenerationEnv

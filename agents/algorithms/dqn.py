@@ -38,7 +38,7 @@ from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 
 from agents.algorithms.base import AlgorithmSpec, adam, candidates, plain, use_configured_lr
-from agents.algorithms.sequence_batching import SEQ_ID
+from agents.core import SEQ_ID
 from agents.modules.actor_critic import reference_logp
 from agents.weight_sync import install_colocated_sync
 from env.validation import ConfigError, Field

@@ -39,7 +39,7 @@ from agents.algorithms.sequence_batching import (
     sequence_minibatches,
     token_learner_pipeline,
 )
-from agents.modules.actor_critic import MASK_SIZE
+from agents.core import MASK_SIZE, global_rng_state, set_global_rng_state, state_requested
 from agents.weight_sync import install_colocated_sync
 from env.validation import ConfigError
 
@@ -87,13 +87,6 @@ def policy_shift_metrics(batch, logp, fwd_out, mean) -> dict:
     if MASK_SIZE in fwd_out:
         out.update(mask_size=mean(fwd_out[MASK_SIZE]), actions_outside_mask=mean(outside))
     return out
-
-
-class LossScaler(torch.amp.GradScaler):
-    """fp16's loss scaler (RLlib's `_torch_grad_scaler_class`) on the learner's device type."""
-
-    def __init__(self):
-        super().__init__("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class LMPPOTorchLearner(PPOTorchLearner):
@@ -232,8 +225,6 @@ class LMPPOTorchLearner(PPOTorchLearner):
         state["num_updates"] = self.num_updates
         if self.kl_penalty is not None:
             state["ref_kl_coef"] = self.kl_penalty.controller.coef
-        from agents.rollout_state import state_requested
-
         if state_requested(LEARNER_RNG, components, not_components):
             state[LEARNER_RNG] = self._rng_state()
         return state
@@ -250,8 +241,6 @@ class LMPPOTorchLearner(PPOTorchLearner):
     def _rng_state(self) -> dict:
         """The generators an update draws from: minibatch shuffles, the MLE pairs, and the
         process's (Python, NumPy, torch), saved with this learner's rank."""
-        from agents.rollout_state import global_rng_state
-
         return {"rank": learner_rank(),
                 "minibatch": self._minibatch_rng.bit_generator.state,
                 "mle": None if self.mle_pairs is None else self.mle_pairs.rng.bit_generator.state,
@@ -260,8 +249,6 @@ class LMPPOTorchLearner(PPOTorchLearner):
     def _set_rng_state(self, saved: dict) -> None:
         """RLlib checkpoints learner 0's state and gives it to every learner: learner 0 takes the
         saved generators back; the others restart theirs from (seed, rank, updates so far)."""
-        from agents.rollout_state import set_global_rng_state
-
         if saved["rank"] != learner_rank():
             self._minibatch_rng = np.random.default_rng(self._learner_seed(self.num_updates, 0))
             if self.mle_pairs is not None:

@@ -31,38 +31,10 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 
 from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner, PPOSpec, loss_step_mean, policy_shift_metrics
-from agents.algorithms.sequence_batching import SEQ_ID
+from agents.core import SEQ_ID
 from agents.modules.decode_engine import RingKVCache
 from env.text_env import TokenGenerationEnv
 from env.validation import Field
-
-
-class RepeatedPromptEnv(TokenGenerationEnv):
-    """The token env, drawing each prompt for `repeat_prompt` consecutive episodes, and
-    reporting the prompt's task metadata in the reset info (for the learner's rewards)."""
-
-    def __init__(self, config: dict | None = None, **kwargs):
-        cfg = {**dict(config or {}), **kwargs}
-        self.repeat = int(cfg.pop("repeat_prompt", 1))
-        super().__init__(cfg)
-        self._left, self._current = 0, None
-
-    def reset(self, *, seed=None, options=None):
-        if options:  # an explicit restart: as asked
-            return super().reset(seed=seed, options=options)
-        if seed is not None:  # seeds np_random for the next draws; the current group goes on
-            super().reset(seed=seed)
-        # RLlib resets with a seed at every sample() call of whole episodes, and one call gives
-        # each vector-env row about one episode: a group must go on across calls, or every prompt
-        # would appear once per batch and its baseline would be its own return (advantage 0).
-        # A group cut by the end of a train batch is averaged over the part in each batch.
-        if self._left == 0:
-            self._current = self.examples[int(self.np_random.integers(len(self.examples)))]
-            self._left = self.repeat
-        self._left -= 1
-        meta = self._current.get("meta", {})
-        obs, info = super().reset(options={"prompt": self._current["prompt"], "meta": meta})
-        return obs, {**info, "meta": meta}
 
 
 def per_prompt_baselines(prompt_keys: list, returns: np.ndarray, num_samples: int) -> np.ndarray:
@@ -96,7 +68,7 @@ def greedy_generations(module, input_ids: torch.Tensor, attention_mask: torch.Te
         obs = {"input_ids": ids, "attention_mask": mask}
         logits = lm.get_output_embeddings()(cache.hidden_at_last_token(lm.base_model, obs)).float()
         if sampler.active and not sampler.stateful:
-            source = module._mask_lm_logits(obs) if sampler.learned else logits
+            source = module.mask_lm_logits(obs) if sampler.learned else logits
             logits = logits.masked_fill(~sampler.keep(source, None), -torch.inf)
         token = logits.argmax(-1)
         for r in torch.nonzero(~done)[:, 0].tolist():

@@ -43,7 +43,7 @@ from ray.rllib.utils.metrics import (
 )
 from ray.rllib.utils.torch_utils import convert_to_torch_tensor
 
-SEQ_ID = "seq_id"
+from agents.core import SEQ_ID
 
 
 class AddSequenceIds(ConnectorV2):

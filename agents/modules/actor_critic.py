@@ -42,7 +42,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, ValueFunctionAPI
 from ray.rllib.core.rl_module.torch import TorchRLModule
 
-from agents.algorithms.sequence_batching import SEQ_ID
+from agents.core import MASK_SIZE, SAMPLER_STATE, SEQ_ID, cpu_copy, on_device
 from agents.models import (DTYPES, adapters_disabled, auto_precision, add_lora, build_causal_lm, build_tokenizer, cast_frozen,
                            has_lora, is_adapter_key)
 from agents.modules.decode_engine import HostTransfers, RingKVCache
@@ -50,8 +50,6 @@ from agents.modules.kv_cache import ROW_CONTINUES, lean_forward, rows_that_conti
 from agents.modules.sync_state import from_lean_state, lean_state, synced_tensors
 from agents.samplers import MASKED, Sampler, sample_rows
 
-SAMPLER_STATE = "sampler_state"  # per-step sampler state (mirostat's mu) used when acting
-MASK_SIZE = "mask_size"  # number of kept tokens per row, from the training forward pass
 
 
 class RowSamplerState:
@@ -192,7 +190,8 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
     def _next_token_logits(self, obs: dict, cont=None) -> torch.Tensor:
         return self._logits(self.lm, self._next_token_hidden(obs, cont))
 
-    def _mask_lm_logits(self, obs: dict, seq_ids=None, cached: bool = False, cont=None) -> torch.Tensor:
+    def mask_lm_logits(self, obs: dict, seq_ids=None, cached: bool = False, cont=None) -> torch.Tensor:
+        """NLPO's masking policy's logits (float32, no gradient) for the sampler's learned mask."""
         with torch.no_grad():
             cache = self.mask_kv_cache if cached else None
             return self._logits(self.mask_lm,
@@ -214,7 +213,7 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             extra[Columns.VF_PREDS] = self.value_head(hidden.float()).squeeze(-1)
         if not self.sampler.active:
             return logits, extra
-        source = self._mask_lm_logits(obs, cached=True, cont=cont) if self.sampler.learned else logits
+        source = self.mask_lm_logits(obs, cached=True, cont=cont) if self.sampler.learned else logits
         state = None
         if self.sampler.stateful:
             state = self.row_sampler_state(obs, source, cont)
@@ -275,7 +274,7 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         logp_all = torch.log_softmax(logits, -1)
         actions = sample_rows(logp_all.exp(), uniform)
         if guide is not None:
-            from agents.guides import GUIDE_ROLE
+            from agents.core import GUIDE_ROLE
 
             actions, extra[GUIDE_ROLE] = guide(actions)
         return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: logp_all.gather(-1, actions[:, None])[:, 0], **extra}
@@ -288,7 +287,7 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             logits = self._logits(self.lm, hidden).float()
         out = {Columns.ACTION_DIST_INPUTS: logits, Columns.EMBEDDINGS: embeddings}
         if self.sampler.active:  # the loss sees the same renormalised masked distribution as the rollout
-            source = self._mask_lm_logits(obs, seq_ids) if self.sampler.learned else logits.detach().float()
+            source = self.mask_lm_logits(obs, seq_ids) if self.sampler.learned else logits.detach().float()
             keep = self.sampler.keep(source, batch.get(SAMPLER_STATE))
             out[Columns.ACTION_DIST_INPUTS] = logits.float().masked_fill(~keep, MASKED)
             out[MASK_SIZE] = keep.sum(-1).float()
@@ -449,7 +448,6 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         """Per-row state carried from one rollout call to the next (mirostat's mu, guide plans)
         and the rollout generators, for an EnvRunner's checkpoint. KV caches are left out: every
         weight sync drops them, and a restore is followed by one."""
-        from agents.guides import cpu_copy
 
         state = {}
         if self.row_sampler_state is not None:
@@ -464,7 +462,6 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         return state
 
     def set_rollout_state(self, state: dict) -> None:
-        from agents.guides import on_device
 
         device = next(self.parameters()).device
         if "sampler" in state and self.row_sampler_state is not None:

@@ -35,10 +35,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-
-# Batch column an EnvRunner may add: bool per row, True where the row's observation is the
-# previous call's same row plus one appended token (its cache and per-row state carry on).
-ROW_CONTINUES = "row_continues"
+# ROW_CONTINUES, a batch column an EnvRunner may add: bool per row, True where the row's observation
+# is the previous call's same row plus one appended token (its cache and per-row state carry on).
+from agents.core import ROW_CONTINUES
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, QNetAPI, TargetNetwo
 from ray.rllib.core.rl_module.torch import TorchRLModule
 from ray.rllib.utils.schedules.scheduler import Scheduler
 
-from agents.algorithms.sequence_batching import SEQ_ID
+from agents.core import SEQ_ID
 from agents.models import build_causal_lm, build_tokenizer
 from agents.modules.actor_critic import hidden_at_last_token
 from agents.modules.kv_cache import WindowKVCache

@@ -37,7 +37,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 
 from ray.rllib.core.columns import Columns
 
-from agents.algorithms.sequence_batching import SEQ_ID
+from agents.core import SEQ_ID
 from agents.models import build_seq2seq_lm, decoder_start_id
 from agents.modules.actor_critic import CausalLMActorCritic
 from agents.modules.kv_cache import (first_used_column, merge_rows, pad_front, position_ids_for,

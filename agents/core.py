@@ -1,0 +1,54 @@
+"""What every layer above `env/` shares: the batch-column names, the generator-state and the
+device helpers. It imports nothing of the project's, so anything may import it.
+
+Layers, one direction (tests/test_layers.py checks every import, lazy ones included):
+env/ -> agents.core, models, samplers -> agents.modules, guides -> agents.algorithms ->
+the EnvRunner and the config -> the tools (train, evaluate, generate, serve, export, ...).
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+# Per-row and per-step batch columns beyond RLlib's `Columns`.
+SEQ_ID = "seq_id"  # the row's episode index in a learner batch (whole-sequence minibatches)
+ROW_CONTINUES = "row_continues"  # observation: the row goes on from the cached prefix (kept on the CPU)
+SAMPLER_STATE = "sampler_state"  # per-step sampler state (mirostat's mu) used when acting
+MASK_SIZE = "mask_size"  # number of kept tokens per row, from the training forward pass
+GUIDE_ROLE = "guide_role"  # per-step column: POLICY, GUIDE or DEVIATION
+
+
+def state_requested(name: str, components, not_components) -> bool:
+    """Whether a get_state(components, not_components) call asks for the top-level key `name`."""
+    def names(c):
+        return set() if c is None else {c} if isinstance(c, str) else set(c)
+
+    return (components is None or name in names(components)) and name not in names(not_components)
+
+
+def global_rng_state() -> dict:
+    """The process's Python, NumPy and torch (CPU and CUDA) generator states."""
+    state = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_global_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def cpu_copy(x):
+    """A tensor's detached CPU copy for a checkpoint (None stays None)."""
+    return None if x is None else x.detach().cpu().clone()
+
+
+def on_device(x, device):
+    """A restored tensor on the module's device (None, or no device given: as it is)."""
+    return None if x is None or device is None else x.to(device)
