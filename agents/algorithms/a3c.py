@@ -40,7 +40,14 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, LEARNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME
 from ray.rllib.utils.torch_utils import explained_variance
 
-from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner, PPOSpec, loss_step_mean, policy_shift_metrics
+from agents.algorithms.ppo import PPOSpec
+from agents.algorithms.token_learner import (
+    TokenAlgorithm,
+    TokenLearner,
+    TokenLearnerConfig,
+    loss_step_mean,
+    policy_shift_metrics,
+)
 
 SAMPLE_TAG = "a3c_sample"
 POLL_S = 0.05  # how long one training_step waits for some EnvRunner to return
@@ -51,7 +58,7 @@ def _sample(env_runner):
     return env_runner.sample(num_episodes=env_runner.config.num_envs_per_env_runner), env_runner.get_metrics()
 
 
-class A3CTorchLearner(LMPPOTorchLearner):
+class A3CTorchLearner(TokenLearner):
     def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
         module = self.module[module_id].unwrapped()
         masked_mean = loss_step_mean(batch)
@@ -79,8 +86,8 @@ class A3CTorchLearner(LMPPOTorchLearner):
         return self.add_mle_term(module_id, total)
 
 
-class A3CConfig(LMPPOConfig):
-    """LMPPOConfig with A3C's algorithm and learner; one gradient step per arriving batch."""
+class A3CConfig(TokenLearnerConfig):
+    """The token learners' config with A3C's algorithm and learner; one gradient step per arriving batch."""
 
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or A3C)
@@ -98,7 +105,7 @@ class A3CConfig(LMPPOConfig):
         super().validate()
 
 
-class A3C(LMPPO):
+class A3C(TokenAlgorithm):
     @classmethod
     def get_default_config(cls):
         return A3CConfig()

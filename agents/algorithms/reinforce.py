@@ -30,7 +30,14 @@ from ray.rllib.connectors.learner import GeneralAdvantageEstimation
 from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 
-from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner, PPOSpec, loss_step_mean, policy_shift_metrics
+from agents.algorithms.ppo import PPOSpec
+from agents.algorithms.token_learner import (
+    TokenAlgorithm,
+    TokenLearner,
+    TokenLearnerConfig,
+    loss_step_mean,
+    policy_shift_metrics,
+)
 from agents.core import SEQ_ID
 from agents.modules.decode_engine import RingKVCache
 from env.text_env import TokenGenerationEnv
@@ -147,7 +154,7 @@ class SequenceLevelAdvantages(ConnectorV2):
         return batch
 
 
-class ReinforceTorchLearner(LMPPOTorchLearner):
+class ReinforceTorchLearner(TokenLearner):
     def build(self) -> None:
         super().build()
         self.sequence_advantages = SequenceLevelAdvantages(baseline=self.config.baseline,
@@ -176,7 +183,7 @@ class ReinforceTorchLearner(LMPPOTorchLearner):
         return self.add_mle_term(module_id, policy_loss - entropy_coeff * entropy)
 
 
-class ReinforceConfig(LMPPOConfig):
+class ReinforceConfig(TokenLearnerConfig):
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or Reinforce)
         # "mean": the mean return of the episodes of the same prompt (REINFORCE); "greedy": the
@@ -197,7 +204,7 @@ class ReinforceConfig(LMPPOConfig):
         return ReinforceTorchLearner
 
 
-class Reinforce(LMPPO):
+class Reinforce(TokenAlgorithm):
     """REINFORCE (per-prompt mean baseline) or self-critical (greedy baseline): PPO's sampling
     and learner plumbing with the sequence-level loss above."""
 
