@@ -11,6 +11,7 @@ import torch
 from env.rewards import CheckedReward, RewardConfigError, RewardError, make_reward
 from env.rewards.sentiment import positive_index
 from env.tokenization import word_level_tokenizer
+from env.validation import ConfigError
 
 WORDS = ("the a cat dog sat on mat rug good bad great awful movie film is was very not "
          "man woman eating food bread girl baby carrying").split()
@@ -304,13 +305,19 @@ def test_weighted_sum_equals_weighted_components():
     ({"tokenize": "13a"}, r"^reward\.name: missing"),
     ({"sum": [{"name": "bleu", "weight": 0.5}, {"name": "vader"}]},
      r"^reward\.sum\[1\]\.weight: missing \(every term of a sum needs a weight\)$"),
-    ({"sum": [{"name": "bleu", "weight": "half"}]}, r"^reward\.sum\[0\]\.weight: expected a finite number, got 'half'$"),
+    ({"sum": [{"name": "bleu", "weight": "half"}]}, r"^reward\.sum\[0\]\.weight: expected a number, got 'half'$"),
+    ({"sum": [{"name": "bleu", "weight": float("inf")}]},
+     r"^reward\.sum\[0\]\.weight: expected a finite number, got inf$"),
     ({"name": "bleu", "smoth_method": "exp"},
-     r"^reward\.smoth_method: unknown field of reward 'bleu' \(did you mean 'smooth_method'\?\)$"),
-    ({"sum": [{"name": "chrf", "weight": 1, "colour": 3}]}, r"^reward\.sum\[0\]\.colour: unknown field of reward 'chrf'"),
+     r"^reward\.smoth_method: unknown key for reward 'bleu' \(did you mean 'smooth_method'\?\)$"),
+    ({"sum": [{"name": "chrf", "weight": 1, "colour": 3}]},
+     r"^reward\.sum\[0\]\.colour: unknown key for reward 'chrf'"),
+    ({"name": "chrf", "char_order": 0}, r"^reward\.char_order: expected an integer >= 1, got 0$"),
+    ({"name": "chrf", "char_order": 2.5}, r"^reward\.char_order: expected an integer, got 2\.5$"),
     ({"name": "bleu", "tokenize": "moses"}, r"^reward\.tokenize: expected one of 'none', '13a'"),
     ({"name": "rouge", "use_stemmer": "yes"}, r"^reward\.use_stemmer: expected true or false, got 'yes'$"),
-    ({"name": "perplexity"}, r"^reward\.model: missing \(the 'perplexity' reward needs it\)$"),
+    ({"name": "perplexity"}, r"^reward\.model: missing \(reward 'perplexity' needs it\)$"),
+    ({"name": "perplexity", "model": None}, r"^reward\.model: expected a string, got None$"),
     ({"name": "mmi", "forward_model": "f", "backward_model": "b", "lambda": -1}, r"^reward\.lambda: expected a number >= 0"),
     ({"name": "sentiment", "positive_label": "POSITIVE"}, r"^reward\.positive_label: only applies with a classifier"),
     ({"sum": []}, r"^reward\.sum: expected a non-empty list"),
@@ -320,6 +327,16 @@ def test_weighted_sum_equals_weighted_components():
 def test_bad_config_names_the_field(spec, message):
     with pytest.raises(RewardConfigError, match=message):
         make_reward(spec)
+
+
+def test_fields_are_checked_by_the_config_field_rules():
+    # YAML 1.1 reads 1e-3 (no dot) as a string: a number field takes it as the number, as config fields do.
+    reward = make_reward({"name": "bleu", "smooth_method": "floor", "smooth_value": "1e-3"})
+    assert reward.reward.kwargs["smooth_value"] == 1e-3
+    weighted = make_reward({"sum": [{"name": "bleu", "weight": "5e-1"}]})
+    assert weighted.reward.terms[0][0] == 0.5
+    # A config error is a ConfigError (one vocabulary with the experiment config's).
+    assert issubclass(RewardConfigError, ConfigError)
 
 
 def test_config_error_uses_the_callers_path():
@@ -429,9 +446,9 @@ def test_a_custom_reward_by_import_path_scores_as_written(custom_module):
     # Keyword-only parameters are config fields, type-checked like a built-in reward's.
     assert make_reward({"name": f"{custom_module}:keyword_reward", "bonus": 2})(["p"], ["cat"], [{"keyword": "cat"}]) \
         == [2.0]
-    with pytest.raises(RewardConfigError, match=r"^task\.reward\.bonus: expected a finite number, got 'big'$"):
+    with pytest.raises(RewardConfigError, match=r"^task\.reward\.bonus: expected a number, got 'big'$"):
         make_reward({"name": f"{custom_module}:keyword_reward", "bonus": "big"}, path="task.reward")
-    with pytest.raises(RewardConfigError, match=r"^reward\.bonsu: unknown field of reward '.*:keyword_reward' "
+    with pytest.raises(RewardConfigError, match=r"^reward\.bonsu: unknown key for reward '.*:keyword_reward' "
                                                 r"\(did you mean 'bonus'\?\)$"):
         make_reward({"name": f"{custom_module}:keyword_reward", "bonsu": 2})
     # The same guard as the built-in rewards: a NaN stops with the text, never reaches training.

@@ -6,11 +6,12 @@ import os
 import pytest
 
 from env.rewards import RewardConfigError, make_reward
-from env.tasks import TASKS, make_task
+from env.tasks import TASKS, check_task, make_task
 from env.tasks.data import DataError
 from env.tasks.text_tasks import clear_cache
 from env.text_env import TokenGenerationEnv
 from env.tokenization import word_level_tokenizer
+from env.validation import ConfigError
 from tests.conftest import one_line_cli_error
 
 
@@ -341,6 +342,39 @@ def test_config_mistakes_name_the_key(spec, message):
     if "reward" in spec:
         with pytest.raises(RewardConfigError):
             make_task(spec, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("spec, line", [
+    # The quickstart's task section (increasing_numbers' keys) under another built-in task's name.
+    ({"name": "sort_numbers", "num_numbers": 50, "prompt_len": 5},
+     "task.prompt_len: unknown key for task 'sort_numbers' (known: length, mode, num_eval, num_numbers, num_train, "
+     "seed)"),
+    ({"name": "sort_numbers", "lenght": 3},
+     "task.lenght: unknown key for task 'sort_numbers' (did you mean 'length'?)"),
+    ({"name": "combination_lock", "max_new_token": 3},
+     "task.max_new_token: unknown key for task 'combination_lock' (did you mean 'max_new_tokens'?)"),
+    ({"name": "increasing_numbers", "num_numbers": "ten"}, "task.num_numbers: expected an integer, got 'ten'"),
+    ({"name": "imdb", "dataset": "x.jsonl", "strip_html": "yes"}, "task.strip_html: expected true or false, got 'yes'"),
+])
+def test_a_built_in_task_checks_its_keys_as_a_plugin_task_does(spec, line):
+    """Built-in tasks go through the constructor-signature check of plugin tasks and rewards: a key
+    the constructor does not take is one line naming it (not a TypeError from inside the env), and
+    `check_task` gives the same line without building anything."""
+    with pytest.raises(ConfigError) as info:
+        TokenGenerationEnv({"task": spec, "max_prompt_len": 5, "max_new_tokens": 20})
+    assert str(info.value) == line
+    with pytest.raises(ConfigError) as info:
+        check_task(spec)
+    assert str(info.value) == line
+
+
+def test_check_task_passes_what_builds_and_names_an_unknown_task():
+    check_task({"name": "increasing_numbers", "num_numbers": 50, "prompt_len": 5})
+    check_task({"name": "combination_lock", "pattern": 7})  # one number: YAML reads it as an int
+    check_task({"name": "imdb", "dataset": "x.jsonl", "prompt_words": None})
+    with pytest.raises(ConfigError, match=r"^task\.name: unknown task 'sort_number' "
+                                          r"\(did you mean 'sort_numbers'\?\)$"):
+        check_task({"name": "sort_number"})
 
 
 # -- malformed data ------------------------------------------------------------------------------

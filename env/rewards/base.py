@@ -20,24 +20,25 @@ built in may be registered by an installed package (entry-point group `tokenmdp.
 see env/plugins.py).
 
 Building checks the spec (names, fields, field types and values) and loads no
-model: models load on the first call (or on `.load()`), once per process.
-Config mistakes raise `RewardConfigError`, one line naming the field
+model: models load on the first call (or on `.load()`), once per process. The fields are
+checked against the factory's signature by env/validation.py's `check_keywords`, as a task's
+keys are (unknown and missing keys; values by their annotation's `Field`).
+Config mistakes raise `RewardConfigError` (a `ConfigError`), one line naming the field
 (`reward.sum[1].weight: missing ...`). A reward that raises, returns the wrong
 number of values or a NaN/inf raises `RewardError` naming the reward and the
 generation (and prompt) that caused it.
 """
 from __future__ import annotations
 
-import difflib
 import inspect
 import math
 
 from env.plugins import entry_point_names, import_object, load_entry_point
-from env.validation import unknown_key
+from env.validation import ConfigError, Field, check_keywords, unknown_name
 
 
-class RewardConfigError(ValueError):
-    """A reward config problem, one line naming the field (agents.config re-raises it as ConfigError)."""
+class RewardConfigError(ConfigError):
+    """A reward config problem, one line naming the field."""
 
 
 class FieldError(ValueError):
@@ -141,14 +142,21 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def check_field(field: str, value, kind, **bounds):
+    """A reward constructor's check of one of its fields by env/validation's `Field(kind, **bounds)`:
+    the value as the field holds it, or FieldError naming the field ("expected an integer >= 1, got 0")."""
+    value, problem = Field(kind, **bounds).checked(value)
+    if problem:
+        raise FieldError(field, problem)
+    return value
+
+
 def check_choice(field: str, value, choices) -> None:
-    if value not in choices:
-        raise FieldError(field, f"expected one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+    check_field(field, value, type(choices[0]), choices=tuple(choices))
 
 
 def check_positive(field: str, value) -> None:
-    if value <= 0:
-        raise FieldError(field, f"expected a number > 0, got {value!r}")
+    check_field(field, value, float, lo=0, lo_open=True)
 
 
 # -- the guard ---------------------------------------------------------------------------
@@ -248,51 +256,6 @@ class WeightedSum:
 
 # -- building from a config -----------------------------------------------------------
 
-_SIMPLE_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
-
-
-def _fields(factory) -> dict[str, inspect.Parameter]:
-    sig = inspect.signature(factory)
-    return {p.name: p for p in sig.parameters.values()
-            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"}
-
-
-def _check_type(path: str, annotation, value):
-    """Checks values against simple annotations ('float', 'str | None', ...); others pass through."""
-    if not isinstance(annotation, str):
-        annotation = getattr(annotation, "__name__", str(annotation))
-    parts = [p.strip() for p in annotation.split("|")]
-    optional = "None" in parts
-    kinds = [p for p in parts if p != "None"]
-    if value is None:
-        if optional:
-            return None
-        if all(k in _SIMPLE_TYPES for k in kinds):
-            raise RewardConfigError(f"{path}: expected {' or '.join(kinds)}, got null")
-        return None
-    if not kinds or not all(k in _SIMPLE_TYPES for k in kinds):
-        return value
-    for kind in kinds:
-        t = _SIMPLE_TYPES[kind]
-        if t is float and isinstance(value, str):
-            try:  # YAML 1.1 reads "1e-3" as a string
-                value = float(value)
-            except ValueError:
-                continue
-        if t is bool and isinstance(value, bool):
-            return value
-        if t is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            if math.isfinite(value):
-                return float(value)
-        if t is str and isinstance(value, str):
-            return value
-    names = {"bool": "true or false", "int": "an integer", "float": "a finite number", "str": "a string"}
-    raise RewardConfigError(f"{path}: expected {' or '.join(names[k] for k in kinds)}, got {value!r}")
-
-
-
 def make_reward(spec, path: str = "reward") -> CheckedReward:
     """Builds a reward from its config mapping (see the module docstring). Loads no model."""
     if isinstance(spec, str):
@@ -314,7 +277,7 @@ def make_reward(spec, path: str = "reward") -> CheckedReward:
                 raise RewardConfigError(f"{where}: expected a mapping {{name: ..., weight: ...}}, got {term!r}")
             if "weight" not in term:
                 raise RewardConfigError(f"{where}.weight: missing (every term of a sum needs a weight)")
-            weight = _check_type(f"{where}.weight", "float", term["weight"])
+            weight = Field(float).check(f"{where}.weight", term["weight"], RewardConfigError)
             rest = {k: v for k, v in term.items() if k != "weight"}
             built.append((weight, make_reward(rest, where)))
         return CheckedReward(WeightedSum(built), f"'sum' ({path})")
@@ -337,30 +300,16 @@ def make_reward(spec, path: str = "reward") -> CheckedReward:
             raise RewardConfigError(f"{path}.name: the installed reward {name!r} is not callable "
                                     f"(it is a {type(installed).__name__})")
     elif name not in REWARDS:
-        known = sorted({*REWARDS, *entry_point_names("reward")})
-        hint = difflib.get_close_matches(str(name), known, n=1)
-        suffix = f" (did you mean {hint[0]!r}?)" if hint else \
-            f" (known: {', '.join(known)}; or your own function as 'module:function')"
-        raise RewardConfigError(f"{path}.name: unknown reward {name!r}{suffix}")
+        raise unknown_name(f"{path}.name", "reward", name, {*REWARDS, *entry_point_names("reward")},
+                           "or your own function as 'module:function'", RewardConfigError)
     else:
         factory = REWARDS[name]
     aliases = getattr(factory, "FIELD_ALIASES", {})  # YAML key -> parameter (e.g. lambda -> lambda_)
-    params = _fields(factory)
-    back = {v: k for k, v in aliases.items()}
-    known = {back.get(p, p) for p in params}
-    kwargs = {}
-    for key, value in spec.items():
-        if key == "name":
-            continue
-        if key not in known:
-            raise unknown_key(path, key, known, RewardConfigError, f"unknown field of reward {name!r}")
-        param = aliases.get(key, key)
-        kwargs[param] = _check_type(f"{path}.{key}", params[param].annotation, value)
-    for param, p in params.items():
-        if p.default is inspect.Parameter.empty and param not in kwargs:
-            raise RewardConfigError(f"{path}.{back.get(param, param)}: missing (the {name!r} reward needs it)")
+    fields = {k: v for k, v in spec.items() if k != "name"}
+    kwargs = check_keywords(factory, fields, path, f"reward {name!r}", error=RewardConfigError, aliases=aliases)
     try:
         reward = factory(**kwargs)
     except FieldError as e:
+        back = {v: k for k, v in aliases.items()}
         raise RewardConfigError(f"{path}.{back.get(e.field, e.field)}: {e.message}") from None
     return CheckedReward(reward, f"{name!r} ({path})")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from env.rewards.base import FieldError, check_choice, references_of, register, resolve_device
+from env.rewards.base import FieldError, check_choice, check_field, references_of, register, resolve_device
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,8 +47,7 @@ class BertScore:
                  lang: str | None = None, rescale_with_baseline: bool = False, baseline_path: str | None = None,
                  idf_sentences: list | None = None, device: str = "auto"):
         check_choice("measure", measure, ("precision", "recall", "f1"))
-        if num_layers is not None and num_layers < 1:
-            raise FieldError("num_layers", f"expected an integer >= 1, got {num_layers!r}")
+        check_field("num_layers", num_layers, int, lo=1, optional=True)
         if rescale_with_baseline and lang is None:
             raise FieldError("lang", "rescale_with_baseline needs the language (e.g. en)")
         if idf_sentences is not None and not (isinstance(idf_sentences, list) and idf_sentences

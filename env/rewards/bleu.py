@@ -9,7 +9,7 @@ what papers report as "BLEU" (not the mean of sentence scores).
 """
 from __future__ import annotations
 
-from env.rewards.base import FieldError, check_choice, references_of, register
+from env.rewards.base import FieldError, check_choice, check_field, references_of, register
 
 BLEU_TOKENIZERS = ("none", "13a", "intl", "char", "zh", "ja-mecab", "ko-mecab", "spm", "flores101", "flores200")
 BLEU_SMOOTHING = ("exp", "floor", "add-k", "none")
@@ -84,11 +84,9 @@ class SentenceChrF(_Sacrebleu):
     def __init__(self, char_order: int = 6, word_order: int = 0, beta: int = 2, remove_whitespace: bool = True,
                  eps_smoothing: bool = False, lowercase: bool = False, percent: bool = False):
         super().__init__(percent)
-        for field, value in (("char_order", char_order), ("beta", beta)):
-            if value < 1:
-                raise FieldError(field, f"expected an integer >= 1, got {value!r}")
-        if word_order < 0:
-            raise FieldError("word_order", f"expected an integer >= 0, got {word_order!r}")
+        check_field("char_order", char_order, int, lo=1)
+        check_field("beta", beta, int, lo=1)
+        check_field("word_order", word_order, int, lo=0)
         self.kwargs = dict(char_order=char_order, word_order=word_order, beta=beta,
                            whitespace=not remove_whitespace, eps_smoothing=eps_smoothing, lowercase=lowercase)
 

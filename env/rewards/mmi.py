@@ -13,7 +13,7 @@ text (its log p(T|S) would be the best possible, 0).
 """
 from __future__ import annotations
 
-from env.rewards.base import FieldError, register, resolve_device
+from env.rewards.base import check_field, register, resolve_device
 from env.rewards.hf import causal_lm, encode, target_logprobs
 
 
@@ -29,10 +29,8 @@ class MMI:
                  length_normalize: bool = False, forward_tokenizer: str | None = None,
                  backward_tokenizer: str | None = None, separator: str | None = None,
                  empty_reward: float | None = None, batch_size: int = 16, device: str = "auto"):
-        if lambda_ < 0:
-            raise FieldError("lambda_", f"expected a number >= 0, got {lambda_!r}")
-        if batch_size < 1:
-            raise FieldError("batch_size", f"expected an integer >= 1, got {batch_size!r}")
+        check_field("lambda_", lambda_, float, lo=0)
+        check_field("batch_size", batch_size, int, lo=1)
         self.forward = (forward_model, forward_tokenizer)
         self.backward = (backward_model, backward_tokenizer)
         self.lambda_, self.length_normalize = lambda_, length_normalize

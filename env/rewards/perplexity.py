@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from env.rewards.base import FieldError, check_choice, register, resolve_device
+from env.rewards.base import check_choice, check_field, register, resolve_device
 from env.rewards.hf import causal_lm, encode, target_logprobs
 
 FORMS = ("neg_log_ppl", "inv_ppl", "neg_ppl", "sum_logprob")
@@ -51,8 +51,7 @@ class Perplexity:
                  form: str = "neg_log_ppl", empty_reward: float | None = None, batch_size: int = 16,
                  device: str = "auto", seed: int = 0):
         check_choice("form", form, FORMS)
-        if batch_size < 1:
-            raise FieldError("batch_size", f"expected an integer >= 1, got {batch_size!r}")
+        check_field("batch_size", batch_size, int, lo=1)
         self.model_name, self.tokenizer_name, self.seed = model, tokenizer, seed
         self.conditional, self.form, self.empty_reward = conditional, form, empty_reward
         self.batch_size, self.device = batch_size, device

@@ -15,7 +15,7 @@ Both score the generation alone, or prompt + generation with `include_prompt: tr
 """
 from __future__ import annotations
 
-from env.rewards.base import FieldError, register, resolve_device
+from env.rewards.base import FieldError, check_field, register, resolve_device
 from env.rewards.hf import sequence_classifier
 
 
@@ -90,10 +90,8 @@ class Sentiment:
                  include_prompt: bool = False, batch_size: int = 32, max_length: int = 512, device: str = "auto"):
         if model is None and positive_label is not None:
             raise FieldError("positive_label", "only applies with a classifier model (set model)")
-        if batch_size < 1:
-            raise FieldError("batch_size", f"expected an integer >= 1, got {batch_size!r}")
-        if max_length < 1:
-            raise FieldError("max_length", f"expected an integer >= 1, got {max_length!r}")
+        check_field("batch_size", batch_size, int, lo=1)
+        check_field("max_length", max_length, int, lo=1)
         self.model_name, self.positive_label, self.include_prompt = model, positive_label, include_prompt
         self.batch_size, self.max_length, self.device = batch_size, max_length, device
         self._vader = Vader(include_prompt) if model is None else None

@@ -8,6 +8,11 @@ reference continuations the MLE term learns from) and `metrics` (names, for eval
 `task.name` is a built-in task, your own class as `module:Class` (the module must import in
 every process, like a reward's), or a name an installed package registers under the
 entry-point group `tokenmdp.tasks` (env/plugins.py).
+
+Every task, built-in or not, takes the section's other keys as its constructor's keyword
+arguments, checked first by env/validation.py's `check_keywords` (as a reward's fields are):
+an unknown key, a missing one or a value of the wrong type is one line naming `task.<key>`.
+`check_task` makes those checks without building the task (no data read, no model loaded).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from env.tasks.combination_lock import CombinationLockTask
 from env.tasks.increasing_numbers import IncreasingNumbersTask
 from env.tasks.sort_numbers import SortNumbersTask
 from env.tasks.text_tasks import TEXT_TASKS  # imdb, commongen, dialogue, summarization, text (data sets)
+from env.validation import ConfigError, check_keywords, first_line, unknown_name
 
 TASKS = {IncreasingNumbersTask.name: IncreasingNumbersTask, CombinationLockTask.name: CombinationLockTask,
          SortNumbersTask.name: SortNumbersTask, **TEXT_TASKS}
@@ -27,76 +33,74 @@ TASK_METHODS = ("examples", "reward", "tokenizer")  # what every task has (see t
 
 def task_class(name, where: str = "task.name"):
     """The task class a config names: a built-in name, 'module:Class', or an installed package's
-    entry point (group `tokenmdp.tasks`). ValueError naming `where` otherwise."""
+    entry point (group `tokenmdp.tasks`). ConfigError (a ValueError) naming `where` otherwise."""
     from env.plugins import entry_point_names, import_object, load_entry_point
 
     if isinstance(name, str) and ":" in name:
-        cls = import_object(name, where, ValueError, "task class", "a known task or 'module:Class'")
-    elif name in TASKS:
+        cls = import_object(name, where, ConfigError, "task class", "a known task or 'module:Class'")
+    elif isinstance(name, str) and name in TASKS:
         return TASKS[name]
     else:
-        cls = load_entry_point("task", name, where, ValueError) if isinstance(name, str) else None
+        cls = load_entry_point("task", name, where, ConfigError) if isinstance(name, str) else None
         if cls is None:
-            known = sorted({*TASKS, *entry_point_names("task")})
-            raise ValueError(f"{where}: unknown task {name!r} (known: {', '.join(known)}; "
-                             f"or your own class as 'module:Class')")
+            raise unknown_name(where, "task", name, {*TASKS, *entry_point_names("task")},
+                               "or your own class as 'module:Class'")
     if not callable(cls):
-        raise ValueError(f"{where}: {name!r} is not a task class (it is a {type(cls).__name__})")
+        raise ConfigError(f"{where}: {name!r} is not a task class (it is a {type(cls).__name__})")
     if inspect.isclass(cls):  # a factory function is checked on what it returns
         require_task_methods(cls, name, where)
     return cls
 
 
 def require_task_methods(obj, name: str, where: str = "task.name") -> None:
-    """ValueError naming the task methods `obj` (a task class or instance) lacks."""
+    """ConfigError naming the task methods `obj` (a task class or instance) lacks."""
     missing = [m for m in TASK_METHODS if not callable(getattr(obj, m, None))]
     if missing:
-        raise ValueError(f"{where}: {name!r} is not a task: it has no {', '.join(m + '()' for m in missing)} "
+        raise ConfigError(f"{where}: {name!r} is not a task: it has no {', '.join(m + '()' for m in missing)} "
                          f"(a task has examples(split), reward(prompts, generations, metas) and tokenizer())")
+
+
+def task_options(cls, name, options: dict, *, max_new_tokens: int, path: str = "task") -> dict:
+    """The keyword arguments for the task's constructor `cls`: the section's keys (`options`, all
+    but `name`) checked against its signature (`check_keywords`: an unknown key, a missing one, a
+    value of the wrong type is ConfigError naming `task.<key>`), plus the env's `max_new_tokens`
+    where the constructor takes it and the section does not set it."""
+    return check_keywords(cls, options, path, f"task {name!r}", supplied={"max_new_tokens": max_new_tokens})
+
+
+def check_task(section: dict, path: str = "task") -> None:
+    """Checks a config's task section without building the task (no data read, no model loaded):
+    its name, and its keys against the task's constructor (unknown, missing, values of the wrong
+    type). ConfigError, one line naming the key; what only the constructor checks (ranges, data
+    sets) waits for `make_task`."""
+    options = dict(section)
+    name = options.pop("name", None)
+    task_options(task_class(name, f"{path}.name"), name, options, max_new_tokens=1, path=path)
 
 
 def make_task(spec: dict, *, max_new_tokens: int):
     """Builds a task from its config section (`{"name": ..., **kwargs}`).
 
-    A task's constructor takes the section's other keys; one that has a `max_new_tokens`
-    parameter the section does not set gets the env's."""
-    spec = dict(spec)
-    name = spec.pop("name", None)
+    A task's constructor takes the section's other keys (see `task_options`); one that has a
+    `max_new_tokens` parameter the section does not set gets the env's."""
+    options = dict(spec)
+    name = options.pop("name", None)
     cls = task_class(name)
+    kwargs = task_options(cls, name, options, max_new_tokens=max_new_tokens)
     if cls in TASKS.values():
-        if cls in (IncreasingNumbersTask, CombinationLockTask):
-            spec.setdefault("max_new_tokens", max_new_tokens)
-        return cls(**spec)
-    return _plugin_task(cls, name, spec, max_new_tokens)
+        return cls(**kwargs)
+    return _plugin_task(cls, name, kwargs)
 
 
-def _plugin_task(cls, name: str, options: dict, max_new_tokens: int):
-    """A user's task: its constructor's parameters are the section's keys, checked by name first."""
-    from env.validation import first_line, unknown_key
-
+def _plugin_task(cls, name: str, kwargs: dict):
+    """A user's task, built from its checked keyword arguments; what its constructor raises
+    besides a ValueError (its own one-line config check) is one line naming the task."""
     try:
-        params = inspect.signature(cls).parameters
-    except (TypeError, ValueError):
-        params = None
-    if params is not None:
-        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        named = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        if not takes_any:
-            for key in options:
-                if key not in named:
-                    raise unknown_key("task", key, named, ValueError, f"unknown key for task {name!r}")
-        missing = [k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                   and p.default is p.empty and k not in options and k != "max_new_tokens"]
-        if missing:
-            raise ValueError(f"task.{missing[0]}: missing (task {name!r} needs it)")
-        if "max_new_tokens" in named:
-            options.setdefault("max_new_tokens", max_new_tokens)
-    try:
-        task = cls(**options)
+        task = cls(**kwargs)
     except ValueError:
         raise
     except Exception as e:  # a user's constructor: one line, its own words
-        raise ValueError(f"task {name!r}: could not be built: {type(e).__name__}: {first_line(e)}") from None
+        raise ConfigError(f"task {name!r}: could not be built: {type(e).__name__}: {first_line(e)}") from None
     require_task_methods(task, name)
     return PluginTask(task, name)
 

@@ -39,7 +39,7 @@ class CombinationLockTask(NumberWritingTask):
     name = "combination_lock"
     metrics = ("unlocked",)
 
-    def __init__(self, num_numbers: int = 50, prompt_len: int = 5, pattern: str = DEFAULT_PATTERN,
+    def __init__(self, num_numbers: int = 50, prompt_len: int = 5, pattern: str | int = DEFAULT_PATTERN,
                  max_new_tokens: int = 20):
         super().__init__(num_numbers, prompt_len)
         self.pattern = parse_pattern(pattern, num_numbers, max_new_tokens)

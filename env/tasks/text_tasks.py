@@ -17,12 +17,13 @@ Each example's meta carries the split it came from: a `cider_d` term without
 """
 from __future__ import annotations
 
+import inspect
 import json
 
 from env.rewards import make_reward, references_of
 from env.tasks import data as _data
 from env.tasks.data import DATA_OPTIONS, DataError, DataSpec, load_rows
-from env.validation import unknown_key
+from env.validation import ConfigError, Field, check_keywords
 
 _EXAMPLES = _data.BoundedCache(64)  # (task, options, split, file stamps) -> examples, shared by the envs of a process
 _REWARDS = _data.BoundedCache(32)  # (reward spec, task, options, split) -> built reward
@@ -52,27 +53,46 @@ def _with_corpus(spec, corpus: list):
     return spec
 
 
+def _option(kind, default, **bounds) -> Field:
+    return Field(kind, default, optional=default is None, **bounds)
+
+
+def _options_signature(options: dict) -> inspect.Signature:
+    """The keyword-only signature a data task's keys make (a key's Field as its annotation), which
+    `check_keywords` checks a task section against, as it checks any task's constructor."""
+    return inspect.Signature([inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=field)
+                              for k, (d, field) in options.items()])
+
+
 class DataTask:
     """Shared machinery: option checks, cached examples, the reward per split."""
 
     name = "data"
     DEFAULT_DATA: dict = {}  # data keys used when `dataset` is not given (the hub set-up)
-    OPTIONS: dict = {}  # task key -> (default, type) with type one of str, str?, int?, list?
+    OPTIONS: dict[str, Field] = {}  # task key -> its Field (type, default, range)
     FIELD_OPTIONS: tuple = ()  # the OPTIONS keys that name a column
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__init__" not in cls.__dict__:  # a subclass with its own constructor keeps its signature
+            cls.__signature__ = _options_signature(cls.known_options())
+
+    @classmethod
+    def known_options(cls) -> dict:
+        """Every key the task takes: key -> (default, Field or no check) (data keys, its own, `reward`)."""
+        return {**{k: (d, inspect.Parameter.empty) for k, d in DATA_OPTIONS.items()},
+                **{k: (f.default, f) for k, f in cls.OPTIONS.items()}, "reward": (None, inspect.Parameter.empty)}
+
     def __init__(self, **options):
-        known = {**DATA_OPTIONS, **{k: d for k, (d, _) in self.OPTIONS.items()}, "reward": None}
-        for key in options:
-            if key not in known:
-                raise unknown_key("task", key, known, ValueError, f"unknown key for task {self.name!r}")
-        opts = {**known, **options}
+        options = check_keywords(_options_signature(self.known_options()), options, "task", f"task {self.name!r}")
+        opts = {k: d for k, (d, _) in self.known_options().items()} | options
         if opts["dataset"] is None:
             if not self.DEFAULT_DATA:
-                raise ValueError(f"task.dataset: missing (task {self.name!r} has no default data set; give a "
-                                 f"hub name, a file, or {{train: path, validation: path, test: path}})")
+                raise ConfigError(f"task.dataset: missing (task {self.name!r} has no default data set; give a "
+                                  f"hub name, a file, or {{train: path, validation: path, test: path}})")
             opts.update({k: v for k, v in self.DEFAULT_DATA.items() if options.get(k) is None})
-        for key, (_, kind) in self.OPTIONS.items():
-            _check_option(key, kind, opts[key])
+        for key in self.OPTIONS:
+            _check_option(key, opts[key])
         self.options = opts
         self.data = DataSpec.parse(opts)
         self._reward_given = opts["reward"] is not None
@@ -144,22 +164,13 @@ class DataTask:
         return f"{self.options['prompt_prefix']}{text}{self.options['prompt_suffix']}"
 
 
-def _check_option(key: str, kind: str, value) -> None:
-    optional = kind.endswith("?")
-    if value is None:
-        if not optional:
-            raise ValueError(f"task.{key}: expected {kind}, got null")
-        return
-    kind = kind.rstrip("?")
-    ok = {"str": isinstance(value, str), "bool": isinstance(value, bool),
-          "int": isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-          "list": isinstance(value, list) and all(isinstance(v, str) for v in value)}[kind]
-    if kind == "str" and key.endswith("_field") and ok and not value:
-        ok = False
-    if not ok:
-        what = {"str": "a string", "bool": "true or false", "int": "an integer >= 1",
-                "list": "a list of field names"}[kind]
-        raise ValueError(f"task.{key}: expected {what}, got {value!r}")
+def _check_option(key: str, value) -> None:
+    """What a key's Field (checked by `check_keywords`) leaves: a field name is not empty, a list
+    of fields holds names."""
+    if key.endswith("_field") and value == "":
+        raise ConfigError(f"task.{key}: expected a field name, got ''")
+    if isinstance(value, list) and not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"task.{key}: expected a list of field names, got {value!r}")
 
 
 def _cut_words(text: str, n: int | None) -> str:
@@ -184,8 +195,8 @@ class ImdbTask(DataTask):
     name = "imdb"
     DEFAULT_DATA = {"dataset": "stanfordnlp/imdb", "split_from": "test",
                     "split_fractions": {"validation": 0.2, "test": 0.2}}
-    OPTIONS = {"text_field": ("text", "str"), "label_field": ("label", "str"), "prompt_words": (48, "int?"),
-               "strip_html": (True, "bool")}
+    OPTIONS = {"text_field": _option(str, "text"), "label_field": _option(str, "label"),
+               "prompt_words": Field(int, 48, lo=1, optional=True), "strip_html": _option(bool, True)}
     FIELD_OPTIONS = ("text_field", "label_field")
 
     def default_reward(self):
@@ -230,9 +241,10 @@ class CommonGenTask(DataTask):
 
     name = "commongen"
     DEFAULT_DATA = {"dataset": "allenai/common_gen"}
-    OPTIONS = {"concepts_field": ("concepts", "str"), "target_field": ("target", "str"),
-               "group_field": ("concept_set_idx", "str?"), "prompt_prefix": ("Generate a sentence with: ", "str"),
-               "prompt_suffix": ("", "str"), "concept_separator": (" ", "str")}
+    OPTIONS = {"concepts_field": _option(str, "concepts"), "target_field": _option(str, "target"),
+               "group_field": Field(str, "concept_set_idx", optional=True),
+               "prompt_prefix": _option(str, "Generate a sentence with: "), "prompt_suffix": _option(str, ""),
+               "concept_separator": _option(str, " ")}
     FIELD_OPTIONS = ("concepts_field", "target_field", "group_field")
 
     def default_reward(self):
@@ -266,8 +278,8 @@ class DialogueTask(DataTask):
     """
 
     name = "dialogue"
-    OPTIONS = {"source_field": ("source", "str"), "response_field": ("response", "str"),
-               "prompt_prefix": ("", "str"), "prompt_suffix": ("", "str")}
+    OPTIONS = {"source_field": _option(str, "source"), "response_field": _option(str, "response"),
+               "prompt_prefix": _option(str, ""), "prompt_suffix": _option(str, "")}
     FIELD_OPTIONS = ("source_field", "response_field")
 
     def default_reward(self):
@@ -295,8 +307,9 @@ class SummarizationTask(DataTask):
 
     name = "summarization"
     DEFAULT_DATA = {"dataset": "abisee/cnn_dailymail", "dataset_config": "3.0.0"}
-    OPTIONS = {"article_field": ("article", "str"), "summary_field": ("highlights", "str"),
-               "prompt_prefix": ("", "str"), "prompt_suffix": (" TL;DR:", "str"), "article_words": (None, "int?")}
+    OPTIONS = {"article_field": _option(str, "article"), "summary_field": _option(str, "highlights"),
+               "prompt_prefix": _option(str, ""), "prompt_suffix": _option(str, " TL;DR:"),
+               "article_words": _option(int, None, lo=1)}
     FIELD_OPTIONS = ("article_field", "summary_field")
 
     def default_reward(self):
@@ -322,8 +335,9 @@ class TextTask(DataTask):
     """
 
     name = "text"
-    OPTIONS = {"prompt_field": ("prompt", "str"), "reference_field": (None, "str?"), "source_field": (None, "str?"),
-               "meta_fields": (None, "list?"), "prompt_prefix": ("", "str"), "prompt_suffix": ("", "str")}
+    OPTIONS = {"prompt_field": _option(str, "prompt"), "reference_field": _option(str, None),
+               "source_field": _option(str, None), "meta_fields": _option(list, None),
+               "prompt_prefix": _option(str, ""), "prompt_suffix": _option(str, "")}
     FIELD_OPTIONS = ("prompt_field", "reference_field", "source_field")
 
     def default_reward(self):
