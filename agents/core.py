@@ -14,7 +14,9 @@ import torch
 
 # Per-row and per-step batch columns beyond RLlib's `Columns`.
 SEQ_ID = "seq_id"  # the row's episode index in a learner batch (whole-sequence minibatches)
-ROW_CONTINUES = "row_continues"  # observation: the row goes on from the cached prefix (kept on the CPU)
+# bool per row an EnvRunner may add: the row's observation is the previous call's same row plus one
+# appended token (its KV cache and per-row sampler state carry on); kept on the CPU
+ROW_CONTINUES = "row_continues"
 SAMPLER_STATE = "sampler_state"  # per-step sampler state (mirostat's mu) used when acting
 MASK_SIZE = "mask_size"  # number of kept tokens per row, from the training forward pass
 GUIDE_ROLE = "guide_role"  # per-step column: POLICY, GUIDE or DEVIATION

@@ -92,11 +92,10 @@ from ray.rllib.utils.metrics import (
     SAMPLE_TIMER,
 )
 
+from agents.core import ROW_CONTINUES, global_rng_state, set_global_rng_state, state_requested
 from agents.modules.decode_engine import HostTransfers
-from agents.modules.kv_cache import ROW_CONTINUES
 from agents.rollout_state import (_module_rollout_states, _seed_module_rollouts, _set_module_rollout_states,
-                                  env_state, global_rng_state, rollout_seed, set_env_state, set_global_rng_state,
-                                  state_requested)
+                                  env_state, rollout_seed, set_env_state)
 from agents.weight_sync import COLOCATED
 from env.text_env import RepeatedPromptEnv, TokenGenerationEnv
 from env.vector_env import TokenGenerationVectorEnv, row_info
@@ -279,7 +278,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
             make_callback("on_sample_end", callbacks_objects=self._episode_callbacks,
                           callbacks_functions=self.config.callbacks_on_sample_end,
                           kwargs=dict(env_runner=self, metrics_logger=self.metrics, samples=episodes))
-        self._log_sampled(steps, episodes)
+        log_sampled(self, steps, episodes)
         return episodes
 
     @torch.no_grad()
@@ -388,34 +387,37 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
                       kwargs=dict(episode=episode, env_runner=self, metrics_logger=self.metrics,
                                   env=self.env.unwrapped, rl_module=self.module, env_index=int(i),
                                   prev_episode_chunks=[]))
-        self._log_episode(T, float(rewards.sum()), time.perf_counter() - st.start_time[i])
+        log_episode(self, T, float(rewards.sum()), time.perf_counter() - st.start_time[i])
         return episode
 
-    def _log_episode(self, length: int, ret: float, seconds: float) -> None:
-        """The episode metrics RLlib's EnvRunners report (same keys and windows)."""
-        win = max(1, math.ceil(self.config.metrics_num_episodes_for_smoothing / (self.config.num_env_runners or 1)))
-        log = self.metrics.log_value
-        log(EPISODE_LEN_MEAN, length, window=win)
-        log(EPISODE_RETURN_MEAN, ret, window=win)
-        log(EPISODE_DURATION_SEC_MEAN, seconds, window=win)
-        log(("agent_episode_return_mean", DEFAULT_AGENT_ID), ret, window=win)
-        log(("module_episode_return_mean", DEFAULT_MODULE_ID), ret, window=win)
-        log(EPISODE_LEN_MIN, length, reduce="min", window=win)
-        log(EPISODE_RETURN_MIN, ret, reduce="min", window=win)
-        log(EPISODE_LEN_MAX, length, reduce="max", window=win)
-        log(EPISODE_RETURN_MAX, ret, reduce="max", window=win)
 
-    def _log_sampled(self, steps: int, episodes: list) -> None:
-        self.num_env_steps_sampled_lifetime += steps
-        log = self.metrics.log_value
-        log(NUM_ENV_STEPS_SAMPLED, steps, reduce="sum")
-        log((NUM_AGENT_STEPS_SAMPLED, DEFAULT_AGENT_ID), steps, reduce="sum")
-        log((NUM_MODULE_STEPS_SAMPLED, DEFAULT_MODULE_ID), steps, reduce="sum")
-        log(NUM_EPISODES, len(episodes), reduce="sum")
-        log(NUM_ENV_STEPS_SAMPLED_LIFETIME, steps, reduce="lifetime_sum", with_throughput=True)
-        log((NUM_AGENT_STEPS_SAMPLED_LIFETIME, DEFAULT_AGENT_ID), steps, reduce="lifetime_sum")
-        log((NUM_MODULE_STEPS_SAMPLED_LIFETIME, DEFAULT_MODULE_ID), steps, reduce="lifetime_sum")
-        log(NUM_EPISODES_LIFETIME, len(episodes), reduce="lifetime_sum")
+def log_episode(runner, length: int, ret: float, seconds: float) -> None:
+    """The episode metrics RLlib's EnvRunners report (same keys and windows)."""
+    win = max(1, math.ceil(runner.config.metrics_num_episodes_for_smoothing / (runner.config.num_env_runners or 1)))
+    log = runner.metrics.log_value
+    log(EPISODE_LEN_MEAN, length, window=win)
+    log(EPISODE_RETURN_MEAN, ret, window=win)
+    log(EPISODE_DURATION_SEC_MEAN, seconds, window=win)
+    log(("agent_episode_return_mean", DEFAULT_AGENT_ID), ret, window=win)
+    log(("module_episode_return_mean", DEFAULT_MODULE_ID), ret, window=win)
+    log(EPISODE_LEN_MIN, length, reduce="min", window=win)
+    log(EPISODE_RETURN_MIN, ret, reduce="min", window=win)
+    log(EPISODE_LEN_MAX, length, reduce="max", window=win)
+    log(EPISODE_RETURN_MAX, ret, reduce="max", window=win)
+
+
+def log_sampled(runner, steps: int, episodes: list) -> None:
+    """The sampling counters RLlib's EnvRunners report (same keys and reductions)."""
+    runner.num_env_steps_sampled_lifetime += steps
+    log = runner.metrics.log_value
+    log(NUM_ENV_STEPS_SAMPLED, steps, reduce="sum")
+    log((NUM_AGENT_STEPS_SAMPLED, DEFAULT_AGENT_ID), steps, reduce="sum")
+    log((NUM_MODULE_STEPS_SAMPLED, DEFAULT_MODULE_ID), steps, reduce="sum")
+    log(NUM_EPISODES, len(episodes), reduce="sum")
+    log(NUM_ENV_STEPS_SAMPLED_LIFETIME, steps, reduce="lifetime_sum", with_throughput=True)
+    log((NUM_AGENT_STEPS_SAMPLED_LIFETIME, DEFAULT_AGENT_ID), steps, reduce="lifetime_sum")
+    log((NUM_MODULE_STEPS_SAMPLED_LIFETIME, DEFAULT_MODULE_ID), steps, reduce="lifetime_sum")
+    log(NUM_EPISODES_LIFETIME, len(episodes), reduce="lifetime_sum")
 
 
 def _put(buf, n: int, row: np.ndarray) -> np.ndarray:
@@ -467,17 +469,6 @@ class _Rollout:
                     buf[:self.n - s0] = buf[s0:self.n].copy()
             self.n -= s0
             self.row_start -= s0
-
-    def __setstate__(self, state: dict) -> None:
-        """Also loads a state saved with per-step lists (`hist_obs`, ...; checkpoints of earlier
-        versions) into the buffers."""
-        lists = {k: state.pop(k) for k in ("hist_obs", "hist_act", "hist_rew", "hist_extra") if k in state}
-        self.__dict__.update(state)
-        if lists:
-            self.n, self.obs_buf, self.act_buf, self.rew_buf, self.extra_buf = 0, {}, None, None, {}
-            for t in range(len(lists["hist_act"])):
-                self.record(lists["hist_obs"][t], lists["hist_act"][t], lists["hist_rew"][t],
-                            {k: v[t] for k, v in lists["hist_extra"].items()})
 
 
 class StockTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):

@@ -36,7 +36,7 @@ import random
 import numpy as np
 import torch
 
-from agents.core import GUIDE_ROLE, cpu_copy, on_device
+from agents.core import GUIDE_ROLE, cpu_copy, on_device  # noqa: F401  (GUIDE_ROLE: the column of the roles below)
 from agents.modules.kv_cache import WindowKVCache, rows_that_continue
 from env.validation import first_line
 
@@ -216,7 +216,7 @@ class GuidedRollout:
 
     MODES = ("none", "ppo_pp", "aggrevated")
 
-    def __init__(self, guide, *, max_new_tokens: int, beta: float = 0.2, mix: float = 0.8, seed: int = 0,
+    def __init__(self, guide, *, max_new_tokens: int, beta: float, mix: float, seed: int = 0,
                  mode: str = "ppo_pp"):
         self.guide, self.T, self.beta, self.mix = guide, int(max_new_tokens), float(beta), float(mix)
         self.rng = np.random.default_rng(seed)

@@ -2,7 +2,7 @@
 
 Everything an EnvRunner draws from derives from the config's `seed` and the EnvRunner's index
 (`rollout_seed`); its state (the process's generators, the env's rows, the module's per-row
-rollout state and generators) goes into the EnvRunner's checkpoints (agents/env_runner.py) and,
+rollout state and generators; the process generators' helpers are agents/core.py's) goes into the EnvRunner's checkpoints (agents/env_runner.py) and,
 for the learner's own draws, into the learner's (agents/algorithms/ppo.py).
 """
 from __future__ import annotations
@@ -10,10 +10,8 @@ from __future__ import annotations
 import copy
 
 import numpy as np
-import torch
 from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
 
-from agents.core import global_rng_state, set_global_rng_state, state_requested  # noqa: F401
 from env.vector_env import TokenGenerationVectorEnv
 
 

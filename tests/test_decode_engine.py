@@ -10,7 +10,8 @@ from ray.rllib.core.columns import Columns
 
 from agents.modules import CausalLMActorCritic
 from agents.modules.decode_engine import DecodeEngine, RingKVCache
-from agents.modules.kv_cache import ROW_CONTINUES, WindowKVCache, prefill_pass
+from agents.core import ROW_CONTINUES
+from agents.modules.kv_cache import WindowKVCache, prefill_pass
 from env.text_env import TokenGenerationEnv
 
 ENV_CFG = {"task": {"name": "increasing_numbers", "num_numbers": 10}, "max_prompt_len": 4, "max_new_tokens": 6}

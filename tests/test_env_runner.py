@@ -1,6 +1,5 @@
 """EnvRunners: new prompts on every sample() of whole episodes, reproducibly per seed; the fast
 runner's episodes, cache use and metrics."""
-import copy
 
 import numpy as np
 import pytest
@@ -117,28 +116,6 @@ def test_without_carry_every_training_call_returns_only_episodes_it_sampled_whol
                 logits = module._logits(module.lm, module._hidden(module._trunk(module.lm), obs))
             logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.as_tensor(e.get_actions())[:, None])[:, 0]
             assert np.allclose(logp.numpy(), e.get_extra_model_outputs("action_logp"), atol=1e-5)
-    runner.stop()
-
-
-def test_carried_episodes_saved_as_per_step_lists_load_into_the_buffers():
-    """A checkpoint of an earlier version holds the carried steps as per-step lists."""
-    from agents.env_runner import _Rollout
-
-    runner = FastTokenEnvRunner(config=algorithm_config(validate(CAUSAL)))
-    runner.sample()
-    st, n = runner._rollout, runner._rollout.n
-    assert st.active.any() and n > 0
-    old = {k: v for k, v in vars(st).items() if k not in ("n", "obs_buf", "act_buf", "rew_buf", "extra_buf")}
-    old.update(hist_obs=[{k: b[t].copy() for k, b in st.obs_buf.items()} for t in range(n)],
-               hist_act=list(st.act_buf[:n]), hist_rew=list(st.rew_buf[:n]),
-               hist_extra={k: list(b[:n]) for k, b in st.extra_buf.items()})
-    loaded = _Rollout.__new__(_Rollout)
-    loaded.__setstate__(copy.deepcopy(old))
-    assert loaded.n == n and set(loaded.extra_buf) == set(st.extra_buf) and set(loaded.obs_buf) == set(st.obs_buf)
-    for a, b in [(loaded.act_buf, st.act_buf), (loaded.rew_buf, st.rew_buf),
-                 *[(loaded.obs_buf[k], st.obs_buf[k]) for k in st.obs_buf],
-                 *[(loaded.extra_buf[k], st.extra_buf[k]) for k in st.extra_buf]]:
-        np.testing.assert_array_equal(a[:n], b[:n])
     runner.stop()
 
 

@@ -41,7 +41,7 @@ def guided_module(mode="ppo_pp", **guide):
     module = CausalLMActorCritic(
         observation_space=env.observation_space, action_space=env.action_space, inference_only=True,
         model_config={"model": {"name_or_path": "tiny-gpt2"}, "env": ENV_CFG, "seed": 0,
-                      "guide": {"callable": GUIDE_SPEC, "mode": mode, **guide}})
+                      "guide": {"callable": GUIDE_SPEC, "mode": mode, "beta": 0.2, "mix": 0.8, **guide}})
     return env, module
 
 
@@ -216,7 +216,7 @@ def test_rollout_with_mode_switch_keeps_started_episodes_plans():
             return torch.full((len(rows),), 7)
 
     env = TokenGenerationEnv(ENV_CFG)
-    rollout = GuidedRollout(FixedGuide(), max_new_tokens=8, beta=1.0, mode="ppo_pp", seed=0)
+    rollout = GuidedRollout(FixedGuide(), max_new_tokens=8, beta=1.0, mix=0.8, mode="ppo_pp", seed=0)
     obs, _ = env.reset(seed=0)
     batch = {k: torch.as_tensor(v)[None] for k, v in obs.items()}
     actions, roles = rollout(batch, torch.tensor([3]))

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import warnings
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -42,31 +40,13 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, ValueFunctionAPI
 from ray.rllib.core.rl_module.torch import TorchRLModule
 
-from agents.core import MASK_SIZE, SAMPLER_STATE, SEQ_ID, cpu_copy, on_device
-from agents.models import (DTYPES, adapters_disabled, auto_precision, add_lora, build_causal_lm, build_tokenizer, cast_frozen,
-                           has_lora, is_adapter_key)
-from agents.modules.decode_engine import HostTransfers, RingKVCache
-from agents.modules.kv_cache import ROW_CONTINUES, lean_forward, rows_that_continue, sequence_pass_rows
-from agents.modules.sync_state import from_lean_state, lean_state, synced_tensors
-from agents.samplers import MASKED, Sampler, sample_rows
-
-
-
-class RowSamplerState:
-    """A stateful sampler's state per vector-env row, carried while the row's episode continues."""
-
-    def __init__(self, sampler: Sampler):
-        self.sampler = sampler
-        self.ids = self.mask = self.state = self.source = None
-
-    def __call__(self, obs: dict, source_logits: torch.Tensor, cont=None) -> torch.Tensor:
-        ids, mask = obs["input_ids"], obs["attention_mask"]
-        state = self.sampler.initial_state(ids.shape[0], device=source_logits.device)
-        cont = rows_that_continue(self.ids, self.mask, ids, mask, cont)
-        if cont.any():  # the token each continuing row appended is its last column
-            state[cont] = self.sampler.next_state(self.state[cont], self.source[cont], ids[cont, -1])
-        self.ids, self.mask, self.state, self.source = ids, mask, state, source_logits
-        return state
+from agents.core import MASK_SIZE, SAMPLER_STATE, SEQ_ID
+from agents.models import DTYPES, adapters_disabled, add_lora, auto_precision, build_causal_lm, build_tokenizer, cast_frozen, has_lora
+from agents.modules.acting import Acting
+from agents.modules.decode_engine import RingKVCache
+from agents.modules.kv_cache import lean_forward, sequence_pass_rows
+from agents.modules.sync_state import SyncedState
+from agents.samplers import MASKED
 
 
 def hidden_at_last_token(trunk: nn.Module, obs: dict, seq_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,7 +70,11 @@ def reference_logp(ref_model: nn.Module, batch) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1).gather(-1, batch[Columns.ACTIONS].long()[:, None])[:, 0]
 
 
-class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
+class CausalLMActorCritic(Acting, SyncedState, TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
+    """The policy (the LM and its logits), the value head or trunk, and the frozen reference;
+    acting is `Acting`'s (agents/modules/acting.py), the state and weight syncs `SyncedState`'s
+    (agents/modules/sync_state.py)."""
+
     def setup(self):
         cfg = self.model_config
         env_cfg = cfg["env"]
@@ -107,24 +91,7 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
                 self.lm.to(DTYPES[self.precision])
             elif has_lora(self.lm):
                 cast_frozen(self.lm, DTYPES[self.precision])
-        # Rollouts (forward_inference / forward_exploration) step the LM incrementally.
-        self.kv_cache = self._new_cache() if cfg["model"].get("kv_cache", True) else None
-        self.sampler = Sampler(cfg.get("sampler") or {"name": "none"})
-        self.row_sampler_state = RowSamplerState(self.sampler) if self.sampler.stateful else None
-        if self.sampler.learned:  # the delayed masking policy; needed for acting, never trained
-            self.mask_lm = copy.deepcopy(self.lm).requires_grad_(False)
-            self.mask_kv_cache = self._new_cache() if self.kv_cache is not None else None
-        # Guided algorithms (agents/guides.py): the guide acts where the rollouts run, so only
-        # EnvRunner (inference-only) modules build it; the learner reads the stored roles.
-        self.guided = None
-        if self.inference_only and cfg.get("guide"):
-            from agents.guides import GuidedRollout, build_guide
-
-            g = cfg["guide"]
-            self.guided = GuidedRollout(
-                build_guide(g, self.tokenizer, seed=cfg.get("seed", 0), max_positions=seq_len),
-                max_new_tokens=env_cfg.get("max_new_tokens", 20), beta=g.get("beta", 0.2), mix=g.get("mix", 0.8),
-                seed=cfg.get("seed", 0), mode=g.get("mode", "ppo_pp"))  # EnvRunners reseed it: seed_rollouts
+        self._setup_rollouts(cfg, env_cfg, seq_len)
         hidden = self.lm.config.hidden_size
         # With the value head on the policy's trunk, EnvRunners compute V(s) from the hidden state
         # each rollout step computes anyway and store it (VF_PREDS); GAE then reads it instead of a
@@ -182,102 +149,12 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
     def _logits(lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return lm.get_output_embeddings()(hidden)
 
-    # -- forward passes ----------------------------------------------------------------
-
-    def _next_token_hidden(self, obs: dict, cont=None) -> torch.Tensor:
-        return self._hidden(self._trunk(self.lm), obs, cache=self.kv_cache, cont=cont)
-
-    def _next_token_logits(self, obs: dict, cont=None) -> torch.Tensor:
-        return self._logits(self.lm, self._next_token_hidden(obs, cont))
-
     def mask_lm_logits(self, obs: dict, seq_ids=None, cached: bool = False, cont=None) -> torch.Tensor:
         """NLPO's masking policy's logits (float32, no gradient) for the sampler's learned mask."""
         with torch.no_grad():
             cache = self.mask_kv_cache if cached else None
             return self._logits(self.mask_lm,
                                 self._hidden(self._trunk(self.mask_lm), obs, seq_ids, cache, cont)).float()
-
-    def _acting_logits(self, obs: dict, cont=None, values: bool = False) -> tuple[torch.Tensor, dict]:
-        """Next-token logits with the sampler's mask applied, plus what to store with the step
-        (with `values`, V(s) from the same hidden state when the value head reads the policy's
-        trunk). `cont`: which rows continue the previous call's (the batch's ROW_CONTINUES), if known."""
-        return self._masked_logits(self._next_token_hidden(obs, cont), obs, cont, values)
-
-    def _masked_logits(self, hidden: torch.Tensor, obs: dict | None = None, cont=None,
-                       values: bool = False) -> tuple[torch.Tensor, dict]:
-        """`_acting_logits` from the hidden state at the new token (`obs` and `cont` are needed
-        only by a learned mask (NLPO) and a stateful sampler (mirostat))."""
-        logits = self._logits(self.lm, hidden).float()
-        extra = {}
-        if values and self.values_in_rollouts:
-            extra[Columns.VF_PREDS] = self.value_head(hidden.float()).squeeze(-1)
-        if not self.sampler.active:
-            return logits, extra
-        source = self.mask_lm_logits(obs, cached=True, cont=cont) if self.sampler.learned else logits
-        state = None
-        if self.sampler.stateful:
-            state = self.row_sampler_state(obs, source, cont)
-            extra[SAMPLER_STATE] = state
-        keep = self.sampler.keep(source, state)
-        return logits.masked_fill(~keep, MASKED), extra
-
-    def _forward(self, batch, **kwargs):
-        return {Columns.ACTION_DIST_INPUTS: self._acting_logits(batch[Columns.OBS], batch.get(ROW_CONTINUES))[0]}
-
-    def act(self, batch, *, explore: bool = True, **kwargs) -> dict:
-        """One rollout step for the project's EnvRunner: exploration (a sampled action and its
-        log-prob) or inference (the logits). RLlib's forward_exploration/forward_inference wrap
-        the same methods in an eval()/train() flip of the whole module on every call (thousands
-        of submodule visits per token, ~8% of a tiny model's rollout); here the module is put
-        in eval mode once and stays there (dropout is off on the rollout side either way)."""
-        if self.training:
-            self.eval()
-        return self._forward_exploration(batch, **kwargs) if explore else self._forward(batch, **kwargs)
-
-    @torch.no_grad()
-    def _forward_exploration(self, batch, **kwargs):
-        """Samples here and returns only the action and its log-prob.
-
-        RLlib would otherwise store every step's full logits in the episode
-        (V floats: 200 KB per token at a 50k vocabulary); the loss needs only
-        the log-prob of the action taken.
-        """
-        cont, obs = batch.get(ROW_CONTINUES), batch[Columns.OBS]
-        ids = obs["input_ids"]
-        # The draws come first (the forward pass draws nothing), so a static step can take them.
-        uniform = torch.rand(ids.shape[0], 1, dtype=torch.float64, device=ids.device,
-                             generator=self.rollout_generator(ids.device))
-        if self.guided is None and self._static_tail() and isinstance(self.kv_cache, RingKVCache):
-            # forward, mask, draw, log-prob and value in one static step (a CUDA graph on CUDA)
-            return dict(self.kv_cache.hidden_at_last_token(self._trunk(self.lm), obs, cont, tail=self._sample,
-                                                           tail_inputs=(uniform,),
-                                                           key=("explore", self.values_in_rollouts)))
-        guide = None
-        if self.guided is not None:  # the guide's tokens replace the policy's where its roll-in plan says so
-            guide = lambda actions: self.guided(obs, actions, cont)  # noqa: E731
-        return self._draw(*self._acting_logits(obs, cont, values=True), uniform, guide)
-
-    def _static_tail(self) -> bool:
-        """Whether the rollout step after the trunk is a function of the hidden state alone (no
-        learned mask model, no per-row sampler state)."""
-        return not (self.sampler.learned or self.sampler.stateful)
-
-    def _sample(self, hidden: torch.Tensor, uniform: torch.Tensor) -> dict:
-        """The rollout step after the trunk (`_static_tail` samplers): logits, the sampler's mask,
-        the action drawn at `uniform`, its log-prob and V(s). Tensors of fixed shapes only."""
-        return self._draw(*self._masked_logits(hidden, values=True), uniform)
-
-    @staticmethod
-    def _draw(logits: torch.Tensor, extra: dict, uniform: torch.Tensor, guide=None) -> dict:
-        """The action drawn at `uniform` from the (masked) logits (masked tokens have probability
-        exactly 0: never drawn), or the guide's where `guide(actions)` says so, and its log-prob."""
-        logp_all = torch.log_softmax(logits, -1)
-        actions = sample_rows(logp_all.exp(), uniform)
-        if guide is not None:
-            from agents.core import GUIDE_ROLE
-
-            actions, extra[GUIDE_ROLE] = guide(actions)
-        return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: logp_all.gather(-1, actions[:, None])[:, 0], **extra}
 
     def _forward_train(self, batch, **kwargs):
         obs, seq_ids = batch[Columns.OBS], batch.get(SEQ_ID)
@@ -323,159 +200,6 @@ class CausalLMActorCritic(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
 
     def _reference_logp(self, lm, batch) -> torch.Tensor:
         return reference_logp(lm, batch)
-
-    lean_sync = True  # False: weight syncs send RLlib's inference state (benchmarks/weight_sync.py's "before")
-
-    def get_state(self, *args, inference_only: bool = False, **kwargs):
-        """RLlib's state (numpy arrays), bf16 weights as float32 (numpy has no bfloat16). With
-        LoRA, the state EnvRunners receive (inference_only) holds the adapters only: the base
-        weights are frozen, and every module builds the same ones from the config. A learner's
-        inference state (what a weight sync sends) is `sync_state`'s."""
-        if inference_only and not self.inference_only and self.lean_sync:  # (components: as TorchRLModule, none)
-            return self.sync_state()
-        if not any(p.dtype == torch.bfloat16 for p in self.parameters()):
-            state = super().get_state(*args, inference_only=inference_only, **kwargs)
-        else:
-            from ray.rllib.utils.numpy import convert_to_numpy
-
-            state = self.state_dict()
-            if inference_only and not self.inference_only:  # as TorchRLModule.get_state
-                drop = tuple(a + "." for a in self.get_non_inference_attributes())
-                state = {k: v for k, v in state.items() if not k.startswith(drop)}
-            state = convert_to_numpy({k: v.float() if v.dtype == torch.bfloat16 else v for k, v in state.items()})
-        if inference_only and has_lora(self.lm):
-            state = {k: v for k, v in state.items() if not self._frozen_base_key(k)}
-        return state
-
-    def sync_state(self) -> dict:
-        """What a weight sync sends EnvRunners (`agents.modules.sync_state.lean_state`): the
-        inference weights once each, with LoRA the adapters only, the LM in the rollout precision,
-        from a GPU through pinned buffers. `set_state` takes it back."""
-        dtype = DTYPES[self.model_config.get("rollout_precision") or "fp32"]
-        cast = lambda key, t: t.to(dtype) if t.is_floating_point() and key.startswith(("lm.", "mask_lm.")) else t  # noqa: E731
-        if "_sync_transfers" not in self.__dict__:
-            self.__dict__["_sync_transfers"] = HostTransfers()
-        return lean_state(self, cast, self.__dict__["_sync_transfers"])
-
-    def _copy_state(self, state) -> bool:
-        """Copies `state` into the module's tensors where it holds exactly the module's state
-        keys with their shapes, or those less tied duplicates and keys a sync leaves out
-        (`sync_state`; a weight sync: on the quickstart's module a `set_state` took 190 us this
-        way against 460 us through `load_state_dict`, one-off timing), and says whether it did."""
-        own = self.state_dict(keep_vars=True)
-        if own.keys() != state.keys() and synced_tensors(self).keys() != state.keys():
-            return False
-        if any(tuple(own[k].shape) != tuple(np.shape(v)) for k, v in state.items()):
-            return False
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # Ray's arrays are read-only; copy_ only reads them
-            for k, v in state.items():
-                own[k].copy_(torch.as_tensor(v))
-        return True
-
-    @staticmethod
-    def _frozen_base_key(key: str) -> bool:
-        return key.startswith(("lm.", "mask_lm.")) and not is_adapter_key(key)
-
-    def set_state(self, state) -> None:
-        from ray.rllib.utils.torch_utils import convert_to_torch_tensor
-
-        state = from_lean_state(state)
-        if has_lora(self.lm) and self.inference_only:  # adapters only (see get_state)
-            missing, _ = self.load_state_dict(convert_to_torch_tensor(state), strict=False)
-            lacking = [k for k in missing if not self._frozen_base_key(k)]
-            if lacking:
-                raise ValueError(f"the policy's state lacks {lacking}")
-        elif self.inference_only and self.values_in_rollouts and not any(k.startswith("value_head.") for k in state):
-            # a state without the value head (a checkpoint's EnvRunner state written before
-            # rollouts stored values): the rollouts store none until a state brings it
-            missing, _ = self.load_state_dict(convert_to_torch_tensor(state), strict=False)
-            lacking = [k for k in missing if not k.startswith("value_head.")]
-            if lacking:
-                raise ValueError(f"the policy's state lacks {lacking}")
-            self.values_in_rollouts = False
-        else:
-            if not self._copy_state(state):
-                super().set_state(state)
-            if self.inference_only and any(k.startswith("value_head.") for k in state):
-                self.values_in_rollouts = True
-        self.weights_changed()
-
-    def weights_changed(self) -> None:
-        """New weights (a sync): every cached key/value is stale."""
-        for cache in (self.kv_cache, getattr(self, "mask_kv_cache", None)):
-            if cache is not None:
-                cache.invalidate()
-        guide_cache = getattr(getattr(self.guided, "guide", None), "cache", None)
-        if guide_cache is not None:  # re-prefilled here too, so a resumed run computes what an uninterrupted one does
-            guide_cache.invalidate()
-
-    def sync_skips(self, key: str) -> bool:
-        """State keys a weight sync leaves out (`agents.modules.sync_state`): the learner-only
-        parts, and with LoRA the frozen base (the same weights on both sides; only adapters train)."""
-        if not self.inference_only and key.startswith(tuple(a + "." for a in self.get_non_inference_attributes())):
-            return True
-        return has_lora(self.lm) and self._frozen_base_key(key)
-
-    @property
-    def can_move_device(self) -> bool:
-        """Whether rollouts may move to the learner's device (a guide acts on the CPU)."""
-        return self.guided is None
-
-    # -- rollout state (EnvRunner side): seeded per EnvRunner, saved in its checkpoints --------
-
-    def seed_rollouts(self, seed: int) -> None:
-        """Reseeds what acting draws from: the sampling generator (`rollout_generator`), the
-        guide's roll-in plans and an LM guide's sampling. EnvRunners call it with their own seed."""
-        self._sampling_seed = int(np.random.SeedSequence([int(seed), 0x73616D70]).generate_state(1)[0])
-        self._sampling_generator = None
-        if self.guided is not None:
-            self.guided.seed(seed)
-
-    def rollout_generator(self, device: torch.device) -> torch.Generator:
-        """The generator rollout sampling draws from: the module's own, on `device`, so nothing
-        else in the process (a colocated learner's draws on the same device included) moves it.
-        Seeded by `seed_rollouts` (else from torch's global seed); made anew from its seed where
-        the device changes (a colocated EnvRunner moving to the learner's GPU, before it samples)."""
-        g = getattr(self, "_sampling_generator", None)
-        if g is None or g.device.type != device.type:
-            g = self._sampling_generator = torch.Generator(device)
-            seed = getattr(self, "_sampling_seed", None)
-            g.manual_seed(seed if seed is not None else torch.initial_seed())
-        return g
-
-    def get_rollout_state(self) -> dict:
-        """Per-row state carried from one rollout call to the next (mirostat's mu, guide plans)
-        and the rollout generators, for an EnvRunner's checkpoint. KV caches are left out: every
-        weight sync drops them, and a restore is followed by one."""
-
-        state = {}
-        if self.row_sampler_state is not None:
-            rs = self.row_sampler_state
-            state["sampler"] = {k: cpu_copy(v) for k, v in (("ids", rs.ids), ("mask", rs.mask), ("state", rs.state),
-                                                            ("source", rs.source))}
-        if self.guided is not None:
-            state["guided"] = self.guided.get_state()
-        g = getattr(self, "_sampling_generator", None)
-        if g is not None:
-            state["sampling"] = {"device": g.device.type, "state": g.get_state()}
-        return state
-
-    def set_rollout_state(self, state: dict) -> None:
-
-        device = next(self.parameters()).device
-        if "sampler" in state and self.row_sampler_state is not None:
-            for k, v in state["sampler"].items():
-                setattr(self.row_sampler_state, k, on_device(v, device))
-        if "guided" in state and self.guided is not None:
-            self.guided.set_state(state["guided"], device=device)
-        if "sampling" in state and state["sampling"]["device"] == device.type:
-            self.rollout_generator(device).set_state(state["sampling"]["state"])
-
-    def set_guide_mode(self, mode: str) -> None:
-        """Which roll-in new episodes get (`none`, `ppo_pp`, `aggrevated`); DLOLS/LOLS switch it."""
-        if self.guided is not None:
-            self.guided.set_mode(mode)
 
     def sync_mask_model(self) -> None:
         """NLPO's delayed sync: the masking policy becomes a copy of the current policy."""

@@ -35,10 +35,6 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-# ROW_CONTINUES, a batch column an EnvRunner may add: bool per row, True where the row's observation
-# is the previous call's same row plus one appended token (its cache and per-row state carry on).
-from agents.core import ROW_CONTINUES
-
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that ignore left padding: the first real token is position 0."""

@@ -4,13 +4,18 @@
 `sync_skips` names (learner-only parts; with LoRA the frozen base, the same on both sides). The
 colocated sync copies exactly these (agents/weight_sync.py); a remote sync sends them as numpy
 arrays (`lean_state`), and the receiving module copies them into its own (`from_lean_state`, then
-`CausalLMActorCritic._copy_state`).
+`SyncedState._copy_state`). `SyncedState` is the policy modules' state API built on it
+(mixed into `CausalLMActorCritic`).
 """
 from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import torch
+
+from agents.models import DTYPES, has_lora, is_adapter_key
+from agents.modules.decode_engine import HostTransfers
 
 SYNC_BF16 = "__bf16_as_int16__"  # a lean state's key: the keys whose bf16 tensors travel as int16 bits
 
@@ -52,3 +57,83 @@ def from_lean_state(state) -> dict:
         for k in state.pop(SYNC_BF16):
             state[k] = torch.as_tensor(state[k]).view(torch.bfloat16)
     return state
+
+
+class SyncedState:
+    """A policy module's state: RLlib's, the lean state of a weight sync, and the copy-in that
+    receives either (the module provides `lm`, `inference_only`, `model_config`)."""
+
+    lean_sync = True  # False: weight syncs send RLlib's inference state (benchmarks/weight_sync.py's "before")
+
+    def get_state(self, *args, inference_only: bool = False, **kwargs):
+        """RLlib's state (numpy arrays), bf16 weights as float32 (numpy has no bfloat16). With
+        LoRA, the state EnvRunners receive (inference_only) holds the adapters only: the base
+        weights are frozen, and every module builds the same ones from the config. A learner's
+        inference state (what a weight sync sends) is `sync_state`'s."""
+        if inference_only and not self.inference_only and self.lean_sync:  # (components: as TorchRLModule, none)
+            return self.sync_state()
+        if not any(p.dtype == torch.bfloat16 for p in self.parameters()):
+            state = super().get_state(*args, inference_only=inference_only, **kwargs)
+        else:
+            from ray.rllib.utils.numpy import convert_to_numpy
+
+            state = self.state_dict()
+            if inference_only and not self.inference_only:  # as TorchRLModule.get_state
+                drop = tuple(a + "." for a in self.get_non_inference_attributes())
+                state = {k: v for k, v in state.items() if not k.startswith(drop)}
+            state = convert_to_numpy({k: v.float() if v.dtype == torch.bfloat16 else v for k, v in state.items()})
+        if inference_only and has_lora(self.lm):
+            state = {k: v for k, v in state.items() if not self._frozen_base_key(k)}
+        return state
+
+    def sync_state(self) -> dict:
+        """What a weight sync sends EnvRunners (`agents.modules.sync_state.lean_state`): the
+        inference weights once each, with LoRA the adapters only, the LM in the rollout precision,
+        from a GPU through pinned buffers. `set_state` takes it back."""
+        dtype = DTYPES[self.model_config.get("rollout_precision") or "fp32"]
+        cast = lambda key, t: t.to(dtype) if t.is_floating_point() and key.startswith(("lm.", "mask_lm.")) else t  # noqa: E731
+        if "_sync_transfers" not in self.__dict__:
+            self.__dict__["_sync_transfers"] = HostTransfers()
+        return lean_state(self, cast, self.__dict__["_sync_transfers"])
+
+    def _copy_state(self, state) -> bool:
+        """Copies `state` into the module's tensors where it holds exactly the module's state
+        keys with their shapes, or those less tied duplicates and keys a sync leaves out
+        (`sync_state`; a weight sync: on the quickstart's module a `set_state` took 190 us this
+        way against 460 us through `load_state_dict`, one-off timing), and says whether it did."""
+        own = self.state_dict(keep_vars=True)
+        if own.keys() != state.keys() and synced_tensors(self).keys() != state.keys():
+            return False
+        if any(tuple(own[k].shape) != tuple(np.shape(v)) for k, v in state.items()):
+            return False
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # Ray's arrays are read-only; copy_ only reads them
+            for k, v in state.items():
+                own[k].copy_(torch.as_tensor(v))
+        return True
+
+    @staticmethod
+    def _frozen_base_key(key: str) -> bool:
+        return key.startswith(("lm.", "mask_lm.")) and not is_adapter_key(key)
+
+    def set_state(self, state) -> None:
+        from ray.rllib.utils.torch_utils import convert_to_torch_tensor
+
+        state = from_lean_state(state)
+        if has_lora(self.lm) and self.inference_only:  # adapters only (see get_state)
+            missing, _ = self.load_state_dict(convert_to_torch_tensor(state), strict=False)
+            lacking = [k for k in missing if not self._frozen_base_key(k)]
+            if lacking:
+                raise ValueError(f"the policy's state lacks {lacking}")
+        else:
+            if not self._copy_state(state):
+                super().set_state(state)
+        self.weights_changed()
+
+
+    def sync_skips(self, key: str) -> bool:
+        """State keys a weight sync leaves out (`agents.modules.sync_state`): the learner-only
+        parts, and with LoRA the frozen base (the same weights on both sides; only adapters train)."""
+        if not self.inference_only and key.startswith(tuple(a + "." for a in self.get_non_inference_attributes())):
+            return True
+        return has_lora(self.lm) and self._frozen_base_key(key)

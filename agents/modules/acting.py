@@ -1,0 +1,220 @@
+"""The rollout side of the policy modules: how an EnvRunner's module acts one token at a time.
+
+`Acting` is mixed into `CausalLMActorCritic` (and through it the seq2seq and Q-network
+modules): the decode engine's KV cache (`agents/modules/decode_engine.py`; the window cache
+for the trunks the engine does not serve), the truncation sampler's mask and per-row state, a
+guide's roll-ins, the draw at pre-drawn uniforms from the module's own generator, and the
+rollout state an EnvRunner checkpoints. With a logits-only sampler and no guide the whole step
+after the trunk is one static function (`_sample`), captured as a CUDA graph on CUDA.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+from ray.rllib.core.columns import Columns
+
+from agents.core import GUIDE_ROLE, ROW_CONTINUES, SAMPLER_STATE, cpu_copy, on_device
+from agents.modules.decode_engine import RingKVCache
+from agents.modules.kv_cache import rows_that_continue
+from agents.samplers import MASKED, Sampler, sample_rows
+
+
+class RowSamplerState:
+    """A stateful sampler's state per vector-env row, carried while the row's episode continues."""
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+        self.ids = self.mask = self.state = self.source = None
+
+    def __call__(self, obs: dict, source_logits: torch.Tensor, cont=None) -> torch.Tensor:
+        ids, mask = obs["input_ids"], obs["attention_mask"]
+        state = self.sampler.initial_state(ids.shape[0], device=source_logits.device)
+        cont = rows_that_continue(self.ids, self.mask, ids, mask, cont)
+        if cont.any():  # the token each continuing row appended is its last column
+            state[cont] = self.sampler.next_state(self.state[cont], self.source[cont], ids[cont, -1])
+        self.ids, self.mask, self.state, self.source = ids, mask, state, source_logits
+        return state
+
+
+class Acting:
+    """The acting half of a policy module (see the module docstring). The module provides
+    `lm`, `_trunk`, `_hidden`, `_logits`, `_new_cache`, `mask_lm_logits`, `values_in_rollouts`
+    and `value_head`."""
+
+    def _setup_rollouts(self, cfg: dict, env_cfg: dict, seq_len: int) -> None:
+        """The rollout side's parts: the KV cache, the sampler (with NLPO's masking policy) and,
+        on EnvRunner modules of the guided algorithms, the guide."""
+        self.kv_cache = self._new_cache() if cfg["model"].get("kv_cache", True) else None
+        self.sampler = Sampler(cfg.get("sampler") or {"name": "none"})
+        self.row_sampler_state = RowSamplerState(self.sampler) if self.sampler.stateful else None
+        if self.sampler.learned:  # the delayed masking policy; needed for acting, never trained
+            self.mask_lm = copy.deepcopy(self.lm).requires_grad_(False)
+            self.mask_kv_cache = self._new_cache() if self.kv_cache is not None else None
+        # Guided algorithms (agents/guides.py): the guide acts where the rollouts run, so only
+        # EnvRunner (inference-only) modules build it; the learner reads the stored roles.
+        self.guided = None
+        if self.inference_only and cfg.get("guide"):
+            from agents.guides import GuidedRollout, build_guide
+
+            g = cfg["guide"]
+            self.guided = GuidedRollout(
+                build_guide(g, self.tokenizer, seed=cfg.get("seed", 0), max_positions=seq_len),
+                max_new_tokens=env_cfg.get("max_new_tokens", 20), beta=g["beta"], mix=g["mix"],
+                seed=cfg.get("seed", 0), mode=g.get("mode", "ppo_pp"))  # EnvRunners reseed it: seed_rollouts
+
+    def _next_token_hidden(self, obs: dict, cont=None) -> torch.Tensor:
+        return self._hidden(self._trunk(self.lm), obs, cache=self.kv_cache, cont=cont)
+
+    def _next_token_logits(self, obs: dict, cont=None) -> torch.Tensor:
+        return self._logits(self.lm, self._next_token_hidden(obs, cont))
+
+    def _acting_logits(self, obs: dict, cont=None, values: bool = False) -> tuple[torch.Tensor, dict]:
+        """Next-token logits with the sampler's mask applied, plus what to store with the step
+        (with `values`, V(s) from the same hidden state when the value head reads the policy's
+        trunk). `cont`: which rows continue the previous call's (the batch's ROW_CONTINUES), if known."""
+        return self._masked_logits(self._next_token_hidden(obs, cont), obs, cont, values)
+
+    def _masked_logits(self, hidden: torch.Tensor, obs: dict | None = None, cont=None,
+                       values: bool = False) -> tuple[torch.Tensor, dict]:
+        """`_acting_logits` from the hidden state at the new token (`obs` and `cont` are needed
+        only by a learned mask (NLPO) and a stateful sampler (mirostat))."""
+        logits = self._logits(self.lm, hidden).float()
+        extra = {}
+        if values and self.values_in_rollouts:
+            extra[Columns.VF_PREDS] = self.value_head(hidden.float()).squeeze(-1)
+        if not self.sampler.active:
+            return logits, extra
+        source = self.mask_lm_logits(obs, cached=True, cont=cont) if self.sampler.learned else logits
+        state = None
+        if self.sampler.stateful:
+            state = self.row_sampler_state(obs, source, cont)
+            extra[SAMPLER_STATE] = state
+        keep = self.sampler.keep(source, state)
+        return logits.masked_fill(~keep, MASKED), extra
+
+    def _forward(self, batch, **kwargs):
+        return {Columns.ACTION_DIST_INPUTS: self._acting_logits(batch[Columns.OBS], batch.get(ROW_CONTINUES))[0]}
+
+    def act(self, batch, *, explore: bool = True, **kwargs) -> dict:
+        """One rollout step for the project's EnvRunner: exploration (a sampled action and its
+        log-prob) or inference (the logits). RLlib's forward_exploration/forward_inference wrap
+        the same methods in an eval()/train() flip of the whole module on every call (thousands
+        of submodule visits per token, ~8% of a tiny model's rollout); here the module is put
+        in eval mode once and stays there (dropout is off on the rollout side either way)."""
+        if self.training:
+            self.eval()
+        return self._forward_exploration(batch, **kwargs) if explore else self._forward(batch, **kwargs)
+
+    @torch.no_grad()
+    def _forward_exploration(self, batch, **kwargs):
+        """Samples here and returns only the action and its log-prob.
+
+        RLlib would otherwise store every step's full logits in the episode
+        (V floats: 200 KB per token at a 50k vocabulary); the loss needs only
+        the log-prob of the action taken.
+        """
+        cont, obs = batch.get(ROW_CONTINUES), batch[Columns.OBS]
+        ids = obs["input_ids"]
+        # The draws come first (the forward pass draws nothing), so a static step can take them.
+        uniform = torch.rand(ids.shape[0], 1, dtype=torch.float64, device=ids.device,
+                             generator=self.rollout_generator(ids.device))
+        if self.guided is None and self._static_tail() and isinstance(self.kv_cache, RingKVCache):
+            # forward, mask, draw, log-prob and value in one static step (a CUDA graph on CUDA)
+            return dict(self.kv_cache.hidden_at_last_token(self._trunk(self.lm), obs, cont, tail=self._sample,
+                                                           tail_inputs=(uniform,),
+                                                           key=("explore", self.values_in_rollouts)))
+        guide = None
+        if self.guided is not None:  # the guide's tokens replace the policy's where its roll-in plan says so
+            guide = lambda actions: self.guided(obs, actions, cont)  # noqa: E731
+        return self._draw(*self._acting_logits(obs, cont, values=True), uniform, guide)
+
+    def _static_tail(self) -> bool:
+        """Whether the rollout step after the trunk is a function of the hidden state alone (no
+        learned mask model, no per-row sampler state)."""
+        return not (self.sampler.learned or self.sampler.stateful)
+
+    def _sample(self, hidden: torch.Tensor, uniform: torch.Tensor) -> dict:
+        """The rollout step after the trunk (`_static_tail` samplers): logits, the sampler's mask,
+        the action drawn at `uniform`, its log-prob and V(s). Tensors of fixed shapes only."""
+        return self._draw(*self._masked_logits(hidden, values=True), uniform)
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, extra: dict, uniform: torch.Tensor, guide=None) -> dict:
+        """The action drawn at `uniform` from the (masked) logits (masked tokens have probability
+        exactly 0: never drawn), or the guide's where `guide(actions)` says so, and its log-prob."""
+        logp_all = torch.log_softmax(logits, -1)
+        actions = sample_rows(logp_all.exp(), uniform)
+        if guide is not None:
+            actions, extra[GUIDE_ROLE] = guide(actions)
+        return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: logp_all.gather(-1, actions[:, None])[:, 0], **extra}
+
+    @property
+    def can_move_device(self) -> bool:
+        """Whether rollouts may move to the learner's device (a guide acts on the CPU)."""
+        return self.guided is None
+
+    # -- rollout state (EnvRunner side): seeded per EnvRunner, saved in its checkpoints --------
+
+    def seed_rollouts(self, seed: int) -> None:
+        """Reseeds what acting draws from: the sampling generator (`rollout_generator`), the
+        guide's roll-in plans and an LM guide's sampling. EnvRunners call it with their own seed."""
+        self._sampling_seed = int(np.random.SeedSequence([int(seed), 0x73616D70]).generate_state(1)[0])
+        self._sampling_generator = None
+        if self.guided is not None:
+            self.guided.seed(seed)
+
+    def rollout_generator(self, device: torch.device) -> torch.Generator:
+        """The generator rollout sampling draws from: the module's own, on `device`, so nothing
+        else in the process (a colocated learner's draws on the same device included) moves it.
+        Seeded by `seed_rollouts` (else from torch's global seed); made anew from its seed where
+        the device changes (a colocated EnvRunner moving to the learner's GPU, before it samples)."""
+        g = getattr(self, "_sampling_generator", None)
+        if g is None or g.device.type != device.type:
+            g = self._sampling_generator = torch.Generator(device)
+            seed = getattr(self, "_sampling_seed", None)
+            g.manual_seed(seed if seed is not None else torch.initial_seed())
+        return g
+
+    def get_rollout_state(self) -> dict:
+        """Per-row state carried from one rollout call to the next (mirostat's mu, guide plans)
+        and the rollout generators, for an EnvRunner's checkpoint. KV caches are left out: every
+        weight sync drops them, and a restore is followed by one."""
+
+        state = {}
+        if self.row_sampler_state is not None:
+            rs = self.row_sampler_state
+            state["sampler"] = {k: cpu_copy(v) for k, v in (("ids", rs.ids), ("mask", rs.mask), ("state", rs.state),
+                                                            ("source", rs.source))}
+        if self.guided is not None:
+            state["guided"] = self.guided.get_state()
+        g = getattr(self, "_sampling_generator", None)
+        if g is not None:
+            state["sampling"] = {"device": g.device.type, "state": g.get_state()}
+        return state
+
+    def set_rollout_state(self, state: dict) -> None:
+
+        device = next(self.parameters()).device
+        if "sampler" in state and self.row_sampler_state is not None:
+            for k, v in state["sampler"].items():
+                setattr(self.row_sampler_state, k, on_device(v, device))
+        if "guided" in state and self.guided is not None:
+            self.guided.set_state(state["guided"], device=device)
+        if "sampling" in state and state["sampling"]["device"] == device.type:
+            self.rollout_generator(device).set_state(state["sampling"]["state"])
+
+    def set_guide_mode(self, mode: str) -> None:
+        """Which roll-in new episodes get (`none`, `ppo_pp`, `aggrevated`); DLOLS/LOLS switch it."""
+        if self.guided is not None:
+            self.guided.set_mode(mode)
+
+    def weights_changed(self) -> None:
+        """New weights (a sync): every cached key/value is stale."""
+        for cache in (self.kv_cache, getattr(self, "mask_kv_cache", None)):
+            if cache is not None:
+                cache.invalidate()
+        guide_cache = getattr(getattr(self.guided, "guide", None), "cache", None)
+        if guide_cache is not None:  # re-prefilled here too, so a resumed run computes what an uninterrupted one does
+            guide_cache.invalidate()
