@@ -45,17 +45,16 @@ import collections
 import http.client
 import json
 import os
-import queue
 import re
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.parse
+
+from agents.serve.launch import ServeProcess, untrained_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "3 7 12"
@@ -72,94 +71,6 @@ BAD = [
     ("/generate", {"prompt": PROMPT, "max_tokens": 5}, "max_tokens"),
     ("/v1/completions", {"prompt": PROMPT, "n": 10_000}, "n"),
 ]
-
-
-def build_tiny_checkpoint(path: str) -> str:
-    """The quickstart's policy with its initial weights, saved where a training checkpoint keeps it."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from agents.config import algorithm_config, load
-    from agents.generate import MODULE_SUBDIR
-    from env.text_env import TokenGenerationEnv
-
-    config = algorithm_config(load(os.path.join(ROOT, "tune_configs", "quickstart.yaml"), []))
-    module = config.get_rl_module_spec(env=TokenGenerationEnv(config.env_config)).build()
-    module.save_to_path(os.path.join(path, MODULE_SUBDIR))
-    return path
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Lines:
-    """A process's output lines, read on a thread; `wait_for` a line matching a pattern (all lines
-    read so far are in `seen`)."""
-
-    def __init__(self, stream):
-        self.queue: queue.Queue = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
-
-    def _read(self, stream):
-        for line in stream:
-            self.queue.put(line)
-        self.queue.put(None)
-
-    def wait_for(self, pattern: str, timeout: float):
-        """The first match of `pattern` in a line not seen yet, or None at the timeout or the end."""
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            try:
-                line = self.queue.get(timeout=1)
-            except queue.Empty:
-                continue
-            if line is None:
-                self.queue.put(None)
-                return None
-            self.seen.append(line)
-            m = re.search(pattern, line)
-            if m:
-                return m
-        return None
-
-
-class Server:
-    """`python -m agents.serve` in its own process group; `base` is its URL without a route."""
-
-    def __init__(self, checkpoint: str, replicas: int, num_cpus: float, max_samples: int, extra: list[str]):
-        port = free_port()
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        env.pop("RAY_ADDRESS", None)
-        self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agents.serve", "--checkpoint", checkpoint, "--port", str(port),
-             "--num-replicas", str(replicas), "--num-cpus", str(num_cpus), "--max-samples", str(max_samples),
-             *extra],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self.stderr, text=True, start_new_session=True)
-        self.lines = Lines(self.proc.stdout)
-        m = self.lines.wait_for(r"at (http://\S+)/generate", timeout=300)
-        if m is None:
-            self.stderr.seek(0)
-            self.stop()
-            raise RuntimeError(f"the server did not start within 300s:\n{''.join(self.lines.seen)}"
-                               f"{self.stderr.read()[-3000:]}")
-        self.base = m.group(1)
-
-    def stop(self):
-        try:
-            os.killpg(self.proc.pid, signal.SIGINT)  # what Ctrl-C sends: Serve and Ray shut down
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        except ProcessLookupError:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of its Ray processes is left
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=30)
 
 
 def good_request(args, i: int) -> tuple[str, dict]:
@@ -360,14 +271,18 @@ def main(argv=None) -> int:
     rows, failed = [], False
     with tempfile.TemporaryDirectory() as tmp:
         targets = [("url", None)] if args.url else [(f"{n} repl.", n) for n in args.replicas]
-        checkpoint = None if args.url else (args.checkpoint or build_tiny_checkpoint(os.path.join(tmp, "tiny")))
+        quickstart = os.path.join(ROOT, "tune_configs", "quickstart.yaml")
+        checkpoint = None if args.url else (args.checkpoint
+                                            or untrained_checkpoint(quickstart, os.path.join(tmp, "tiny")))
         for label, replicas in targets:
             server = None
             try:
                 if args.url:
                     base = re.sub(r"/(generate|v1/completions)/?$", "", args.url.rstrip("/"))
                 else:
-                    server = Server(checkpoint, replicas, args.num_cpus, max(16, args.n), shlex.split(args.serve_args))
+                    server = ServeProcess(checkpoint, "--num-replicas", str(replicas), "--num-cpus",
+                                          str(args.num_cpus), "--max-samples", str(max(16, args.n)),
+                                          *shlex.split(args.serve_args), cwd=ROOT)
                     base = server.base
                 result = run_load(base, args, server.proc.pid if server else None)
             finally:

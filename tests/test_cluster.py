@@ -10,7 +10,7 @@ import time
 import pytest
 import yaml
 
-from benchmarks.serve_load import free_port
+from agents.serve.launch import free_port
 from tests.conftest import ROOT
 from tests.test_plugins import PLUGINS, plugin_experiment
 

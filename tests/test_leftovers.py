@@ -98,10 +98,11 @@ def three_runs_beside_a_server(tmp_path_factory):
     observations, and whether the server answered a request after them."""
     import threading
 
-    from benchmarks.serve_load import Server, build_tiny_checkpoint
+    from agents.serve.launch import ServeProcess, untrained_checkpoint
 
     tmp = tmp_path_factory.mktemp("leftovers")
-    server = Server(build_tiny_checkpoint(str(tmp / "tiny")), replicas=1, num_cpus=0.5, max_samples=4, extra=[])
+    server = ServeProcess(untrained_checkpoint(QUICKSTART, str(tmp / "tiny")), "--num-replicas", "1",
+                          "--num-cpus", "0.5", "--max-samples", "4", cwd=ROOT)
     try:
         runs = {"end": _train(tmp / "end", "stop.training_iteration=3"),
                 "sigint": _train(tmp / "sigint", "stop.training_iteration=50"),

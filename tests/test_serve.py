@@ -3,17 +3,16 @@
 The checkpoint is the quickstart's policy (built as `agents.train` builds it, with a
 top-3 truncation sampler so the configured sampler is visible in what the server
 writes), its weights moved off their initial values, saved where a training
-checkpoint keeps it. The server runs as users run it, `python -m agents.serve`, in
-its own process group on a free loopback port, and is stopped with Ctrl-C (SIGINT)
-like a user stops it; the group is SIGKILLed afterwards whatever happened.
+checkpoint keeps it. The server runs as users run it, `python -m agents.serve`
+(`agents.serve.launch.ServeProcess`), in its own process group on a free loopback port,
+and is stopped with Ctrl-C (SIGINT) like a user stops it; the group is SIGKILLed
+afterwards whatever happened.
 """
 import json
 import os
 import queue
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -22,7 +21,7 @@ import urllib.request
 import pytest
 import torch
 
-from benchmarks.serve_load import Lines, free_port
+from agents.serve.launch import ServeProcess, free_port
 from tests.conftest import QUICKSTART, ROOT, served_in_process
 from tests.conftest import run_module as run
 
@@ -341,44 +340,17 @@ def post(url: str, body, timeout: float = 60, with_headers: bool = False):
     return out if with_headers else out[:2]
 
 
-class Server:
-    def __init__(self, checkpoint: str, log_dir, *args: str):
-        self.port = free_port()
-        self.stderr_path = log_dir / "serve.stderr"
-        self.stderr = open(self.stderr_path, "w")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        env.pop("RAY_ADDRESS", None)  # a private Ray instance, as on a user's machine
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agents.serve", "--checkpoint", checkpoint, "--host", "127.0.0.1",
-             "--port", str(self.port), "--max-samples", "8", "--num-cpus", "0.25", *args],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
-            start_new_session=True,  # its own process group, with the Ray processes it starts
-        )
-        self.lines = Lines(self.proc.stdout)
-
-    def wait_for(self, pattern: str, timeout: float):
-        m = self.lines.wait_for(pattern, timeout)
-        if m is None:
-            raise AssertionError(f"no {pattern!r} in the server's output within {timeout}s:\n"
-                                 f"{''.join(self.lines.seen)}\nstderr:\n{self.stderr_path.read_text()[-3000:]}")
-        return m
-
-    def kill(self):
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=30)
-        self.stderr.close()
+def start_server(checkpoint: str, log_dir, *args: str) -> ServeProcess:
+    """`python -m agents.serve` serving `checkpoint` on a free loopback port, once it prints its URL
+    (its stderr in `log_dir`)."""
+    return ServeProcess(checkpoint, "--max-samples", "8", "--num-cpus", "0.25", *args, cwd=ROOT,
+                        stderr_path=str(log_dir / "serve.stderr"))
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    srv = Server(checkpoint, tmp_path_factory.mktemp("serve"))
+    srv = start_server(checkpoint, tmp_path_factory.mktemp("serve"))
     try:
-        m = srv.wait_for(r"at (http://\S+)", timeout=300)
-        srv.url = m.group(1)
-        srv.base = srv.url.removesuffix("/generate")
         yield srv
     finally:
         srv.kill()  # whatever the tests did: the driver and every Ray process in its group
@@ -513,9 +485,8 @@ def test_serve_cli_refuses_a_taken_port_and_a_path_without_a_policy(checkpoint, 
 
 @pytest.mark.slow
 def test_two_replicas_both_answer(checkpoint, tmp_path):
-    srv = Server(checkpoint, tmp_path, "--num-replicas", "2")
+    srv = start_server(checkpoint, tmp_path, "--num-replicas", "2")
     try:
-        srv.wait_for(r"at (http://\S+)", timeout=300)
         assert "2 replicas" in srv.wait_for(r"OpenAI completions: .*", timeout=30).group(0)
         url = f"http://127.0.0.1:{srv.port}/v1/completions"
         replicas, replies = set(), queue.Queue()

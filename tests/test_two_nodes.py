@@ -19,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from benchmarks.serve_load import free_port
+from agents.serve.launch import free_port
 from tests.conftest import ROOT
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")

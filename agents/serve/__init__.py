@@ -1,0 +1,73 @@
+"""Serve a trained policy over HTTP with Ray Serve.
+
+    python -m agents.serve --checkpoint PATH [--host 127.0.0.1] [--port 8000] [--route-prefix /]
+                           [--num-replicas 1] [--num-cpus 0.5] [--max-samples 16] [--dashboard-port N]
+                           [--min-replicas N --max-replicas M [--target-ongoing-requests T]]
+
+PATH is a checkpoint directory written by `agents.train` (or the RLModule
+directory inside it). Each replica loads the policy once and serves a FastAPI
+application (`@serve.ingress`) with these routes, under `--route-prefix`:
+
+    POST /generate         the project's own request: generations with the task's reward
+    GET  /generate         what the policy accepts (task, lengths, sampler, an example prompt)
+    POST /v1/completions   the OpenAI completions API (text only, no reward)
+    GET  /v1/models        the served model, in the OpenAI format
+    GET  /docs             OpenAPI (Swagger) documentation; /openapi.json is the schema
+
+POST /generate  {"prompt": "3 7 12", "max_new_tokens": 10, "num_samples": 2, "greedy": false, "seed": 0}
+answers
+
+    {"prompt": "3 7 12", "prompt_truncated": false, "max_new_tokens": 10, "greedy": false, "seed": 0,
+     "generations": [{"text": "13 15 ...", "reward": 0.67}, {"text": "...", "reward": 0.44}]}
+
+    curl -s localhost:8000/generate -H 'Content-Type: application/json' \\
+         -d '{"prompt": "<pad> <pad> <pad> <pad> <pad>", "greedy": true}'
+
+Generation runs the checkpoint's own environment (`agents.generate.generate`),
+so the policy acts exactly as in training: the task's tokenizer, the left
+truncation of long prompts to `env.max_prompt_len` (`prompt` in the reply is
+the prompt as the policy saw it, decoded without special tokens such as
+`<pad>`; `prompt_truncated` says whether it was cut),
+the configured truncation sampler (top-k, top-p, ..., mirostat, learned
+masking), and EOS ending a generation early. `reward` is the task's reward.
+
+The package:
+
+    requests.py     the request and reply models (the fields above, checked with one-line errors)
+    replica.py      `Policy`: the checkpoint in one replica, checking requests and generating
+    application.py  the FastAPI `app` (routes, errors, `BodyLimit`) and its Serve deployment
+                    (`PolicyServer`, `replica_options`, `make_app`)
+    cli.py          `main`: the command line (replicas, autoscaling, ports, shutdown)
+    launch.py       start `python -m agents.serve` from Python and wait for it (`ServeProcess`)
+
+The names below are importable from `agents.serve` itself; each loads its module on first use,
+so `agents.serve.launch` does not import Ray or FastAPI.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "agents.serve.application": ("MAX_BODY_BYTES", "MAX_ONGOING_REQUESTS", "BodyLimit", "PolicyServer", "app",
+                                 "make_app", "replica_options"),
+    "agents.serve.cli": ("APP_NAME", "main"),
+    "agents.serve.replica": ("Policy", "replica_policy", "run_completion", "run_request", "unknown_words"),
+    "agents.serve.requests": ("MAX_PROMPT_CHARS", "MAX_REFERENCES", "MAX_SEED", "ROUTES", "BadRequest",
+                              "CompletionRequest", "CompletionResponse", "GenerateRequest", "GenerateResponse",
+                              "error_line"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,190 @@
+"""The policy server's command line: `python -m agents.serve` (and `tokenmdp serve`) starts
+Ray and Serve, deploys the application (`agents.serve.application.make_app`) and serves until stopped.
+
+    python -m agents.serve --checkpoint PATH [--host 127.0.0.1] [--port 8000] [--route-prefix /]
+                           [--num-replicas 1] [--num-cpus 0.5] [--max-samples 16] [--dashboard-port N]
+                           [--min-replicas N --max-replicas M [--target-ongoing-requests T]]
+
+Replicas: `--num-replicas N` runs N replicas (default 1). `--max-replicas M`
+turns on Serve's autoscaling between `--min-replicas` (default 1; 0 scales
+to zero when idle) and M, aiming at `--target-ongoing-requests` requests per
+replica (default 2, at most the 8 a replica takes at a time); `--num-replicas`
+is then the number to start with (within [min, max]; default min, or 1 if
+min is 0). Serve's other autoscaling settings keep their defaults (it scales
+up after 30 s above the target and down after 600 s below it).
+
+The CLI prints the URLs it serves at and runs until Ctrl-C (or SIGTERM), then
+shuts Serve and its Ray instance down (killed with SIGKILL, a watcher process stops
+what Ray leaves running: agents/reaper.py). Without RAY_ADDRESS it starts a private
+local Ray instance (never one that `ray start` left running) without the
+dashboard (`--dashboard-port N` turns it on at port N); with RAY_ADDRESS it
+deploys the application to that cluster and on exit deletes only this
+application. Each replica reserves `--num-cpus` CPUs (fractions are fine), the
+Serve controller and HTTP proxy none; on a local instance, replicas to start
+that need more CPUs than it has are refused before deploying.
+
+Ports: Serve's HTTP proxy listens on `--port` and the dashboard on
+`--dashboard-port`; both are checked before Ray starts (an address in use is a
+one-line error, exit 2), and Ray does not move an explicitly given dashboard
+port, so two servers on one machine need different values of each. Ray picks
+its other ports itself (GCS, raylet, agents: free ones), and Serve's gRPC
+proxy is off. The dashboard's own metrics endpoint (44227, env
+DASHBOARD_METRIC_PORT) can collide between two dashboards; that only costs the
+second one its metrics.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+from ray import serve
+
+from agents.serve.application import MAX_ONGOING_REQUESTS, make_app, replica_options
+
+APP_NAME = "policy"
+
+
+def _check_port_free(flag: str, host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and aiohttp do
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"{flag}: cannot listen on {host}:{port} ({e.strerror or e})") from None
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv=None, prog: str = "python -m agents.serve") -> int:
+    import agents.serve
+
+    parser = argparse.ArgumentParser(prog=prog, description=agents.serve.__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory from agents.train")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument("--route-prefix", default="/",
+                        help="URL prefix of the routes (default /: /generate, /v1/completions, /docs)")
+    parser.add_argument("--num-replicas", type=int, default=None,
+                        help="replicas, each with its own copy (default 1); with --max-replicas, "
+                             "the replicas to start with")
+    parser.add_argument("--min-replicas", type=int, default=None,
+                        help="autoscaling: fewest replicas (default 1; 0 scales to zero); needs --max-replicas")
+    parser.add_argument("--max-replicas", type=int, default=None,
+                        help="autoscaling: most replicas; turns autoscaling on")
+    parser.add_argument("--target-ongoing-requests", type=float, default=None,
+                        help=f"autoscaling: requests per replica to aim at (default 2, at most "
+                             f"{MAX_ONGOING_REQUESTS}); needs --max-replicas")
+    parser.add_argument("--num-cpus", type=float, default=0.5, help="CPUs each replica reserves (default 0.5)")
+    parser.add_argument("--max-samples", type=int, default=16,
+                        help="most generations per request (num_samples; n x prompts) (default 16)")
+    parser.add_argument("--dashboard-port", type=int, default=None,
+                        help="start the Ray dashboard on this port (local Ray only; default: no dashboard)")
+    args = parser.parse_args(argv)
+    if not 1 <= args.port <= 65535:
+        parser.error("--port must be in [1, 65535]")
+    if not args.route_prefix.startswith("/"):
+        parser.error("--route-prefix must start with '/'")
+    try:
+        replicas = replica_options(args.num_replicas, args.min_replicas, args.max_replicas,
+                                   args.target_ongoing_requests)
+    except ValueError as e:
+        parser.error(str(e))
+    if not args.num_cpus > 0:
+        parser.error("--num-cpus must be > 0 (fractions such as 0.25 are fine)")
+    if args.max_samples < 1:
+        parser.error("--max-samples must be >= 1")
+    if args.dashboard_port is not None and not 1 <= args.dashboard_port <= 65535:
+        parser.error("--dashboard-port must be in [1, 65535]")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    prefix = args.route_prefix.rstrip("/")
+
+    from agents.generate import find_module_dir
+
+    external = bool(os.environ.get("RAY_ADDRESS"))
+    try:
+        find_module_dir(args.checkpoint)
+        if not external:  # Serve's proxy and the dashboard would fail later, deep inside Ray
+            _check_port_free("--port", args.host, args.port)
+            if args.dashboard_port is not None:
+                _check_port_free("--dashboard-port", "127.0.0.1", args.dashboard_port)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    checkpoint = os.path.abspath(os.path.expanduser(args.checkpoint))
+    autoscaling = replicas.get("autoscaling_config")
+    start = autoscaling["initial_replicas"] if autoscaling else replicas["num_replicas"]
+
+    import ray
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    started = False
+    try:
+        if external:
+            ray.init(logging_level="ERROR", log_to_driver=False)
+        else:
+            # A private local instance (address="local": never one a `ray start` left running);
+            # replicas import the installed package.
+            dashboard = {"include_dashboard": args.dashboard_port is not None}
+            if args.dashboard_port is not None:
+                dashboard["dashboard_port"] = args.dashboard_port
+            from agents.reaper import watch_this_process
+
+            watch_this_process()  # stops this instance's processes should this one be killed
+            context = ray.init(address="local", logging_level="ERROR", log_to_driver=False,
+                               runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}}, **dashboard)
+            if context.dashboard_url:
+                print(f"Ray dashboard: http://{context.dashboard_url}", flush=True)
+            cpus = ray.cluster_resources().get("CPU", 0)
+            if start * args.num_cpus > cpus + 1e-9:  # Serve would wait forever for the replicas
+                print(f"error: --num-replicas: {start} replicas x --num-cpus {args.num_cpus:g} need "
+                      f"{start * args.num_cpus:g} CPUs; this machine's Ray instance has {cpus:g}", file=sys.stderr)
+                return 2
+            if autoscaling and autoscaling["max_replicas"] * args.num_cpus > cpus + 1e-9:
+                print(f"note: --max-replicas {autoscaling['max_replicas']} x --num-cpus {args.num_cpus:g} is more "
+                      f"than the {cpus:g} CPUs here; autoscaling stops at {int(cpus // args.num_cpus)} replicas",
+                      flush=True)
+        # After ray.init, which installs its own SIGTERM handler: Ctrl-C and SIGTERM both stop
+        # the server cleanly (also when started from a shell that ignores SIGINT in background jobs).
+        signal.signal(signal.SIGINT, _interrupt)
+        signal.signal(signal.SIGTERM, _interrupt)
+        serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
+        started = True
+        application = make_app(checkpoint, num_cpus=args.num_cpus, max_samples=args.max_samples, replicas=replicas)
+        serve.run(application, name=APP_NAME, route_prefix=prefix or "/", logging_config={"log_level": "WARNING"})
+        base = f"http://{args.host}:{args.port}{prefix}"
+        print(f"Serving {checkpoint} at {base}/generate (Ctrl-C to stop)", flush=True)
+        scaling = (f"autoscaling {autoscaling['min_replicas']}-{autoscaling['max_replicas']} replicas "
+                   f"(started {start}, target {autoscaling['target_ongoing_requests']:g} ongoing requests each)"
+                   if autoscaling else f"{start} replica{'s' if start > 1 else ''}")
+        print(f"  OpenAI completions: {base}/v1/completions; API docs: {base}/docs; {scaling}", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("shutting down Serve", flush=True)
+        return 0
+    except Exception as e:  # Ray/Serve failed to start or to deploy: one line, not a Ray traceback
+        message = " ".join(str(e).split())
+        print(f"error: serving failed: {type(e).__name__}: {message[:500]}", file=sys.stderr)
+        return 1
+    finally:
+        # A second Ctrl-C or SIGTERM must not cut the cleanup short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if started and ray.is_initialized():
+                if external:
+                    serve.delete(APP_NAME)
+                else:
+                    serve.shutdown()
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
+            print("stopped", flush=True)

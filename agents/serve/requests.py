@@ -1,0 +1,311 @@
+"""The policy server's requests and replies: pydantic models with their field validators
+(no Ray, no model), `BadRequest`, and `error_line`, which turns validation errors into the one
+line a refused request gets back.
+
+/generate fields (only `prompt` is required; any other field is an error):
+  prompt          string the task's tokenizer can encode, non-empty after tokenization
+  max_new_tokens  integer in [1, env.max_new_tokens] (default: env.max_new_tokens).
+                  Shorter generations ARE supported: the episode runs in the same
+                  environment configured with this many new tokens, so the policy
+                  stops after that many tokens (or at EOS) and `reward` is the
+                  task's reward for an episode of that length.
+  num_samples     integer in [1, --max-samples] (default 1): generations of the prompt
+  greedy          boolean (default false): argmax decoding (after the sampler's mask)
+  seed            integer in [0, 2**31 - 1] (default: random, and returned in the reply);
+                  the same seed and request give the same generations
+  references      string or list of strings: reference texts for tasks whose reward
+                  compares the generation with references (BLEU, ROUGE, CIDEr, ...).
+                  Without them such a task's `reward` is null (GET shows
+                  `reward_needs_references`); the generations are the same.
+
+POST /v1/completions takes the OpenAI completions request
+    {"model": "policy", "prompt": "3 7 12", "max_tokens": 10, "temperature": 0.7, "top_p": 0.9, "n": 2, "seed": 0}
+and answers in its format
+    {"id": "cmpl-...", "object": "text_completion", "created": 1795000000, "model": "policy",
+     "choices": [{"text": "13 15 ...", "index": 0, "logprobs": null, "finish_reason": "stop"}, ...],
+     "usage": {"prompt_tokens": 3, "completion_tokens": 17, "total_tokens": 20}}
+so OpenAI clients work against it (`OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")`).
+  prompt       string or non-empty list of strings, each as for /generate (token ids are not taken);
+               choices are ordered by prompt, then sample: index = prompt_index * n + j
+  max_tokens   integer in [1, env.max_new_tokens] (default env.max_new_tokens, not OpenAI's 16: the
+               policy was trained for that length)
+  temperature  number in [0, 2] (default 1); top_p number in (0, 1] (default 1). They act ON TOP of
+               the policy's trained sampler, not instead of it: the policy's logits, with the
+               configured sampler's mask already applied, are divided by `temperature`, then cut to
+               the nucleus of mass `top_p`. The defaults sample exactly as /generate does;
+               temperature 0 is argmax (as /generate's greedy).
+  n            integer in [1, --max-samples]; n times the number of prompts is at most --max-samples
+  seed         integer in [0, 2**31 - 1] (default random): the same seed and request give the same text
+  model        string, echoed in the reply (default: the checkpoint directory's name)
+  stream       false only (streaming is not supported); user: string, ignored
+Any other field (logprobs, stop, echo, ...) is refused naming it. `finish_reason` is "stop" when
+the policy wrote EOS, else "length". `usage.prompt_tokens` counts each prompt once, as the policy
+saw it (after the left truncation to env.max_prompt_len); `completion_tokens` counts the tokens
+the policy wrote over all choices, EOS included (the text omits EOS and other special tokens).
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Annotated, ClassVar, Literal, Optional, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+MAX_PROMPT_CHARS = 10_000
+MAX_SEED = 2**31 - 1
+MAX_REFERENCES = 64
+# the application's routes (GET /generate lists them, and a 404 names them)
+ROUTES = ("/generate", "/v1/completions", "/v1/models", "/docs", "/openapi.json")
+
+
+class BadRequest(ValueError):
+    """A request the policy cannot take; its message is the one line sent back."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+# -- request models (no Ray, no model) -----------------------------------------------------------
+#
+# Each field's validator writes its own one-line message; `error_line` puts the field's name in
+# front. Types are checked here; limits that depend on the checkpoint or the CLI (max_new_tokens,
+# num_samples, the vocabulary) are checked by `Policy`, with messages of the same form.
+
+
+def _type_name(value) -> str:
+    return "null" if value is None else {bool: "boolean", int: "integer", float: "number", str: "string",
+                                         list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _invalid(reason: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_field", "{reason}", {"reason": reason})
+
+
+def _shown(value) -> str:
+    return f"{_type_name(value)} {json.dumps(value)[:80]}"
+
+
+def _json_int(value) -> int | None:
+    """`value` as an integer if JSON writes it as one (3 or 3.0; not 3.5, true or "3"), else None."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _integer(lo: int | None = None, hi: int | None = None):
+    what = (f"an integer in [{lo}, {hi}]" if hi is not None else
+            f"an integer >= {lo}" if lo is not None else "an integer")
+
+    def check(value):
+        if value is None:  # where the field allows null (= its default)
+            return None
+        number = _json_int(value)
+        if number is None:
+            raise _invalid(f"must be {what}, got {_shown(value)}")
+        if (lo is not None and number < lo) or (hi is not None and number > hi):
+            raise _invalid(f"must be {what}, got {number}")
+        return number
+
+    return BeforeValidator(check)
+
+
+def _number(lo: float, hi: float, *, lo_open: bool = False):
+    what = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+
+    def check(value):
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise _invalid(f"must be {what}, got {_shown(value)}")
+        if value < lo or (lo_open and value == lo) or value > hi:
+            raise _invalid(f"must be {what}, got {value:g}")
+        return float(value)
+
+    return BeforeValidator(check)
+
+
+def _boolean(value):
+    if not isinstance(value, bool):
+        raise _invalid(f"must be true or false, got {_shown(value)}")
+    return value
+
+
+def _text(value, what: str = "a string"):
+    if not isinstance(value, str):
+        raise _invalid(f"must be {what}, got {_type_name(value)}")
+    if len(value) > MAX_PROMPT_CHARS:
+        raise _invalid(f"longer than {MAX_PROMPT_CHARS} characters")
+    return value
+
+
+def _texts(value):
+    """A completions prompt: a string or a non-empty list of strings."""
+    what = "a string or a non-empty list of strings"
+    if isinstance(value, list):
+        if not value:
+            raise _invalid(f"must be {what}, got an empty list")
+        if not all(isinstance(v, str) for v in value):
+            bad = next(v for v in value if not isinstance(v, str))
+            ids = " (token ids are not taken: send text)" if _json_int(bad) is not None else ""
+            raise _invalid(f"must be {what}, got a list holding {_type_name(bad)}{ids}")
+        if sum(len(v) for v in value) > MAX_PROMPT_CHARS:
+            raise _invalid(f"longer than {MAX_PROMPT_CHARS} characters in all")
+        return value
+    return _text(value, what)
+
+
+def _references(value):
+    if value is None:
+        return None
+    refs = [value] if isinstance(value, str) else value
+    if not isinstance(refs, list) or not refs or not all(isinstance(r, str) and r.strip() for r in refs):
+        raise _invalid(f"must be a non-empty string or a non-empty list of non-empty strings, "
+                       f"got {json.dumps(value)[:80]}")
+    if len(refs) > MAX_REFERENCES or sum(len(r) for r in refs) > MAX_PROMPT_CHARS:
+        raise _invalid(f"at most {MAX_REFERENCES} texts of {MAX_PROMPT_CHARS} characters in all")
+    return refs
+
+
+def _stream(value):
+    if value is not False:
+        raise _invalid("streaming is not supported; send false or leave the field out"
+                       if value is True else f"must be false, got {_shown(value)}")
+    return value
+
+
+class _StrictFields(BaseModel):
+    """Refuses a field it does not know, naming it (before any other check)."""
+
+    model_config = ConfigDict(extra="forbid")
+    other_route_names: ClassVar[dict[str, str]] = {}  # a field of the other route -> a hint
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data):
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(cls.model_fields))
+            if unknown:
+                name = unknown[0]
+                hint = cls.other_route_names.get(name)
+                reason = f"unknown field (known: {', '.join(cls.model_fields)})"
+                if hint:
+                    reason += f"; {hint}"
+                raise PydanticCustomError("unknown_field", "{reason}", {"field": name, "reason": reason})
+        return data
+
+
+Seed = Annotated[Optional[int], _integer(0, MAX_SEED),
+                 Field(None, description="integer in [0, 2**31 - 1]; default: a random seed")]
+
+
+class GenerateRequest(_StrictFields):
+    """POST /generate: generations of one prompt, with the task's reward."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"prompt": "3 7 12", "max_new_tokens": 10, "num_samples": 2, "greedy": False, "seed": 0}]})
+    other_route_names: ClassVar[dict[str, str]] = {
+        "max_tokens": "/generate calls it max_new_tokens", "n": "/generate calls it num_samples",
+        "temperature": "/generate has greedy; /v1/completions takes temperature",
+        "top_p": "/v1/completions takes top_p"}
+
+    prompt: Annotated[str, BeforeValidator(_text)] = Field(
+        description="text the task's tokenizer can encode; cut on the left to env.max_prompt_len tokens")
+    max_new_tokens: Annotated[Optional[int], _integer()] = Field(
+        None, description="integer in [1, env.max_new_tokens] (GET /generate shows it); default: that maximum")
+    num_samples: Annotated[int, _integer()] = Field(1, description="generations, in [1, --max-samples]")
+    greedy: Annotated[bool, BeforeValidator(_boolean)] = Field(
+        False, description="argmax decoding (after the sampler's mask)")
+    seed: Seed
+    references: Annotated[Optional[list[str]], BeforeValidator(_references)] = Field(
+        None, description="reference texts (string or list) for tasks whose reward compares with references")
+
+
+class Generation(BaseModel):
+    text: str
+    reward: Optional[float] = Field(description="the task's reward; null where it needs references not given")
+
+
+class GenerateResponse(BaseModel):
+    prompt: str = Field(description="the prompt as the policy saw it (cut, without special tokens)")
+    prompt_truncated: bool
+    max_new_tokens: int
+    greedy: bool
+    seed: int
+    generations: list[Generation]
+
+
+class CompletionRequest(_StrictFields):
+    """POST /v1/completions: the OpenAI completions request (the fields this policy can honour)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"model": "policy", "prompt": "3 7 12", "max_tokens": 10, "temperature": 0.7, "n": 2, "seed": 0}]})
+    other_route_names: ClassVar[dict[str, str]] = {
+        "max_new_tokens": "this route calls it max_tokens", "num_samples": "this route calls it n",
+        "greedy": "temperature 0 is argmax here", "references": "/generate takes references and gives rewards"}
+
+    prompt: Annotated[Union[str, list[str]], BeforeValidator(_texts)] = Field(
+        description="a string or a list of strings, each cut on the left to env.max_prompt_len tokens")
+    model: Annotated[Optional[str], BeforeValidator(lambda v: v if v is None else _text(v))] = Field(
+        None, description="echoed in the reply; default: the checkpoint's name")
+    max_tokens: Annotated[Optional[int], _integer()] = Field(
+        None, description="integer in [1, env.max_new_tokens]; default: that maximum")
+    temperature: Annotated[float, _number(0, 2)] = Field(
+        1.0, description="divides the policy's (sampler-masked) logits; 0 is argmax")
+    top_p: Annotated[float, _number(0, 1, lo_open=True)] = Field(
+        1.0, description="nucleus over the policy's (sampler-masked) distribution")
+    n: Annotated[int, _integer()] = Field(1, description="completions per prompt, in [1, --max-samples]")
+    seed: Seed
+    stream: Annotated[bool, BeforeValidator(_stream)] = Field(False, description="false only")
+    user: Annotated[Optional[str], BeforeValidator(lambda v: v if v is None else _text(v))] = Field(
+        None, description="ignored")
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+
+
+def error_line(errors: list[dict]) -> str:
+    """One `"<field>: <message>"` line for pydantic/FastAPI validation errors (the first that counts)."""
+    def field_of(e):
+        names = [str(x) for x in e.get("loc", ()) if x != "body" and not isinstance(x, int)]
+        return names[0] if names else None
+
+    for e in errors:  # an unknown field first, as the models check it first
+        if e["type"] == "unknown_field":
+            return f"{e['ctx']['field']}: {e['msg']}"
+    e = errors[0]
+    field = field_of(e)
+    if e["type"] == "json_invalid":
+        return f"request body: not valid JSON ({(e.get('ctx') or {}).get('error', e['msg'])})"
+    if field is None:  # the body as a whole
+        if e["type"] == "missing":
+            return "request body: required (a JSON object)"
+        if isinstance(e.get("input"), (bytes, bytearray)):  # FastAPI reads JSON only when the request says so
+            return "request body: send it as JSON with the header Content-Type: application/json"
+        return (f"request body: must be a JSON object like {{\"prompt\": \"...\"}}, "
+                f"got {_type_name(e.get('input'))}")
+    if e["type"] == "missing":
+        return f"{field}: required"
+    if e["type"] == "invalid_field":
+        return f"{field}: {e['msg']}"
+    return f"{field}: {e['msg']}, got {_shown(e.get('input'))}"
