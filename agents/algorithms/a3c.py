@@ -40,8 +40,10 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, LEARNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME
 from ray.rllib.utils.torch_utils import explained_variance
 
+from agents.algorithms.base import pick
 from agents.algorithms.ppo import PPOSpec
 from agents.algorithms.token_learner import (
+    TOKEN_TRAINING,
     TokenAlgorithm,
     TokenLearner,
     TokenLearnerConfig,
@@ -153,7 +155,7 @@ class A3CSpec(PPOSpec):
     names = ("a3c",)
     summary = "A3C (asynchronous actor-critic; A2C with num_env_runners 0): one gradient step per batch"
     # One step per arriving batch: no minibatches, epochs, ratio clipping or value clipping.
-    training_keys = ("lambda", "vf_loss_coeff", "entropy_coeff", "mle_coef", "mle_batch_size")
+    training_params = pick(TOKEN_TRAINING, "lambda", "vf_loss_coeff", "entropy_coeff", "mle_coef", "mle_batch_size")
 
     def config_class(self):
         return A3CConfig

@@ -4,10 +4,20 @@ Each algorithm's module (agents/algorithms/<name>.py) holds its RLlib config cla
 documented hyperparameters with defaults, as RLlib's own configs), its learner and loss, and
 one `AlgorithmSpec` subclass instance named `SPEC`: the names configs give it, the `training`
 keys it reads, its own YAML section, the checks that involve its options, and its part of the
-RLlib `AlgorithmConfig`. `agents/algorithms/__init__.py` lists the modules; agents/config.py
-reads, validates and builds the generic sections and asks the spec for the rest.
+RLlib `AlgorithmConfig`. `agents/algorithms/__init__.py` lists the modules; agents/schema.py
+validates the generic sections and asks the spec for the rest; agents/config.py builds RLlib's
+config.
+
+Each hyperparameter is declared once, as a `Param` in a spec's table (`training_params`,
+`reward_params`): its YAML field (type, range, default) and the RLlib attribute it sets. The YAML
+schema's `training` section is the union of the specs' tables (agents/schema.py), the spec passes
+the values to RLlib (`AlgorithmSpec.training`), and the RLlib config class takes its attributes,
+defaults and `training()` keywords from the same tables (`DeclaredParams`).
 """
 from __future__ import annotations
+
+import inspect
+from typing import NamedTuple
 
 from env.validation import Field, is_search_space
 
@@ -15,6 +25,71 @@ from env.validation import Field, is_search_space
 # And the learner's precision and gradient checkpointing (refused where `scale_refusal` says why).
 COMMON_TRAINING = ("lr", "lr_end", "lr_decay_steps", "train_batch_size", "gamma", "grad_clip", "precision",
                    "gradient_checkpointing")
+
+
+class Param(NamedTuple):
+    """One hyperparameter: its YAML field and the RLlib config attribute (and `training()`
+    keyword) it sets; `rllib` None: the YAML key itself."""
+
+    field: Field
+    rllib: str | None = None
+
+
+# The per-token KL penalty against the frozen initial policy (the `reward` section): the
+# coefficient, and the adaptive controller's target KL per sequence and horizon in sequences
+# (kl_adaptive false: the coefficient stays fixed). PPO's family folds it into the rewards before
+# GAE (kl_control.py); DQN adds kl_coef * log p_ref to each step's reward.
+REFERENCE_KL = {
+    "kl_coef": Param(Field(float, 0.0, lo=0.0), "ref_kl_coef"),
+    "kl_adaptive": Param(Field(bool, False), "ref_kl_adaptive"),
+    "kl_target": Param(Field(float, 6.0, lo=0.0, lo_open=True), "ref_kl_target"),
+    "kl_horizon": Param(Field(int, 10000, lo=1), "ref_kl_horizon"),
+}
+
+
+def pick(table: dict, *keys: str) -> dict:
+    """The entries of a Param table an algorithm reads (the same Param objects)."""
+    return {k: table[k] for k in keys}
+
+
+def rllib_fields(*tables: dict) -> dict:
+    """RLlib attribute -> Field, over Param tables."""
+    return {p.rllib or key: p.field for table in tables for key, p in table.items()}
+
+
+def _rllib_training_keywords(config_cls) -> frozenset:
+    """The keywords RLlib's own `training()` methods (of `config_cls`'s RLlib bases) take."""
+    out = set()
+    for klass in config_cls.__mro__:
+        if klass.__module__.startswith("ray.") and "training" in vars(klass):
+            out |= set(inspect.signature(vars(klass)["training"]).parameters) - {"self", "kwargs"}
+    return frozenset(out)
+
+
+class DeclaredParams:
+    """Mixed into an RLlib AlgorithmConfig subclass: every attribute `declared_params()` names
+    (RLlib attribute -> Field, from the specs' Param tables) starts at its Field's default and is a
+    `training()` keyword; RLlib's own keywords still go through RLlib's `training()`."""
+
+    @classmethod
+    def declared_params(cls) -> dict:
+        return {}
+
+    def __init__(self, algo_class=None):
+        super().__init__(algo_class=algo_class)
+        for name, field in self.declared_params().items():
+            setattr(self, name, field.default)
+
+    def training(self, **kwargs):
+        from ray.rllib.algorithms.algorithm_config import NotProvided
+
+        native = _rllib_training_keywords(type(self))
+        own = {k: kwargs.pop(k) for k in list(kwargs) if k in self.declared_params() and k not in native}
+        super().training(**kwargs)
+        for name, value in own.items():
+            if value is not NotProvided:
+                setattr(self, name, value)
+        return self
 
 
 def candidates(value) -> list:
@@ -74,7 +149,8 @@ class AlgorithmSpec:
     # Algorithm names a Tune search over `algorithm` may mix with these (they run as this spec's
     # RLlib algorithm, e.g. plain PPO inside a sweep over the guided algorithms).
     search_with: tuple[str, ...] = ()
-    training_keys: tuple[str, ...] = ()  # the `training` keys it reads beyond COMMON_TRAINING
+    training_params: dict[str, Param] = {}  # the `training` keys it reads beyond COMMON_TRAINING
+    reward_params: dict[str, Param] = {}  # the `reward` keys it passes to RLlib
     section: str | None = None  # its own YAML section (e.g. `dqn`), refused with other algorithms
     schema: dict[str, Field] = {}  # that section's fields
     section_searchable: bool = True  # its fields may be Tune search spaces
@@ -86,6 +162,10 @@ class AlgorithmSpec:
     kl_adaptive: bool = True  # reward.kl_adaptive applies
     # Why LoRA, reduced precision and gradient checkpointing do not apply to it; None: they do.
     scale_refusal: str | None = None
+
+    @property
+    def training_keys(self) -> tuple[str, ...]:
+        return tuple(self.training_params)
 
     def config_class(self):
         """The RLlib AlgorithmConfig subclass (imported on use)."""
@@ -109,9 +189,11 @@ class AlgorithmSpec:
         return {}
 
     def training(self, cfg: dict, c: dict) -> dict:
-        """Keyword arguments of its config class's `training()` beyond COMMON_TRAINING
-        (c: the config with search spaces as Tune objects)."""
-        return {}
+        """Keyword arguments of its config class's `training()` beyond COMMON_TRAINING: its
+        `training_params` and `reward_params` under their RLlib names (c: the config with search
+        spaces as Tune objects)."""
+        return {**{p.rllib or k: c["training"][k] for k, p in self.training_params.items()},
+                **{p.rllib or k: c["reward"][k] for k, p in self.reward_params.items()}}
 
     def configure(self, config, cfg: dict, c: dict) -> None:
         """Anything else on the RLlib config (callbacks, reporting)."""

@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ray.rllib.algorithms.algorithm_config import NotProvided
 from ray.rllib.algorithms.dqn import DQN, DQNConfig
 from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
 from ray.rllib.core.columns import Columns
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 
-from agents.algorithms.base import AlgorithmSpec, adam, candidates, plain, use_configured_lr
+from agents.algorithms.base import (REFERENCE_KL, AlgorithmSpec, DeclaredParams, adam, candidates, pick, plain, rllib_fields,
+                                   use_configured_lr)
 from agents.core import SEQ_ID
 from agents.modules.actor_critic import reference_logp
 from agents.weight_sync import install_colocated_sync
@@ -103,17 +103,14 @@ class LMDQNTorchLearner(DQNTorchLearner):
         use_configured_lr(self)
 
 
-class LMDQNConfig(DQNConfig):
+class LMDQNConfig(DeclaredParams, DQNConfig):
+    @classmethod
+    def declared_params(cls) -> dict:
+        # Every step's reward gains ref_kl_coef * log p_ref(a_t | s_t) under the frozen initial LM.
+        return rllib_fields(DQNSpec.reward_params)
+
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or LMDQN)
-        # Every step's reward gains ref_kl_coef * log p_ref(a_t | s_t) under the frozen initial LM.
-        self.ref_kl_coef: float = 0.0
-
-    def training(self, *, ref_kl_coef=NotProvided, **kwargs):
-        super().training(**kwargs)
-        if ref_kl_coef is not NotProvided:
-            self.ref_kl_coef = ref_kl_coef
-        return self
 
     def get_default_learner_class(self):
         return LMDQNTorchLearner
@@ -187,6 +184,7 @@ class DQNSpec(AlgorithmSpec):
     sampler_refusal = ("DQN acts epsilon-greedy on its Q-values; truncation samplers and their masking (current or "
                        "learned) apply to the policy-gradient algorithms")
     kl_adaptive = False  # the per-token reference term has a fixed coefficient
+    reward_params = pick(REFERENCE_KL, "kl_coef")
     scale_refusal = ("DQN's Q-network (a Q-head on the LM, its target copy updated from the online weights) "
                      "trains all weights in float32; LoRA, bf16/fp16 and gradient checkpointing apply to the "
                      "policy-gradient algorithms")
@@ -232,7 +230,7 @@ class DQNSpec(AlgorithmSpec):
                 "capacity": dqn["replay_capacity"],
                 **({"alpha": dqn["alpha"], "beta": dqn["beta"]} if prioritized else {}),
             },
-            ref_kl_coef=c["reward"]["kl_coef"],
+            **super().training(cfg, c),  # the reference term's coefficient
         )
 
     def configure(self, config, cfg: dict, c: dict) -> None:

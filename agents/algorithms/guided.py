@@ -2,8 +2,9 @@
 
 All four are PPO (the `LMPPO` learner: clipped ratio, value head, KL penalty, whole-sequence
 minibatches) on data whose roll-ins come partly from a guide policy (`agents/guides.py`).
-The EnvRunner-side module plays the guide's tokens and stores each step's role; this file
-turns roles into losses and decides, per training iteration, which roll-in episodes get:
+The EnvRunner-side module plays the guide's tokens and stores each step's role; the learner
+turns roles into losses (`guided_advantages.py`) and this file decides, per training iteration,
+which roll-in episodes get:
 
   ppo_pp      every iteration PPO++: with probability `guide.beta` an episode starts with a
               guide roll-in of k ~ U{1..T-1} tokens, and only the policy's own steps (those
@@ -29,20 +30,38 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import torch
-
-from ray.rllib.algorithms.algorithm_config import NotProvided
-from ray.rllib.connectors.connector_v2 import ConnectorV2
 from ray.rllib.connectors.learner import GeneralAdvantageEstimation
-from ray.rllib.core.columns import Columns
-from ray.rllib.evaluation.postprocessing import Postprocessing
-from ray.rllib.utils.postprocessing.value_predictions import compute_value_targets
 
 from agents.algorithms.base import candidates, module_seed, plain
+from agents.algorithms.guided_advantages import GuidedAdvantageEstimation, MaskGuideSteps
 from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner, PPOSpec
 from agents.algorithms.sequence_batching import AddSequenceIds
-from agents.guides import DEVIATION, GUIDE, GUIDE_ROLE, POLICY
+from agents.core import GUIDE_ROLE
+from agents.guides import POLICY
 from env.validation import ConfigError, Field, is_search_space
+
+
+GUIDE_SECTION = {  # the `guide` section
+    "name_or_path": Field(str, None, optional=True),  # a causal LM sharing the policy's vocabulary
+    "callable": Field(str, None, optional=True),  # 'module:function': prefix texts -> continuations
+    "greedy": Field(bool, False),  # an LM guide takes its argmax token instead of sampling
+    "beta": Field(float, 0.2, lo=0.0, hi=1.0),  # PPO++: probability an episode starts with a guide roll-in
+    "mix": Field(float, 0.8, lo=0.0, hi=1.0),  # AggreVaTeD: probability a roll-in token is the guide's
+    "lols_prob": Field(float, 0.2, lo=0.0, hi=1.0),  # LOLS: probability an iteration is AggreVaTeD
+    # DLOLS: AggreVaTeD for this many iterations, or this fraction of stop.training_iteration; then PPO++.
+    "switch_iteration": Field(int, None, lo=0, optional=True),
+    "switch_fraction": Field(float, 0.2, lo=0.0, hi=1.0),
+}
+
+GUIDED_PARAMS = {  # the RLlib config's own attributes (Fields: type, range, default)
+    # Which of ppo_pp, aggrevated, lols, dlols (or ppo: no guide) decides each iteration's roll-ins.
+    "guided_algorithm": Field(str, "ppo_pp", choices=["ppo", "ppo_pp", "aggrevated", "lols", "dlols"]),
+    # DLOLS: AggreVaTeD for iterations [0, switch_iteration), PPO++ after.
+    "switch_iteration": GUIDE_SECTION["switch_iteration"],
+    # LOLS: the probability an iteration is AggreVaTeD (a coin seeded by guide_seed and the iteration).
+    "lols_prob": GUIDE_SECTION["lols_prob"],
+    "guide_seed": Field(int, 0),
+}
 
 
 def guide_mode(guided: dict, iteration: int) -> str:
@@ -60,77 +79,6 @@ def guide_mode(guided: dict, iteration: int) -> str:
     raise ValueError(f"algorithm: {algo!r} is not a guided algorithm")
 
 
-def guided_loss_mask(loss_mask: torch.Tensor, roles: torch.Tensor) -> torch.Tensor:
-    """Loss steps are the policy's own (POLICY, DEVIATION); guide roll-in/roll-out steps are not."""
-    return loss_mask & (roles != GUIDE)
-
-
-def guided_value_targets(values, rewards, terminateds, truncateds, roles, *, gamma: float, lambda_: float):
-    """Value targets and raw advantages (targets - values) per row of episodes laid end to end
-    (RLlib's layout; an episode cut short ends in RLlib's artificial bootstrap step, a
-    terminated one has none: `AddOneTsToUnfinishedEpisodes`)
-
-    POLICY steps get GAE(gamma, lambda). A DEVIATION step's target is its Monte-Carlo return
-    (the guide completed the text after it), so its advantage is that return minus V(s_d).
-    """
-    gae = compute_value_targets(values=values, rewards=rewards, terminateds=terminateds, truncateds=truncateds,
-                                gamma=gamma, lambda_=lambda_)
-    mc = compute_value_targets(values=values, rewards=rewards, terminateds=terminateds, truncateds=truncateds,
-                               gamma=gamma, lambda_=1.0)
-    targets = np.where(roles == DEVIATION, mc, gae).astype(np.float32)
-    return targets, targets - values
-
-
-def standardize(advantages: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
-    """Zero mean, unit std over the loss steps; other rows 0 (they are masked out anyway)."""
-    live = advantages[loss_mask]
-    if live.size == 0:
-        return np.zeros_like(advantages)
-    out = (advantages - live.mean()) / max(1e-4, float(live.std()))
-    return np.where(loss_mask, out, 0.0).astype(np.float32)
-
-
-class MaskGuideSteps(ConnectorV2):
-    """Learner connector piece: turns the stored roles into the loss mask (before the KL penalty,
-    so guide steps pay none)."""
-
-    def __call__(self, *, rl_module, batch, episodes, **kwargs):
-        for module_batch in batch.values():
-            if GUIDE_ROLE in module_batch and Columns.LOSS_MASK in module_batch:
-                module_batch[Columns.LOSS_MASK] = guided_loss_mask(module_batch[Columns.LOSS_MASK],
-                                                                   module_batch[GUIDE_ROLE])
-        return batch
-
-
-class GuidedAdvantageEstimation(GeneralAdvantageEstimation):
-    """GAE for policy steps, guide-completed returns for AggreVaTeD's deviation steps."""
-
-    def __call__(self, *, rl_module, episodes, batch, **kwargs):
-        lens = [len(e) for e in self.single_agent_episode_iterator(episodes, agents_that_stepped_only=False)]
-        for module_id, module_batch in batch.items():
-            module = rl_module[module_id].unwrapped()
-            if not hasattr(module, "compute_values"):
-                continue
-            with torch.no_grad():
-                values = module.compute_values(module_batch)
-            device = values.device
-            values = values.float().cpu().numpy()
-            assert values.shape[0] == sum(lens)
-
-            def col(key, fill=0):
-                v = module_batch.get(key)
-                return np.full(len(values), fill) if v is None else torch.as_tensor(v).cpu().numpy()
-
-            roles = col(GUIDE_ROLE, POLICY)
-            targets, raw = guided_value_targets(
-                values, col(Columns.REWARDS).astype(np.float32), col(Columns.TERMINATEDS).astype(np.float32),
-                col(Columns.TRUNCATEDS).astype(np.float32), roles, gamma=self.gamma, lambda_=self.lambda_)
-            loss_mask = col(Columns.LOSS_MASK, True).astype(bool)
-            module_batch[Postprocessing.ADVANTAGES] = torch.as_tensor(standardize(raw, loss_mask), device=device)
-            module_batch[Postprocessing.VALUE_TARGETS] = torch.as_tensor(targets, device=device)
-        return batch
-
-
 class GuidedPPOTorchLearner(LMPPOTorchLearner):
     def build(self) -> None:
         super().build()
@@ -142,25 +90,12 @@ class GuidedPPOTorchLearner(LMPPOTorchLearner):
 
 
 class GuidedPPOConfig(LMPPOConfig):
+    @classmethod
+    def declared_params(cls) -> dict:
+        return {**super().declared_params(), **GUIDED_PARAMS}
+
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or GuidedPPO)
-        # Which of ppo_pp, aggrevated, lols, dlols (or ppo: no guide) decides each iteration's roll-ins.
-        self.guided_algorithm: str = "ppo_pp"
-        # DLOLS: AggreVaTeD for iterations [0, switch_iteration), PPO++ after.
-        self.switch_iteration: int | None = None
-        # LOLS: the probability an iteration is AggreVaTeD (a coin seeded by guide_seed and the iteration).
-        self.lols_prob: float = 0.2
-        self.guide_seed: int = 0
-
-    def training(self, *, guided_algorithm=NotProvided, switch_iteration=NotProvided, lols_prob=NotProvided,
-                 guide_seed=NotProvided, **kwargs):
-        super().training(**kwargs)
-        given = dict(guided_algorithm=guided_algorithm, switch_iteration=switch_iteration, lols_prob=lols_prob,
-                     guide_seed=guide_seed)
-        for name, value in given.items():
-            if value is not NotProvided:
-                setattr(self, name, value)
-        return self
 
     def get_default_learner_class(self):
         return GuidedPPOTorchLearner
@@ -211,17 +146,7 @@ class GuidedSpec(PPOSpec):
     summary = "PPO with guide roll-ins: PPO++, AggreVaTeD, LOLS, DLOLS (a guide LM or a function)"
     search_with = ("ppo",)  # one RLlib algorithm: a sweep over `algorithm` may include the PPO baseline
     section = "guide"
-    schema = {
-        "name_or_path": Field(str, None, optional=True),  # a causal LM sharing the policy's vocabulary
-        "callable": Field(str, None, optional=True),  # 'module:function': prefix texts -> continuations
-        "greedy": Field(bool, False),  # an LM guide takes its argmax token instead of sampling
-        "beta": Field(float, 0.2, lo=0.0, hi=1.0),  # PPO++: probability an episode starts with a guide roll-in
-        "mix": Field(float, 0.8, lo=0.0, hi=1.0),  # AggreVaTeD: probability a roll-in token is the guide's
-        "lols_prob": Field(float, 0.2, lo=0.0, hi=1.0),  # LOLS: probability an iteration is AggreVaTeD
-        # DLOLS: AggreVaTeD for this many iterations, or this fraction of stop.training_iteration; then PPO++.
-        "switch_iteration": Field(int, None, lo=0, optional=True),
-        "switch_fraction": Field(float, 0.2, lo=0.0, hi=1.0),
-    }
+    schema = GUIDE_SECTION
     seq2seq = False
 
     def config_class(self):

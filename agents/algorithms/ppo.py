@@ -10,8 +10,9 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.torch_utils import explained_variance
 
-from agents.algorithms.base import AlgorithmSpec, plain
-from agents.algorithms.token_learner import (  # noqa: F401  (loss_step_mean, policy_shift_metrics: the losses' helpers)
+from agents.algorithms.base import REFERENCE_KL, AlgorithmSpec, plain
+from agents.algorithms.token_learner import (
+    TOKEN_TRAINING,
     TokenAlgorithm,
     TokenLearner,
     TokenLearnerConfig,
@@ -77,11 +78,9 @@ class PPOSpec(AlgorithmSpec):
 
     names = ("ppo",)
     summary = "PPO with a value head, GAE and a per-token KL penalty (RL4LMs' setup)"
-    training_keys = ("minibatch_size", "num_epochs", "lambda", "clip_param", "vf_loss_coeff", "vf_clip_param",
-                     "entropy_coeff", "mle_coef", "mle_batch_size")
+    training_params = TOKEN_TRAINING
+    reward_params = REFERENCE_KL
     seq2seq = True
-    # RLlib's name of each `training` key this family passes to its config class.
-    RLLIB_NAMES = {"lambda": "lambda_"}
 
     def config_class(self):
         return LMPPOConfig
@@ -93,10 +92,7 @@ class PPOSpec(AlgorithmSpec):
                               f"training.train_batch_size={plain(t['train_batch_size'])}")
 
     def training(self, cfg: dict, c: dict) -> dict:
-        t, rw = c["training"], c["reward"]
-        out = {self.RLLIB_NAMES.get(k, k): t[k] for k in self.training_keys}
-        return {**out, "use_kl_loss": False, "ref_kl_coef": rw["kl_coef"], "ref_kl_adaptive": rw["kl_adaptive"],
-                "ref_kl_target": rw["kl_target"], "ref_kl_horizon": rw["kl_horizon"]}
+        return {**super().training(cfg, c), "use_kl_loss": False}  # the KL is a reward term here
 
 
 SPEC = PPOSpec()

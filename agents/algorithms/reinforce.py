@@ -24,14 +24,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ray.rllib.algorithms.algorithm_config import NotProvided
 from ray.rllib.connectors.connector_v2 import ConnectorV2
 from ray.rllib.connectors.learner import GeneralAdvantageEstimation
 from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 
+from agents.algorithms.base import pick
 from agents.algorithms.ppo import PPOSpec
 from agents.algorithms.token_learner import (
+    TOKEN_TRAINING,
     TokenAlgorithm,
     TokenLearner,
     TokenLearnerConfig,
@@ -86,6 +87,16 @@ def greedy_generations(module, input_ids: torch.Tensor, attention_mask: torch.Te
         ids = torch.cat([ids[:, 1:], token[:, None]], 1)
         mask = torch.cat([mask[:, 1:], torch.ones_like(mask[:, :1])], 1)
     return out
+
+
+REINFORCE_PARAMS = {  # the RLlib config's own attributes (Fields: type, range, default)
+    # "mean": the mean return of the episodes of the same prompt (REINFORCE); "greedy": the reward
+    # of the policy's greedy decode of the prompt (self-critical); set by the algorithm's name.
+    "baseline": Field(str, "mean", choices=["mean", "greedy"]),
+    # reinforce.num_samples: each prompt is drawn for this many episodes in a row (the env repeats
+    # it); the baseline is their mean reward.
+    "num_samples": Field(int, 4, lo=2),
+}
 
 
 class SequenceLevelAdvantages(ConnectorV2):
@@ -184,21 +195,12 @@ class ReinforceTorchLearner(TokenLearner):
 
 
 class ReinforceConfig(TokenLearnerConfig):
+    @classmethod
+    def declared_params(cls) -> dict:
+        return {**super().declared_params(), **REINFORCE_PARAMS}
+
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or Reinforce)
-        # "mean": the mean return of the episodes of the same prompt (REINFORCE); "greedy": the
-        # reward of the policy's greedy decode of the prompt (self-critical).
-        self.baseline: str = "mean"
-        # Episodes per prompt in a row (the env repeats each prompt), the group of the mean baseline.
-        self.num_samples: int = 4
-
-    def training(self, *, baseline=NotProvided, num_samples=NotProvided, **kwargs):
-        super().training(**kwargs)
-        if baseline is not NotProvided:
-            self.baseline = baseline
-        if num_samples is not NotProvided:
-            self.num_samples = num_samples
-        return self
 
     def get_default_learner_class(self):
         return ReinforceTorchLearner
@@ -216,12 +218,9 @@ class Reinforce(TokenAlgorithm):
 class ReinforceSpec(PPOSpec):
     names = ("reinforce", "self_critical")
     summary = "sequence-level policy gradient with a per-prompt mean (reinforce) or greedy (self_critical) baseline"
-    training_keys = ("minibatch_size", "num_epochs", "entropy_coeff", "mle_coef", "mle_batch_size")
+    training_params = pick(TOKEN_TRAINING, "minibatch_size", "num_epochs", "entropy_coeff", "mle_coef", "mle_batch_size")
     section = "reinforce"
-    schema = {
-        # reinforce: each prompt is drawn for this many episodes in a row; baseline = their mean reward.
-        "num_samples": Field(int, 4, lo=2),
-    }
+    schema = {"num_samples": REINFORCE_PARAMS["num_samples"]}
     section_searchable = False  # the env repeats prompts by it: EnvRunners and learner must agree
     seq2seq = False
 

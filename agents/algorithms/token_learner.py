@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from ray.rllib.algorithms.algorithm_config import NotProvided
 from ray.rllib.algorithms.ppo import PPO, PPOConfig
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.connectors.learner import AddOneTsToEpisodesAndTruncate, GeneralAdvantageEstimation
 from ray.rllib.core.columns import Columns
 
-from agents.algorithms.base import adam, use_configured_lr
+from agents.algorithms.base import REFERENCE_KL, DeclaredParams, Param, adam, rllib_fields, use_configured_lr
 from agents.algorithms.kl_control import AdaptiveKLController, ReferenceKLPenalty
 from agents.algorithms.mle import ReferencePairs, reference_nll
 from agents.algorithms.sequence_batching import (
@@ -38,6 +37,7 @@ from agents.algorithms.sequence_batching import (
 )
 from agents.core import MASK_SIZE, global_rng_state, set_global_rng_state, state_requested
 from agents.weight_sync import install_colocated_sync
+from env.validation import Field
 
 LEARNER_RNG = "rng_state"  # learner state key: the generators of its updates
 
@@ -83,6 +83,23 @@ def policy_shift_metrics(batch, logp, fwd_out, mean) -> dict:
     if MASK_SIZE in fwd_out:
         out.update(mask_size=mean(fwd_out[MASK_SIZE]), actions_outside_mask=mean(outside))
     return out
+
+
+# The token learners' `training` hyperparameters (PPO reads them all; A2C/A3C and REINFORCE
+# `pick` theirs): declared here once, for the YAML schema, the spec and the RLlib config.
+TOKEN_TRAINING = {
+    "minibatch_size": Param(Field(int, 256, lo=1)),
+    "num_epochs": Param(Field(int, 4, lo=1)),
+    "lambda": Param(Field(float, 0.95, lo=0.0, hi=1.0), "lambda_"),
+    "clip_param": Param(Field(float, 0.2, lo=0.0, lo_open=True)),
+    "vf_loss_coeff": Param(Field(float, 0.5, lo=0.0)),
+    "vf_clip_param": Param(Field(float, 10.0, lo=0.0, lo_open=True)),
+    "entropy_coeff": Param(Field(float, 0.0, lo=0.0)),
+    # Mixed objective: + mle_coef * NLL of the task's reference continuations given their
+    # prompts (mle_batch_size pairs per loss computation, mle.py); 0: pure RL.
+    "mle_coef": Param(Field(float, 0.0, lo=0.0)),
+    "mle_batch_size": Param(Field(int, 16, lo=1)),
+}
 
 
 class LossScaler(torch.amp.GradScaler):
@@ -239,32 +256,13 @@ class TokenLearner(PPOTorchLearner):
         set_global_rng_state(saved["global"])
 
 
-class TokenLearnerConfig(PPOConfig):
-    """RLlib's PPOConfig plus the options every token learner reads (reference KL, MLE term)."""
+class TokenLearnerConfig(DeclaredParams, PPOConfig):
+    """RLlib's PPOConfig plus the options every token learner reads (reference KL, MLE term),
+    attributes and defaults from `TOKEN_TRAINING` and `REFERENCE_KL`."""
 
-    def __init__(self, algo_class=None):
-        super().__init__(algo_class=algo_class)
-        # Per-token KL penalty against the frozen initial policy, folded into the rewards before
-        # GAE (kl_control.py): coefficient, and the adaptive controller's target KL per sequence
-        # and horizon in sequences (kl_adaptive false: the coefficient stays fixed).
-        self.ref_kl_coef: float = 0.0
-        self.ref_kl_adaptive: bool = False
-        self.ref_kl_target: float = 6.0
-        self.ref_kl_horizon: int = 10000
-        # Mixed objective: + mle_coef * NLL of the task's reference continuations given their
-        # prompts, mle_batch_size pairs per loss computation (mle.py); 0: pure RL.
-        self.mle_coef: float = 0.0
-        self.mle_batch_size: int = 16
-
-    def training(self, *, ref_kl_coef=NotProvided, ref_kl_adaptive=NotProvided, ref_kl_target=NotProvided,
-                 ref_kl_horizon=NotProvided, mle_coef=NotProvided, mle_batch_size=NotProvided, **kwargs):
-        super().training(**kwargs)
-        given = dict(ref_kl_coef=ref_kl_coef, ref_kl_adaptive=ref_kl_adaptive, ref_kl_target=ref_kl_target,
-                     ref_kl_horizon=ref_kl_horizon, mle_coef=mle_coef, mle_batch_size=mle_batch_size)
-        for name, value in given.items():
-            if value is not NotProvided:
-                setattr(self, name, value)
-        return self
+    @classmethod
+    def declared_params(cls) -> dict:
+        return rllib_fields(TOKEN_TRAINING, REFERENCE_KL)
 
     def build_learner_connector(self, input_observation_space, input_action_space, device=None):
         """RLlib's pipeline, as a `TokenLearnerPipeline`: the same pieces, and the same batch
