@@ -137,3 +137,18 @@ def test_the_checks_can_fail():
     graph = imports(project_modules())
     assert "agents.algorithms.ppo" in graph["agents.algorithms.a3c"]  # imports are read, lazy ones too
     assert "agents.guides" in graph["agents.modules.acting"]  # a lazy import, inside a method
+
+
+def test_files_and_classes_stay_readable():
+    """No module of agents/ or env/ over 500 lines, no class over 200, and each algorithm's own
+    module (agents/algorithms/__init__.py MODULES) readable on one screen: at most 250 lines."""
+    from agents.algorithms import MODULES
+
+    modules = project_modules()
+    lines = {name: len(open(path).read().splitlines()) for name, path in modules.items()}
+    assert not {n: k for n, k in lines.items() if k > 500}
+    assert not {n: lines[n] for n in MODULES if lines[n] > 250}
+    long_classes = {f"{name}.{node.name}": node.end_lineno - node.lineno + 1
+                    for name, path in modules.items() for node in ast.walk(ast.parse(open(path).read()))
+                    if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 200}
+    assert not long_classes
