@@ -124,355 +124,14 @@ def make_progress_callback(eval_interval: int = 0, quiet: bool = False):
     return ProgressPrinter()
 
 
-def drop_iterations_from(trial_dir: str, first: int, files=("result.json", "progress.csv")) -> bool:
-    """Removes the rows of iteration `first` and later from a trial's result.json and
-    progress.csv; True if there were any. A trial restored from a checkpoint repeats the
-    iterations after it, and its curve must not show them twice."""
-    import csv
-    import json
-
-    dropped = False
-    path = os.path.join(trial_dir, "result.json")
-    if "result.json" in files and os.path.isfile(path):
-        with open(path) as f:
-            lines = [line for line in f if line.strip()]
-        keep = [line for line in lines if json.loads(line).get("training_iteration", 0) < first]
-        if len(keep) < len(lines):
-            dropped = True
-            with open(path, "w") as f:  # Tune's logger appends (O_APPEND): it goes on after these
-                f.writelines(keep)
-    path = os.path.join(trial_dir, "progress.csv")
-    if "progress.csv" in files and os.path.isfile(path):
-        with open(path, newline="") as f:
-            rows = list(csv.reader(f))
-        if rows and "training_iteration" in rows[0]:
-            col = rows[0].index("training_iteration")
-            keep = [rows[0]] + [r for r in rows[1:] if r and int(float(r[col])) < first]
-            if len(keep) < len(rows):
-                dropped = True
-                with open(path, "w", newline="") as f:
-                    csv.writer(f).writerows(keep)
-    return dropped
-
-
-# Tune's JSON encoder calls `ray.util.debug.log_once(f"tune_func_encode:{obj}")` for every value
-# JSON cannot hold, and log_once keeps each key for the life of the process. Each save of the
-# experiment state (every `checkpoint.state_every_s`) encodes every metric's recent values (a
-# deque per metric), so the driver gained one key per metric and save: about 80 MB an hour.
-ENCODER_LOG_KEY = "tune_func_encode:"
-
-
-def forget_encoded_values() -> int:
-    """Drops the keys Tune's encoder left in the driver's `log_once` registry; returns how many."""
-    from ray.util import debug
-
-    stale = [key for key in debug._logged if key.startswith(ENCODER_LOG_KEY)]
-    debug._logged.difference_update(stale)
-    return len(stale)
-
-
-# Tune's actor manager adds every task it schedules on a trial's actor (each `train()` call, each
-# save) to a per-actor set of futures, and empties that set only when the actor is removed: a
-# trial's driver kept the reference to every result it had received, so each result stayed in the
-# driver's object store for the trial's life (about 17 KB per quickstart iteration, 35-45 MB an
-# hour). `release_resolved_task_futures` drops a future from that set once it has resolved; the
-# set then holds only the tasks still running, which is what removing an actor needs.
-def release_resolved_task_futures() -> None:
-    """Installs the fix on Tune's actor manager (once per process; driver side)."""
-    from ray.air.execution._internal.actor_manager import RayActorManager
-
-    original = RayActorManager._schedule_tracked_actor_task
-    if getattr(original, "releases_resolved_futures", False):
-        return
-
-    def schedule(self, tracked_actor_task, method_name, *, args=None, kwargs=None, _return_future=False):
-        task, future = original(self, tracked_actor_task, method_name, args=args, kwargs=kwargs, _return_future=True)
-        actor, tracked = task._tracked_actor, self._actor_task_events._tracked_futures
-        on_result, on_error = tracked[future]
-
-        def forget():
-            futures = self._tracked_actors_to_task_futures.get(actor)
-            if futures is not None:
-                futures.discard(future)
-
-        def result(value):
-            forget()
-            return on_result(value)
-
-        def error(exception):
-            forget()
-            return on_error(exception)
-
-        tracked[future] = (result, error)
-        return (task, future) if _return_future else task
-
-    schedule.releases_resolved_futures, schedule.original = True, original
-    RayActorManager._schedule_tracked_actor_task = schedule
-
-
-def check_experiment_state(experiment: str) -> None:
-    """Refuses, in one line, an experiment whose saved state is empty or cut short. Tune copies
-    the experiment from the driver's staging directory to the storage path in a background
-    thread; a driver killed during that copy leaves empty files, and Tune would then start the
-    run afresh under the old name or wait forever for a trial that never starts."""
-    import glob
-    import json
-
-    states = sorted(glob.glob(os.path.join(experiment, "experiment_state-*.json")), key=os.path.getmtime)
-    if not states:
-        return
-    try:
-        with open(states[-1]) as f:
-            json.load(f)
-    except (OSError, ValueError):
-        raise ValueError(f"--resume: the experiment state {states[-1]} is empty or cut short (the run was killed "
-                         "while Tune was copying it to the storage path); there is nothing to resume from") from None
-
-
-def make_log_once_pruner(every_s: float = 10.0):
-    from ray.tune import Callback
-
-    class ForgetEncodedValues(Callback):
-        """Keeps the driver's memory flat over long runs (see `forget_encoded_values`)."""
-
-        def __init__(self):
-            self._next = 0.0
-
-        def on_step_end(self, iteration, trials, **info):
-            now = time.monotonic()
-            if now >= self._next:
-                self._next = now + every_s
-                forget_encoded_values()
-
-    return ForgetEncodedValues()
-
-
-def make_curve_logger():
-    from ray.tune.logger import TBXLoggerCallback
-
-    class ContinuousCurves(TBXLoggerCallback):
-        """Tune's TensorBoard logger, and a restored trial's curves without repeated iterations.
-
-        When a trial comes back from a checkpoint (a retry, or `--resume` in a new driver)
-        its first result repeats an iteration already logged: the rows from there on are
-        dropped from result.json and progress.csv before Tune's loggers append, and the
-        TensorBoard writer is reopened with `purge_step`, which hides the old events from
-        that step on.
-        """
-
-        def __init__(self):
-            super().__init__()
-            self._last_iteration = {}
-
-        def log_trial_result(self, iteration, trial, result):
-            n = result.get("training_iteration")
-            last = self._last_iteration.get(trial)
-            if n is not None and (last is None or n <= last):
-                if drop_iterations_from(trial.local_path, n) or (last is not None and n <= last):
-                    if trial in self._trial_writer:
-                        self._trial_writer[trial].close()
-                    trial.init_local_path()
-                    self._trial_writer[trial] = self._summary_writer_cls(
-                        trial.local_path, flush_secs=30, purge_step=n)
-                    self._trial_result[trial] = {}
-            if n is not None:
-                self._last_iteration[trial] = n
-            super().log_trial_result(iteration, trial, result)
-
-    return ContinuousCurves()
-
-
-def make_progress_csv_logger():
-    from ray.tune.logger import CSVLoggerCallback
-
-    class ContinuousProgressCsv(CSVLoggerCallback):
-        """Tune's progress.csv logger, without a restored trial's repeated iterations.
-
-        Tune opens progress.csv at a trial's first result in this driver and, for a trial
-        with a checkpoint, first copies it back from storage, where it may hold rows past
-        that checkpoint (the storage copy is synced on its own schedule). The rows from
-        the repeated iteration on are dropped after that copy, before the first append.
-        (A trial retried in the same driver keeps its file open and gets no copy; there
-        ContinuousCurves drops the rows.)
-        """
-
-        def log_trial_result(self, iteration, trial, result):
-            if trial not in self._trial_files:
-                self._setup_trial(trial)
-                n = result.get("training_iteration")
-                if n is not None:
-                    # Tune's handle appends (O_APPEND): it writes after the rows kept here.
-                    drop_iterations_from(trial.local_path, n, files=("progress.csv",))
-            super().log_trial_result(iteration, trial, result)
-
-    return ContinuousProgressCsv()
-
-
-def make_scheduler(cfg: dict, *, keep_running: bool = False):
-    """ASHA early stopping or Population Based Training on the run's metric, or None (FIFO:
-    every trial runs to its stop criteria). keep_running: see make_pbt."""
-    t = cfg["tune"]
-    if t["scheduler"] == "pbt":
-        return make_pbt(cfg, keep_running=keep_running)
-    if t["scheduler"] != "asha":
-        return None
-    from ray.tune.schedulers import ASHAScheduler
-
-    return ASHAScheduler(
-        time_attr="training_iteration", metric=t["metric"], mode=t["mode"],
-        max_t=cfg["stop"]["training_iteration"] or 10**6, grace_period=t["grace_period"],
-        reduction_factor=t["reduction_factor"],
-    )
-
-
-def make_pbt(cfg: dict, *, keep_running: bool = False):
-    """Tune's PopulationBasedTraining over `tune.hyperparam_mutations`, every
-    `tune.perturbation_interval` training iterations. A trial that gets there is ranked against
-    the others' latest scores: in the top quantile PBT has it save a checkpoint; in the bottom
-    one it is paused, given a top trial's config with the mutated keys perturbed, and restarted
-    in a new actor (RLlib's Algorithm has no reset_config, so Tune does not reuse actors) that
-    restores that trial's last PBT checkpoint.
-
-    Asynchronous only: in Tune's synch mode a trial paused to wait for the others was once saved
-    twice at the perturbation (by the pause, it seems, then by PBT), and its next checkpoint went into
-    the second save's directory, which PBT had handed to the exploiting trial: that trial
-    restored later weights than PBT logged (docs/results/pbt.md).
-
-    keep_running: the whole population runs at once, so a trial that reaches a perturbation
-    while another waits to restart goes on instead of being paused (agents.pbt.KeepRunningPBT)."""
-    from agents.config import pbt_mutations
-    from agents.pbt import KeepInBounds, KeepRunningPBT
-
-    t = cfg["tune"]
-    mutations, bounds = pbt_mutations(cfg)
-    return KeepRunningPBT(
-        time_attr="training_iteration", metric=t["metric"], mode=t["mode"],
-        perturbation_interval=t["perturbation_interval"], hyperparam_mutations=mutations,
-        quantile_fraction=t["quantile_fraction"], resample_probability=t["resample_probability"],
-        custom_explore_fn=KeepInBounds(bounds) if bounds else None, synch=False, keep_running=keep_running,
-    )
-
-
 def population_runs_at_once(cfg: dict, available: dict) -> bool:
     """Whether every trial of the experiment can run at the same time: within
     tune.max_concurrent_trials and within `available` (the Ray cluster's resources)."""
-    from agents.config import population
+    from agents.schema import population
 
     n, need = population(cfg), trial_resources(cfg)
     return n <= cfg["tune"]["max_concurrent_trials"] and all(
         n * need[k] <= available.get(k, 0) + 1e-9 for k in ("CPU", "GPU") if need[k])
-
-
-def wandb_logged_steps(folder: str, run_id: str) -> list[int]:
-    """The steps logged to W&B run `run_id` in the offline (or synced) run folders under
-    `folder`/wandb, oldest run first."""
-    import glob
-
-    steps = []
-    for path in sorted(glob.glob(os.path.join(folder, "wandb", f"*-{run_id}", f"run-{run_id}.wandb"))):
-        steps += wandb_run_file_steps(path)
-    return steps
-
-
-def wandb_run_file_steps(path: str) -> list[int]:
-    """The history steps in one W&B run file (`run-<id>.wandb`: W&B's record log, 32 KiB blocks
-    of chunks with a 7-byte header, each record a protobuf `Record`). A file cut short by a
-    killed process gives the records before the cut."""
-    import struct
-
-    from wandb.proto import wandb_internal_pb2
-
-    with open(path, "rb") as f:
-        data = f.read()
-    steps, pos, block, record = [], 7, 32768, b""  # after the file header (":W&B", version)
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:  # block trailer
-            pos += left
-            continue
-        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if n == 0 and kind == 0:  # zero padding to the end of the block
-            pos += left
-            continue
-        if pos + 7 + n > len(data):
-            break
-        record += data[pos + 7:pos + 7 + n]
-        pos += 7 + n
-        if kind in (1, 4):  # a full record, or the last chunk of one
-            rec = wandb_internal_pb2.Record()
-            try:
-                rec.ParseFromString(record)
-            except Exception:  # noqa: BLE001 - a torn record at a kill: stop at it
-                break
-            record = b""
-            if rec.WhichOneof("record_type") == "history":
-                steps.append(int(rec.history.step.num))
-    return steps
-
-
-class SkipLoggedSteps:
-    """`wandb` for Ray's W&B logging actor, logging only steps after those the run already has:
-    `init` finds the last one (W&B's resumed step count online, the trial's earlier offline run
-    files offline) and `log` drops results of iterations up to it (a resumed trial repeats the
-    iterations after its checkpoint)."""
-
-    def __init__(self, wandb, folder: str):
-        self._wandb, self._folder, self.last_logged = wandb, folder, 0
-
-    def init(self, *args, **kwargs):
-        earlier = wandb_logged_steps(kwargs.get("dir") or self._folder, kwargs["id"]) if kwargs.get("id") else []
-        run = self._wandb.init(*args, **kwargs)
-        self.last_logged = max([int(getattr(run, "starting_step", 0) or 0) - 1, 0, *earlier])
-        return run
-
-    def log(self, data, step=None, **kwargs):
-        if step is not None and step <= self.last_logged:
-            return None
-        return self._wandb.log(data, step=step, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._wandb, name)
-
-
-def make_wandb_callback(cfg: dict, name: str):
-    from ray.air.integrations.wandb import WandbLoggerCallback, _WandbLoggingActor
-
-    online = os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") == "online"
-    mode = os.environ.get("WANDB_MODE") or ("online" if online else "offline")
-    os.environ["WANDB_MODE"] = mode  # Ray's callback reads it to skip the API-key check offline
-    print(f"W&B: logging every trial to project {os.environ.get('WANDB_PROJECT', cfg['tune']['wandb_project'])!r} "
-          f"({mode}{'; upload later with `wandb sync <trial dir>/wandb/offline-run-*`' if mode == 'offline' else ''})",
-          flush=True)
-    class ResumingWandbLogger(_WandbLoggingActor):
-        """Ray's W&B logging actor, resuming the trial's W&B run without logging a step twice."""
-
-        def __init__(self, logdir, *args, **kwargs):
-            super().__init__(logdir, *args, **kwargs)
-            self._wandb = SkipLoggedSteps(self._wandb, logdir)
-
-    class TrialDirWandb(WandbLoggerCallback):
-        """W&B runs go straight into each trial's own folder when storage is local.
-
-        Ray starts the logging process in the trial's driver staging folder, which is copied
-        to storage when the trial ends; the last trials to end finish their W&B run after
-        that copy, so their offline runs would stay behind in Ray's session folder. A
-        restored trial resumes its W&B run (same id) and skips the steps it already holds.
-        """
-
-        _logger_actor_cls = ResumingWandbLogger
-
-        def log_trial_start(self, trial):
-            import pyarrow.fs
-
-            if isinstance(trial.storage.storage_filesystem, pyarrow.fs.LocalFileSystem):
-                os.makedirs(trial.path, exist_ok=True)
-                self.kwargs["dir"] = trial.path
-            else:
-                self.kwargs.pop("dir", None)
-            super().log_trial_start(trial)
-
-    return TrialDirWandb(project=os.environ.get("WANDB_PROJECT", cfg["tune"]["wandb_project"]), group=name,
-                         mode=mode, resume="allow", excludes=["_model_config", "env_config"])
 
 
 def trial_resources(cfg: dict) -> dict:
@@ -531,6 +190,10 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
     from ray import tune
 
     from agents.config import algorithm_config
+    from agents.pbt import make_scheduler
+    from agents.workarounds import (check_experiment_state, make_curve_logger, make_log_once_pruner,
+                                    make_progress_csv_logger, make_wandb_callback, release_resolved_task_futures,
+                                    replace_restored_callbacks)
 
     tune_cfg = cfg["tune"]
     storage = os.path.abspath(tune_cfg["storage_path"])
@@ -593,7 +256,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_errored=True)
         # The restored run config carries the callbacks pickled at the start; print through this
         # process's instead, so progress lines and the summary cover the resumed iterations.
-        tuner._local_tuner.get_run_config().callbacks = callbacks
+        replace_restored_callbacks(tuner, callbacks)
     else:
         tuner = tune.Tuner(
             trainable,
@@ -611,7 +274,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
     start = time.time()
     with warnings.catch_warnings():
         # Tune suggests reuse_actors for PBT; RLlib's Algorithm has no reset_config, so an
-        # exploiting trial gets a new actor built from its new config (see make_pbt).
+        # exploiting trial gets a new actor built from its new config (see agents.pbt.make_pbt).
         warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
         grid = tuner.fit()
     return grid, progress, experiment, time.time() - start
@@ -674,7 +337,7 @@ def _searched_training_keys(cfg: dict) -> list[tuple[str, str]]:
 def _trial_row(cfg: dict, result, progress) -> dict:
     config = result.config or {}
     sampler = (config.get("_model_config") or {}).get("sampler") or {"name": "none"}
-    from agents.config import SAMPLER_PARAMS
+    from agents.schema import SAMPLER_PARAMS
 
     params = {k: sampler.get(k) for k in SAMPLER_PARAMS.get(sampler.get("name"), ())}
     row = {

@@ -186,7 +186,7 @@ SPEC = ToySpec()
 
 def test_a_new_algorithm_is_its_module_plus_one_registration_line(tmp_path, monkeypatch):
     import agents.algorithms as registry
-    import agents.config as config_module
+    import agents.schema as config_module
 
     (tmp_path / "toy_algorithm.py").write_text(TOY_ALGORITHM)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -100,7 +100,7 @@ def test_mutations_as_tune_gets_them_and_the_starting_values():
     from ray.tune.schedulers import PopulationBasedTraining
     from ray.tune.search.sample import Float
 
-    from agents.train import make_scheduler
+    from agents.pbt import make_scheduler
 
     cfg = load(PBT_YAML)
     mutations, bounds = pbt_mutations(cfg)

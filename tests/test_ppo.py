@@ -133,7 +133,7 @@ def test_resumed_trial_progress_csv_keeps_each_iteration_once_when_storage_copy_
 
     import pyarrow.fs
 
-    from agents.train import make_progress_csv_logger
+    from agents.workarounds import make_progress_csv_logger
 
     def write(path, iterations):
         os.makedirs(path, exist_ok=True)

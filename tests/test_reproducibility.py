@@ -185,7 +185,7 @@ def test_resumed_wandb_run_logs_only_the_steps_it_does_not_hold(tmp_path, monkey
     iterations 4-8 again from the checkpoint: the run files hold 1..8, each once."""
     import wandb
 
-    from agents.train import SkipLoggedSteps, wandb_logged_steps
+    from agents.workarounds import SkipLoggedSteps, wandb_logged_steps
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -269,7 +269,7 @@ def test_run_killed_after_a_checkpoint_and_resumed_matches_the_uninterrupted_run
         assert got[i] == expected[i], (i, got[i], expected[i])
     assert got[6] != got[5]  # the curve moves: equal rows are not a constant
 
-    from agents.train import wandb_logged_steps, wandb_run_file_steps
+    from agents.workarounds import wandb_logged_steps, wandb_run_file_steps
 
     # W&B's offline writer keeps its last partial 32 KiB block in memory, so a SIGKILL loses the
     # newest records (often all of the killed run's): what the run files hold must have no
@@ -294,7 +294,7 @@ def test_saving_the_experiment_state_does_not_grow_the_driver():
     from ray.tune.utils.serialization import TuneFunctionEncoder
     from ray.util import debug
 
-    from agents.train import make_log_once_pruner
+    from agents.workarounds import make_log_once_pruner
 
     pruner = make_log_once_pruner(every_s=0.0)
     debug._logged.add("an unrelated warning")
@@ -336,7 +336,7 @@ def test_a_long_trial_does_not_keep_its_results_in_the_driver(ray_local, tmp_pat
     # iteration) until the trial ended: the driver grew by a result per iteration.
     from ray.air.execution._internal.actor_manager import RayActorManager
 
-    from agents.train import release_resolved_task_futures
+    from agents.workarounds import release_resolved_task_futures
 
     release_resolved_task_futures()
     patched = RayActorManager._schedule_tracked_actor_task
@@ -350,7 +350,7 @@ def test_a_long_trial_does_not_keep_its_results_in_the_driver(ray_local, tmp_pat
 def test_resume_refuses_an_experiment_state_cut_short_in_one_line(tmp_path):
     """A driver killed while Tune copied its experiment to the storage path leaves empty files;
     --resume says so instead of starting afresh or waiting for a trial that never starts."""
-    from agents.train import check_experiment_state
+    from agents.workarounds import check_experiment_state
 
     state = tmp_path / "experiment_state-2026-11-24_12-41-31.json"
     state.write_text("")

@@ -86,7 +86,7 @@ def test_asha_from_the_config_stops_a_trial_below_the_rung_and_fifo_has_no_sched
     from ray.tune.schedulers import TrialScheduler
 
     from agents.config import load
-    from agents.train import make_scheduler
+    from agents.pbt import make_scheduler
 
     assert make_scheduler(load(QUICKSTART, ["tune.scheduler=fifo"])) is None
     metric = "env_runners/episode_return_mean"
