@@ -36,7 +36,8 @@ import time
 import torch
 
 from agents.config import read_yaml
-from env.validation import ConfigError, Field as F, first_line, unknown_key
+from agents.schema import check_section, check_sections_known
+from env.validation import ConfigError, Field as F, first_line
 from env.tasks.data import DATA_OPTIONS, DataError, DataSpec, load_rows
 
 SCHEMA = {
@@ -77,27 +78,14 @@ SCHEMA = {
 # -- config ---------------------------------------------------------------------------
 
 def validate(raw) -> dict:
-    if not isinstance(raw, dict):
-        raise ConfigError("config: the YAML file must hold a mapping at the top level")
-    for key in raw:
-        if key not in SCHEMA:
-            raise unknown_key("", key, SCHEMA)
+    check_sections_known(raw, SCHEMA)
     cfg = {}
     for key, spec in SCHEMA.items():
         value = raw.get(key)
         if isinstance(spec, F):
             cfg[key] = spec.default if value is None else spec.check(key, value)
             continue
-        value = {} if value is None else value
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        extra = DATA_OPTIONS if key == "data" else {}
-        for sub in value:
-            if sub not in spec and sub not in extra:
-                raise unknown_key(key, sub, {**spec, **extra})
-        cfg[key] = {sub: f.check(f"{key}.{sub}", value[sub]) if sub in value else f.default
-                    for sub, f in spec.items()}
-        cfg[key].update({sub: value.get(sub, default) for sub, default in extra.items()})
+        cfg[key] = check_section(key, spec, value, extra=DATA_OPTIONS if key == "data" else None)
     if not cfg["output_dir"]:
         raise ConfigError("output_dir: missing (the directory to write the model and tokenizer to)")
     d = cfg["data"]
