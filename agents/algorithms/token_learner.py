@@ -40,6 +40,7 @@ from agents.weight_sync import install_colocated_sync
 from env.validation import Field
 
 LEARNER_RNG = "rng_state"  # learner state key: the generators of its updates
+GRAD_SCALERS = "grad_scalers"  # learner state key (fp16): each module's loss scaler (scale, growth tracker)
 
 
 def learner_rank() -> int:
@@ -223,6 +224,8 @@ class TokenLearner(PPOTorchLearner):
             state["ref_kl_coef"] = self.kl_penalty.controller.coef
         if state_requested(LEARNER_RNG, components, not_components):
             state[LEARNER_RNG] = self._rng_state()
+        if self._grad_scalers and state_requested(GRAD_SCALERS, components, not_components):
+            state[GRAD_SCALERS] = {mid: scaler.state_dict() for mid, scaler in self._grad_scalers.items()}
         return state
 
     def set_state(self, state):
@@ -233,6 +236,9 @@ class TokenLearner(PPOTorchLearner):
             self.kl_penalty.controller.coef = float(state["ref_kl_coef"])
         if LEARNER_RNG in state:
             self._set_rng_state(state[LEARNER_RNG])
+        for mid, saved in state.get(GRAD_SCALERS, {}).items():  # fp16: the loss scale goes on where it was
+            if self._grad_scalers and mid in self._grad_scalers:
+                self._grad_scalers[mid].load_state_dict(saved)
 
     def _rng_state(self) -> dict:
         """The generators an update draws from: minibatch shuffles, the MLE pairs, and the

@@ -1,0 +1,34 @@
+"""What a learner's checkpoint carries beyond RLlib's: here fp16's loss scaler, so a resumed fp16
+run goes on at the scale it had reached instead of restarting at 65536."""
+import pytest
+
+from agents.config import algorithm_config, load
+from tests.conftest import QUICKSTART
+
+FP16 = ["training.precision=fp16", "training.train_batch_size=128", "training.minibatch_size=64",
+        "env.max_new_tokens=8", "env_runners.num_envs_per_env_runner=8"]
+
+
+@pytest.mark.slow
+def test_fp16_loss_scale_survives_a_checkpoint(ray_local, tmp_path):
+    algo = algorithm_config(load(QUICKSTART, FP16)).build_algo()
+    try:
+        algo.train()
+        scaler = algo.learner_group._learner._grad_scalers["default_policy"]
+        # as after overflowed steps halved the scale and 3 clean steps since (the growth tracker)
+        scaler.load_state_dict({**scaler.state_dict(), "scale": 1024.0, "_growth_tracker": 3})
+        saved = scaler.state_dict()
+        assert saved["scale"] == 1024.0 and saved["_growth_tracker"] == 3
+        algo.save_to_path(str(tmp_path / "ckpt"))
+    finally:
+        algo.stop()
+    fresh = algorithm_config(load(QUICKSTART, FP16)).build_algo()
+    try:
+        fresh_scaler = fresh.learner_group._learner._grad_scalers["default_policy"]
+        fresh_scaler.get_scale()  # a scaler that has not stepped has no state yet: 65536 once it has
+        assert fresh_scaler.state_dict()["scale"] == 65536.0
+        fresh.restore_from_path(str(tmp_path / "ckpt"))
+        restored = fresh.learner_group._learner._grad_scalers["default_policy"].state_dict()
+        assert restored["scale"] == 1024.0 and restored["_growth_tracker"] == 3
+    finally:
+        fresh.stop()
