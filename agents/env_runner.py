@@ -95,7 +95,7 @@ from ray.rllib.utils.metrics import (
 from agents.core import ROW_CONTINUES, global_rng_state, set_global_rng_state, state_requested
 from agents.modules.decode_engine import HostTransfers
 from agents.rollout_state import (_module_rollout_states, _seed_module_rollouts, _set_module_rollout_states,
-                                  env_state, rollout_seed, set_env_state)
+                                  env_state, rollout_seed, sampling_state, set_env_state, set_sampling_state)
 from agents.weight_sync import COLOCATED
 from env.text_env import RepeatedPromptEnv, TokenGenerationEnv
 from env.vector_env import TokenGenerationVectorEnv, row_info
@@ -472,15 +472,17 @@ class _Rollout:
 
 
 class StockTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
-    """RLlib's runner with per-EnvRunner seeds and the generators in its state. Its episodes
-    in progress (RLlib's `_episodes`) are not saved: a resumed run starts new ones."""
+    """RLlib's runner with per-EnvRunner seeds, and in its state the generators and where its
+    sampling stands: the episodes in progress (DQN's n-step fragments end mid-episode), their
+    earlier chunks kept for the episode metrics, and the next module input, so a resumed run
+    samples on as the uninterrupted one (pinned in tests/test_rllib_contract.py)."""
 
     def _rollout_state(self) -> dict:
-        return {**super()._rollout_state(), "seeded_resets": getattr(self, "_seeded_resets", 0)}
+        return {**super()._rollout_state(), **sampling_state(self)}
 
     def _set_rollout_state(self, state: dict) -> None:
         super()._set_rollout_state(state)
-        self._seeded_resets = state["seeded_resets"]
+        set_sampling_state(self, state)
 
     def _try_env_reset(self, *, seed=None, options=None):
         if seed is not None:

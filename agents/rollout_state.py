@@ -8,6 +8,7 @@ for the learner's own draws, into the learner's (agents/algorithms/ppo.py).
 from __future__ import annotations
 
 import copy
+from collections import defaultdict
 
 import numpy as np
 from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
@@ -34,13 +35,27 @@ def env_state(env) -> dict:
         state["rows"] = [_private_state(row) for row in env.rows]
     elif hasattr(env, "envs"):  # gymnasium's SyncVectorEnv
         state["rows"] = [_private_state(e.unwrapped) for e in env.envs]
+        # and each row's wrappers' flags (e.g. OrderEnforcing's "has been reset")
+        state["wrappers"] = [[_private_state(w) for w in _wrappers(e)] for e in env.envs]
     return state
+
+
+def _wrappers(env) -> list:
+    """The gymnasium wrappers around a row, outermost first (not the row itself)."""
+    out = []
+    while env is not env.unwrapped:
+        out.append(env)
+        env = env.env
+    return out
 
 
 def set_env_state(env, state: dict) -> None:
     env = env.unwrapped
     rows = env.rows if isinstance(env, TokenGenerationVectorEnv) else [e.unwrapped for e in getattr(env, "envs", [])]
-    for obj, saved in [(env, state["env"])] + list(zip(rows, state.get("rows", []))):
+    pairs = [(env, state["env"])] + list(zip(rows, state.get("rows", [])))
+    for e, saved in zip(getattr(env, "envs", []), state.get("wrappers", [])):
+        pairs += list(zip(_wrappers(e), saved))
+    for obj, saved in pairs:
         for k, v in saved.items():
             setattr(obj, k, copy.deepcopy(v))
 
@@ -66,3 +81,28 @@ def _seed_module_rollouts(module, seed: int) -> None:
     for m in _modules(module).values():
         if hasattr(m.unwrapped(), "seed_rollouts"):
             m.unwrapped().seed_rollouts(seed)
+
+
+SAMPLING = ("needs_reset", "to_module", "shared", "ongoing", "chunks", "done")
+
+
+def sampling_state(runner) -> dict:
+    """Where RLlib's SingleAgentEnvRunner stands between sample() calls (the stock runner): the
+    seeded resets so far, the episodes in progress and their earlier chunks (for the episode
+    metrics), the next module input and the connectors' shared data, as copies of RLlib's objects
+    (SingleAgentEpisode.from_state cannot rebuild one whose extra model outputs it saved as buffers)."""
+    return {"seeded_resets": getattr(runner, "_seeded_resets", 0),
+            **copy.deepcopy({"needs_reset": runner._needs_initial_reset, "to_module": runner._cached_to_module,
+                             "shared": getattr(runner, "_shared_data", None), "ongoing": runner._ongoing_episodes,
+                             "chunks": dict(runner._ongoing_episodes_for_metrics),
+                             "done": runner._done_episodes_for_metrics})}
+
+
+def set_sampling_state(runner, state: dict) -> None:
+    runner._seeded_resets = state["seeded_resets"]
+    saved = copy.deepcopy({k: state[k] for k in SAMPLING})
+    runner._needs_initial_reset, runner._cached_to_module = saved["needs_reset"], saved["to_module"]
+    if saved["shared"] is not None:
+        runner._shared_data = saved["shared"]
+    runner._ongoing_episodes, runner._done_episodes_for_metrics = saved["ongoing"], saved["done"]
+    runner._ongoing_episodes_for_metrics = defaultdict(list, saved["chunks"])

@@ -63,7 +63,7 @@ def _key(input_ids, action) -> tuple:
 def test_q_targets_match_a_hand_computation_with_double_q_n_step_and_terminal_masking(replay):
     from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
 
-    from agents.algorithms.dqn import WholeEpisodeReplayBuffer
+    from agents.algorithms.replay import WholeEpisodeReplayBuffer
 
     extra = ["dqn.replay=steps", "dqn.prioritized=true"] if replay == "steps" else []
     cfg, learner, module = _learner(["dqn.n_step=3", "training.gamma=0.9", "dqn.td_loss=mse"] + extra)

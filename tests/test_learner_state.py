@@ -32,3 +32,23 @@ def test_fp16_loss_scale_survives_a_checkpoint(ray_local, tmp_path):
         assert restored["scale"] == 1024.0 and restored["_growth_tracker"] == 3
     finally:
         fresh.stop()
+
+
+DQN = ["training.train_batch_size=64", "dqn.learning_starts=40", "dqn.epsilon_steps=400", "env.max_new_tokens=8",
+       "env_runners.num_envs_per_env_runner=4", "evaluation.interval=0", "dqn.target_update_every=100",
+       "dqn.steps_per_iteration=100"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint_buffer", [True, False])
+def test_dqn_resumes_exactly_with_its_replay_buffer(ray_local, tmp_path, checkpoint_buffer):
+    """Checkpoint after iteration 2; with dqn.checkpoint_buffer the restored run's iterations 3-5
+    equal the uninterrupted run's (it replays the same stored episodes with the same draws);
+    without it the buffer refills from empty and the curves part."""
+    from tests.test_reproducibility import DQN_YAML, resumed, train
+
+    cfg = load(DQN_YAML, [*DQN, f"dqn.checkpoint_buffer={str(checkpoint_buffer).lower()}"])
+    uninterrupted = train(cfg, 5, checkpoint_at=2, path=tmp_path / "ckpt")
+    assert all("learners/default_policy/qf_loss" in c for c in uninterrupted[2:])  # it learned from replay
+    again = resumed(cfg, tmp_path / "ckpt", 3)
+    assert (again == uninterrupted[2:]) is checkpoint_buffer

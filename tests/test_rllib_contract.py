@@ -235,3 +235,25 @@ def test_tune_actor_manager_task_futures_released_by_the_driver():
     assert "self._actor_task_events.track_future(" in src
     assert "self._tracked_futures[future] = (on_result, on_error)" in inspect.getsource(RayEventManager.track_future)
     assert "on_result, on_error = self._tracked_futures.pop(future)" in inspect.getsource(RayEventManager.resolve_future)
+
+
+def test_stock_env_runner_sampling_state_saved_by_the_stock_token_env_runner():
+    # agents/rollout_state.py sampling_state (StockTokenEnvRunner) saves where RLlib's runner stands
+    # between sample() calls (episodes in progress, their chunks for metrics, the next module
+    # input, the connectors' shared data) so a resumed DQN run samples on exactly.
+    from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
+
+    init, sample = inspect.getsource(SingleAgentEnvRunner.__init__), inspect.getsource(SingleAgentEnvRunner._sample)
+    for name in ("_cached_to_module", "_needs_initial_reset", "_ongoing_episodes", "_done_episodes_for_metrics",
+                 "_ongoing_episodes_for_metrics"):
+        assert f"self.{name}" in init, name
+    for name in ("_cached_to_module", "_needs_initial_reset", "_ongoing_episodes", "_shared_data"):
+        assert f"self.{name}" in sample, name
+
+
+def test_dqn_learner_target_update_time_saved_by_the_lm_dqn_learner():
+    # agents/algorithms/dqn.py LMDQNTorchLearner.get_state saves last_update_ts_by_mid (when each
+    # target network was last synced), which RLlib's DQN learner keeps outside its state.
+    from ray.rllib.algorithms.dqn.dqn_learner import DQNLearner
+
+    assert "self.last_update_ts_by_mid[" in inspect.getsource(DQNLearner.after_gradient_based_update)

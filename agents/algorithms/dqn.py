@@ -33,52 +33,17 @@ import numpy as np
 from ray.rllib.algorithms.dqn import DQN, DQNConfig
 from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
 from ray.rllib.core.columns import Columns
-from ray.rllib.env.single_agent_episode import SingleAgentEpisode
-from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 
 from agents.algorithms.base import (REFERENCE_KL, AlgorithmSpec, DeclaredParams, adam, candidates, pick, plain, rllib_fields,
                                    use_configured_lr)
-from agents.core import SEQ_ID
+from agents.algorithms.replay import WholeEpisodeReplayBuffer
+from agents.core import state_requested
 from agents.modules.actor_critic import reference_logp
 from agents.weight_sync import install_colocated_sync
 from env.validation import ConfigError, Field
 
 REF_LOGP_MEAN = "ref_logp_mean"
-
-
-class WholeEpisodeReplayBuffer(EpisodeReplayBuffer):
-    """Replays whole stored episodes: `sample(num_items)` returns every step of randomly
-    drawn episodes (uniformly, with replacement) until at least `num_items` steps, each as
-    RLlib's one-transition episode `(o_t, a_t, n-step return, o_t+n)` with `n_step`,
-    `weights` (1.0) and `seq_id` (its stored episode) as extra model outputs."""
-
-    def sample(self, num_items=None, *, n_step=None, gamma: float = 0.99, **kwargs):
-        n_lo, n_hi = (n_step, n_step + 1) if isinstance(n_step, int) else tuple(n_step or (1, 2))
-        out, total = [], 0
-        while total < (num_items or 1) and self.episodes:
-            position = int(self.rng.integers(len(self.episodes)))
-            episode = self.episodes[position]
-            steps = len(episode)
-            if steps == 0:
-                continue
-            rewards = np.asarray(episode.get_rewards(), dtype=np.float64)
-            seq = position  # groups one sample()'s steps by stored episode (a deterministic order)
-            for t in range(steps):
-                n = min(int(self.rng.integers(n_lo, n_hi)), steps - t)
-                end = t + n
-                out.append(SingleAgentEpisode(
-                    observations=[episode.get_observations(t), episode.get_observations(end)],
-                    actions=[episode.get_actions(t)],
-                    rewards=[float(np.sum(rewards[t:end] * gamma ** np.arange(n)))],
-                    terminated=end == steps and episode.is_terminated,
-                    truncated=end == steps and episode.is_truncated,
-                    observation_space=episode.observation_space, action_space=episode.action_space,
-                    extra_model_outputs={"n_step": [n], "weights": [1.0], SEQ_ID: [seq]},
-                    len_lookback_buffer=0, t_started=t,
-                ))
-            total += steps
-        self.sampled_timesteps += total
-        return out
+REPLAY_BUFFER = "replay_buffer"  # algorithm state key (dqn.checkpoint_buffer)
 
 
 class LMDQNTorchLearner(DQNTorchLearner):
@@ -98,16 +63,21 @@ class LMDQNTorchLearner(DQNTorchLearner):
         self.register_optimizer(module_id=module_id, optimizer=adam(params, self), params=params,
                                 lr_or_lr_schedule=config.lr)
 
+    def get_state(self, *args, **kwargs):
+        # and when each module's target network was last synced (RLlib's learner keeps it apart)
+        return {**super().get_state(*args, **kwargs), "target_updated_at": dict(self.last_update_ts_by_mid)}
+
     def set_state(self, state):
         super().set_state(state)
         use_configured_lr(self)
+        self.last_update_ts_by_mid.update(state.get("target_updated_at", {}))
 
 
 class LMDQNConfig(DeclaredParams, DQNConfig):
     @classmethod
     def declared_params(cls) -> dict:
         # Every step's reward gains ref_kl_coef * log p_ref(a_t | s_t) under the frozen initial LM.
-        return rllib_fields(DQNSpec.reward_params)
+        return {**rllib_fields(DQNSpec.reward_params), "checkpoint_buffer": DQNSpec.schema["checkpoint_buffer"]}
 
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or LMDQN)
@@ -125,9 +95,26 @@ class LMDQN(DQN):
         super().setup(config)
         install_colocated_sync(self)  # one process, one device: weights go device to device
 
+    def get_state(self, components=None, *, not_components=None, **kwargs):
+        """RLlib's state; with `dqn.checkpoint_buffer`, also the replay buffer (at most its
+        capacity in steps) and the generator it draws from, which RLlib does not save."""
+        state = super().get_state(components, not_components=not_components, **kwargs)
+        buffer = self.local_replay_buffer
+        if (self.config.checkpoint_buffer and buffer is not None
+                and state_requested(REPLAY_BUFFER, components, not_components)):
+            state[REPLAY_BUFFER] = {"buffer": buffer.get_state(), "rng": buffer.rng.bit_generator.state}
+        return state
+
+    def set_state(self, state) -> None:
+        super().set_state(state)
+        saved = state.get(REPLAY_BUFFER)
+        if saved is not None and self.local_replay_buffer is not None:
+            self.local_replay_buffer.set_state(saved["buffer"])
+            self.local_replay_buffer.rng.bit_generator.state = saved["rng"]
+
     def _create_local_replay_buffer_if_necessary(self, config):
         # RLlib builds buffers from a type name it looks up in its own package. A dotted type
-        # ("agents.algorithms.dqn.WholeEpisodeReplayBuffer") is not a way out: under Tune,
+        # ("agents.algorithms.replay.WholeEpisodeReplayBuffer") is not a way out: under Tune,
         # AlgorithmConfig.update_from_dict turns it into a class and RLlib's own
         # `"EpisodeReplayBuffer" in type` check then raises TypeError. Pinned in
         # tests/test_rllib_contract.py.
@@ -179,6 +166,9 @@ class DQNSpec(AlgorithmSpec):
         "steps_per_iteration": Field(int, 1000, lo=1),
         # agents.generate without --greedy samples softmax(Q / sample_temperature).
         "sample_temperature": Field(float, 1.0, lo=0.0, lo_open=True),
+        # true: checkpoints hold the replay buffer (up to replay_capacity steps), so a resumed run
+        # replays what the interrupted one would have; false: a resumed run refills it from empty.
+        "checkpoint_buffer": Field(bool, False),
     }
     whole_episodes = False  # n-step fragments (batch_mode truncate_episodes) for the replay buffer
     sampler_refusal = ("DQN acts epsilon-greedy on its Q-values; truncation samplers and their masking (current or "
@@ -230,6 +220,7 @@ class DQNSpec(AlgorithmSpec):
                 "capacity": dqn["replay_capacity"],
                 **({"alpha": dqn["alpha"], "beta": dqn["beta"]} if prioritized else {}),
             },
+            checkpoint_buffer=dqn["checkpoint_buffer"],
             **super().training(cfg, c),  # the reference term's coefficient
         )
 
