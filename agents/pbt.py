@@ -47,7 +47,7 @@ def check_scheduler(raw: dict, cfg: dict, spec, *, full: dict, check_space, popu
     scheduler = t["scheduler"]
     for keys, owner in ((PBT_KEYS, "pbt"), (ASHA_KEYS, "asha")):
         for key in keys:
-            if given.get(key) is not None and scheduler != owner and (owner == "pbt" or scheduler == "pbt"):
+            if given.get(key) is not None and scheduler != owner:
                 raise ConfigError(f"tune.{key}: only used by tune.scheduler {owner} (this config's scheduler is "
                                   f"{scheduler!r})")
     if scheduler != "pbt":

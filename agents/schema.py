@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import copy
 
-from agents.algorithms.base import COMMON_TRAINING, candidates as _candidates, plain as _plain
+from agents.algorithms.base import COMMON_TRAINING, REFERENCE_KL, candidates as _candidates, plain as _plain
 from agents.pbt import check_scheduler
+from env.tasks import check_task
 from env.validation import ConfigError, Field, is_search_space as _is_search_space, unknown_key
 
 F = Field
@@ -25,7 +26,7 @@ PRECISIONS = ["fp32", "bf16", "fp16"]
 GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
     "algorithm": F(str, "ppo"),
     "seed": F(int, 0, **NONNEG_INT),
-    "task": {  # extra keys are passed to the task; its constructor checks them
+    "task": {  # extra keys are passed to the task, checked against its constructor (env.tasks.check_task)
         "name": F(str, "increasing_numbers"),
     },
     "model": {
@@ -61,32 +62,19 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         "masking": F(str, "current", choices=["current", "learned"]),
         "sync_every": F(int, 100, **POS_INT),
     },
-    "reward": {
-        "kl_coef": F(float, 0.0, lo=0.0),
-        "kl_adaptive": F(bool, False),
-        "kl_target": F(float, 6.0, lo=0.0, lo_open=True),
-        "kl_horizon": F(int, 10000, **POS_INT),
-    },
-    "training": {  # each algorithm reads COMMON_TRAINING and its spec's training_keys; others are refused
+    # the reference-KL term: agents/algorithms/base.py REFERENCE_KL
+    "reward": {key: param.field for key, param in REFERENCE_KL.items()},
+    # COMMON_TRAINING, which every algorithm reads; schema() adds each algorithm's `training_params`
+    # (agents/algorithms/), and a key the chosen algorithm does not read is refused.
+    "training": {
         "lr": F(float, 1e-4, lo=0.0, lo_open=True),
         # Linear annealing (A3C anneals to 0): lr falls from `lr` to `lr_end` over `lr_decay_steps`
         # sampled env steps, then stays there; both null: constant lr.
         "lr_end": F(float, None, lo=0.0, optional=True),
         "lr_decay_steps": F(int, None, **POS_INT, optional=True),
         "train_batch_size": F(int, 1024, **POS_INT),
-        "minibatch_size": F(int, 256, **POS_INT),
-        "num_epochs": F(int, 4, **POS_INT),
         "gamma": F(float, 1.0, lo=0.0, hi=1.0),
-        "lambda": F(float, 0.95, lo=0.0, hi=1.0),
-        "clip_param": F(float, 0.2, lo=0.0, lo_open=True),
-        "vf_loss_coeff": F(float, 0.5, lo=0.0),
-        "vf_clip_param": F(float, 10.0, lo=0.0, lo_open=True),
-        "entropy_coeff": F(float, 0.0, lo=0.0),
         "grad_clip": F(float, 1.0, lo=0.0, lo_open=True, optional=True),
-        # Mixed objective: + mle_coef * NLL of the task's reference continuations given their
-        # prompts (mle_batch_size pairs per loss computation); 0: pure RL.
-        "mle_coef": F(float, 0.0, lo=0.0),
-        "mle_batch_size": F(int, 16, **POS_INT),
         # The learner's passes under autocast (fp16 with a loss scaler); weights and optimizer
         # state stay float32 (LoRA: the frozen base is stored in this precision). Log-probs, the
         # PPO ratio and the KL are computed from float32 logits. auto: bf16 where the learner is on
@@ -181,11 +169,16 @@ def schema() -> dict:
     if not _SCHEMA:
         from agents.algorithms import specs
 
-        sections = {}
+        sections, training = {}, dict(GENERIC_SCHEMA["training"])
         for spec in dict.fromkeys(specs().values()):
             if spec.section:
                 sections[spec.section] = spec.schema
+            for key, param in spec.training_params.items():
+                if training.setdefault(key, param.field) is not param.field:
+                    raise RuntimeError(f"training.{key}: declared twice ({type(spec).__name__} and another; "
+                                       f"a spec picks another's Param instead)")
         _SCHEMA.update(GENERIC_SCHEMA)
+        _SCHEMA["training"] = training
         _SCHEMA["algorithm"] = F(str, "ppo", choices=list(specs()))
         for name, section in sections.items():
             _SCHEMA[name] = section
@@ -261,6 +254,7 @@ def validate(raw: dict) -> dict:
     _check_algorithm_fields(raw, out, spec)
     spec.check(raw, out)
     _check_cross_fields(out, spec)
+    check_task(out["task"])  # its keys against the task's constructor, without building it
     _check_scale(raw, out, spec)
     check_scheduler(raw, out, spec, full=schema(), check_space=_check_search_space, population=population)
     return out

@@ -243,3 +243,25 @@ def test_an_empty_config_and_a_model_directory_that_is_not_there_are_refused_in_
         f"error: env.tokenizer: no such directory '{tmp_path}/tok/'")
     err = one_line_cli_error(capsys, main, QUICKSTART, "--set", "model.name_or_path=nobody/no-such-model")
     assert err.startswith("error: model.name_or_path: cannot load 'nobody/no-such-model': not a local directory; ")
+
+
+def test_a_hyperparameter_added_to_an_algorithm_spec_in_one_place_is_validated_defaulted_and_reaches_rllib(
+        monkeypatch):
+    """One `Param` added to the token learners' table (agents/algorithms/token_learner.py) and
+    nothing else: the YAML refuses a bad value naming it, fills its default, and RLlib's config
+    carries the value given, under its RLlib name; an algorithm that does not read it refuses it."""
+    import agents.schema
+    from agents.algorithms import token_learner
+    from agents.algorithms.base import Param
+    from env.validation import Field
+
+    monkeypatch.setitem(token_learner.TOKEN_TRAINING, "ratio_floor", Param(Field(float, 0.25, lo=0.0), "ratio_floor_"))
+    monkeypatch.setattr(agents.schema, "_SCHEMA", {})
+    with pytest.raises(ConfigError, match=r"^training\.ratio_floor: expected a number >= 0\.0, got -1\.0"):
+        validate({"training": {"ratio_floor": -1.0}})
+    assert validate({})["training"]["ratio_floor"] == 0.25
+    assert algorithm_config(validate({})).ratio_floor_ == 0.25
+    assert algorithm_config(validate({"training": {"ratio_floor": 0.5}})).ratio_floor_ == 0.5
+    assert token_learner.TokenLearnerConfig().ratio_floor_ == 0.25  # RLlib's config default, from the same Param
+    with pytest.raises(ConfigError, match=r"^training\.ratio_floor: not used by algorithm 'a3c'"):
+        validate({"algorithm": "a3c", "training": {"ratio_floor": 0.5}})

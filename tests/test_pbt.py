@@ -241,3 +241,11 @@ def test_pbt_run_clones_the_strong_trials_checkpoint_into_the_weak_one_with_a_pe
     # ... and its updates used the new lr from the first minibatch on: same batch, other losses.
     for key in ("policy_loss", "entropy", "total_loss"):
         assert weak[c + 1]["learners"]["default_policy"][key] != strong[c + 1]["learners"]["default_policy"][key], key
+
+
+@pytest.mark.parametrize("key", ["grace_period=3", "reduction_factor=2"])
+def test_asha_keys_with_the_fifo_scheduler_are_refused_in_one_line(key):
+    with pytest.raises(ConfigError) as err:
+        load(QUICKSTART, ["tune.scheduler=fifo", f"tune.{key}"])
+    name = key.split("=")[0]
+    assert str(err.value) == f"tune.{name}: only used by tune.scheduler asha (this config's scheduler is 'fifo')"
