@@ -21,6 +21,11 @@ SAMPLER_STATE = "sampler_state"  # per-step sampler state (mirostat's mu) used w
 MASK_SIZE = "mask_size"  # number of kept tokens per row, from the training forward pass
 GUIDE_ROLE = "guide_role"  # per-step column: POLICY, GUIDE or DEVIATION
 
+# State keys beyond RLlib's: an EnvRunner's rollout state (agents/env_runner.py), and in an
+# algorithm's checkpoint the remote EnvRunners' (agents/algorithms/base.py RemoteRunnerStates).
+ROLLOUT_STATE = "rollout_state"
+REMOTE_RUNNERS = "remote_env_runners"
+
 
 def state_requested(name: str, components, not_components) -> bool:
     """Whether a get_state(components, not_components) call asks for the top-level key `name`."""

@@ -92,7 +92,7 @@ from ray.rllib.utils.metrics import (
     SAMPLE_TIMER,
 )
 
-from agents.core import ROW_CONTINUES, global_rng_state, set_global_rng_state, state_requested
+from agents.core import ROLLOUT_STATE, ROW_CONTINUES, global_rng_state, set_global_rng_state, state_requested
 from agents.modules.decode_engine import HostTransfers
 from agents.rollout_state import (_module_rollout_states, _seed_module_rollouts, _set_module_rollout_states,
                                   env_state, rollout_seed, sampling_state, set_env_state, set_sampling_state)
@@ -102,7 +102,6 @@ from env.vector_env import TokenGenerationVectorEnv, row_info
 
 SEED_STRIDE = 1_000_003  # far apart from the per-sub-env (+i) and per-EnvRunner (+index) offsets
 TOKEN_ENV = "token_generation"  # the name `make_token_env` is registered under (ray.tune.register_env)
-ROLLOUT_STATE = "rollout_state"  # the EnvRunner state key (and component name) added here
 CARRY_EPISODES = "carry_episodes"  # env_config key: env_runners.carry_episodes (FastTokenEnvRunner)
 SEEN_WINDOWS_MAX = 100_000  # windows remembered per weight version (for the restart schedule only)
 

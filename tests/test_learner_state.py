@@ -52,3 +52,24 @@ def test_dqn_resumes_exactly_with_its_replay_buffer(ray_local, tmp_path, checkpo
     assert all("learners/default_policy/qf_loss" in c for c in uninterrupted[2:])  # it learned from replay
     again = resumed(cfg, tmp_path / "ckpt", 3)
     assert (again == uninterrupted[2:]) is checkpoint_buffer
+
+
+@pytest.mark.slow
+def test_ppo_with_two_remote_env_runners_resumes_exactly(ray_local, tmp_path):
+    """Checkpoint after iteration 2 of PPO sampling on 2 remote EnvRunners (episodes carried over
+    between calls on each): the restored run's iterations 3-5 equal the uninterrupted run's,
+    because each remote runner gets back its own rollout state (RLlib saves the local one's only)."""
+    from agents.core import REMOTE_RUNNERS
+    from tests.test_reproducibility import TINY, resumed, train
+
+    cfg = load(QUICKSTART, [*TINY, "env_runners.num_env_runners=2", "env_runners.num_cpus_per_env_runner=0.5"])
+    uninterrupted = train(cfg, 5, checkpoint_at=2, path=tmp_path / "ckpt")
+    assert train(cfg, 3) == uninterrupted[:3]  # the runs themselves are reproducible
+    again = resumed(cfg, tmp_path / "ckpt", 3)
+    assert again == uninterrupted[2:]
+    algo = algorithm_config(cfg).build_algo()
+    try:
+        algo.train()
+        assert sorted(algo.get_state()[REMOTE_RUNNERS]) == [1, 2]
+    finally:
+        algo.stop()

@@ -92,6 +92,32 @@ class DeclaredParams:
         return self
 
 
+class RemoteRunnerStates:
+    """Mixed into an RLlib Algorithm subclass: its checkpoints also hold each remote EnvRunner's
+    rollout state (RLlib saves the local EnvRunner's only), and a restore gives each its own, so a
+    run with `num_env_runners > 0` resumes where every runner stood."""
+
+    def get_state(self, components=None, *, not_components=None, **kwargs):
+        from agents.core import REMOTE_RUNNERS, ROLLOUT_STATE, state_requested
+
+        state = super().get_state(components, not_components=not_components, **kwargs)
+        group = getattr(self, "env_runner_group", None)
+        if group is not None and group.num_remote_workers() and state_requested(REMOTE_RUNNERS, components,
+                                                                                not_components):
+            state[REMOTE_RUNNERS] = dict(group.foreach_env_runner(
+                lambda r: (r.worker_index, r.get_state(components=ROLLOUT_STATE)), local_env_runner=False))
+        return state
+
+    def set_state(self, state) -> None:
+        from agents.core import REMOTE_RUNNERS
+
+        super().set_state(state)
+        saved, group = state.get(REMOTE_RUNNERS), getattr(self, "env_runner_group", None)
+        if saved and group is not None and group.num_remote_workers():
+            group.foreach_env_runner(lambda r: r.worker_index in saved and r.set_state(saved[r.worker_index]),
+                                     local_env_runner=False)
+
+
 def candidates(value) -> list:
     """The values a config leaf may take: a search space's list, or the value itself."""
     return next(iter(value.values())) if is_search_space(value) else [value]

@@ -34,8 +34,8 @@ from ray.rllib.algorithms.dqn import DQN, DQNConfig
 from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
 from ray.rllib.core.columns import Columns
 
-from agents.algorithms.base import (REFERENCE_KL, AlgorithmSpec, DeclaredParams, adam, candidates, pick, plain, rllib_fields,
-                                   use_configured_lr)
+from agents.algorithms.base import (REFERENCE_KL, AlgorithmSpec, DeclaredParams, RemoteRunnerStates, adam, candidates,
+                                   pick, plain, rllib_fields, use_configured_lr)
 from agents.algorithms.replay import WholeEpisodeReplayBuffer
 from agents.core import state_requested
 from agents.modules.actor_critic import reference_logp
@@ -86,7 +86,7 @@ class LMDQNConfig(DeclaredParams, DQNConfig):
         return LMDQNTorchLearner
 
 
-class LMDQN(DQN):
+class LMDQN(RemoteRunnerStates, DQN):
     @classmethod
     def get_default_config(cls) -> LMDQNConfig:
         return LMDQNConfig()

@@ -26,7 +26,8 @@ from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.connectors.learner import AddOneTsToEpisodesAndTruncate, GeneralAdvantageEstimation
 from ray.rllib.core.columns import Columns
 
-from agents.algorithms.base import REFERENCE_KL, DeclaredParams, Param, adam, rllib_fields, use_configured_lr
+from agents.algorithms.base import (REFERENCE_KL, DeclaredParams, Param, RemoteRunnerStates, adam, rllib_fields,
+                                   use_configured_lr)
 from agents.algorithms.kl_control import AdaptiveKLController, ReferenceKLPenalty
 from agents.algorithms.mle import ReferencePairs, reference_nll
 from agents.algorithms.sequence_batching import (
@@ -277,7 +278,7 @@ class TokenLearnerConfig(DeclaredParams, PPOConfig):
                                                                       device=device))
 
 
-class TokenAlgorithm(PPO):
+class TokenAlgorithm(RemoteRunnerStates, PPO):
     """RLlib's PPO algorithm (its training step) with the colocated weight sync installed."""
 
     def setup(self, config):
