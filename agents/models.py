@@ -18,6 +18,7 @@ import warnings
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
 from env.tasks import make_task
+from env.text_env import env_setting
 from env.tokenization import load_tokenizer
 
 # In-project configurations: GPT-2 shapes, vocabulary taken from the tokenizer.
@@ -105,7 +106,7 @@ def model_kind(model_config: dict) -> str:
 
 def build_tokenizer(env_config: dict):
     """The tokenizer the env uses: the task's own, else the configured one."""
-    task = make_task(env_config["task"], max_new_tokens=env_config.get("max_new_tokens", 20))
+    task = make_task(env_config["task"], max_new_tokens=env_setting(env_config, "max_new_tokens"))
     tokenizer = task.tokenizer()
     if tokenizer is None:
         tokenizer = load_tokenizer(env_config["tokenizer"])

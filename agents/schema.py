@@ -15,6 +15,7 @@ import copy
 from agents.algorithms.base import COMMON_TRAINING, REFERENCE_KL, candidates as _candidates, plain as _plain
 from agents.pbt import check_scheduler
 from env.tasks import check_task
+from env.text_env import DEFAULTS as ENV_DEFAULTS
 from env.validation import ConfigError, Field, is_search_space as _is_search_space, unknown_key
 
 F = Field
@@ -42,8 +43,8 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         "lora": F(dict, None, optional=True),
     },
     "env": {
-        "max_prompt_len": F(int, 5, **POS_INT),
-        "max_new_tokens": F(int, 20, **POS_INT),
+        "max_prompt_len": F(int, ENV_DEFAULTS["max_prompt_len"], **POS_INT),
+        "max_new_tokens": F(int, ENV_DEFAULTS["max_new_tokens"], **POS_INT),
         "truncation_side": F(str, "left", choices=["left", "right"]),
         "tokenizer": F(str, None, optional=True),
         # true: every token is rewarded with the change of the task metric over the text so far

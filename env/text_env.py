@@ -41,6 +41,12 @@ DEFAULTS = {
 }
 
 
+def env_setting(env_config: dict, key: str):
+    """An env config's value for `key`, or the env's default (DEFAULTS): the one place the
+    defaults of settings such as max_prompt_len and max_new_tokens are written."""
+    return env_config.get(key, DEFAULTS[key])
+
+
 class PromptCodec:
     """A tokenizer's encoding of prompt texts and decoding of prompt ids, remembered: a task's
     prompts repeat (one fixed prompt, a data set sampled with replacement), and a reset costs a

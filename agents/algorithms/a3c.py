@@ -42,14 +42,8 @@ from ray.rllib.utils.torch_utils import explained_variance
 
 from agents.algorithms.base import pick
 from agents.algorithms.ppo import PPOSpec
-from agents.algorithms.token_learner import (
-    TOKEN_TRAINING,
-    TokenAlgorithm,
-    TokenLearner,
-    TokenLearnerConfig,
-    loss_step_mean,
-    policy_shift_metrics,
-)
+from agents.algorithms.token_learner import TOKEN_TRAINING, TokenAlgorithm, TokenLearner, TokenLearnerConfig
+from agents.algorithms.token_learner import loss_step_mean, policy_shift_metrics
 
 SAMPLE_TAG = "a3c_sample"
 POLL_S = 0.05  # how long one training_step waits for some EnvRunner to return

@@ -11,14 +11,8 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.torch_utils import explained_variance
 
 from agents.algorithms.base import REFERENCE_KL, AlgorithmSpec, plain
-from agents.algorithms.token_learner import (
-    TOKEN_TRAINING,
-    TokenAlgorithm,
-    TokenLearner,
-    TokenLearnerConfig,
-    loss_step_mean,
-    policy_shift_metrics,
-)
+from agents.algorithms.token_learner import TOKEN_TRAINING, TokenAlgorithm, TokenLearner, TokenLearnerConfig
+from agents.algorithms.token_learner import loss_step_mean, policy_shift_metrics
 from env.validation import ConfigError
 
 

@@ -31,14 +31,8 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 
 from agents.algorithms.base import pick
 from agents.algorithms.ppo import PPOSpec
-from agents.algorithms.token_learner import (
-    TOKEN_TRAINING,
-    TokenAlgorithm,
-    TokenLearner,
-    TokenLearnerConfig,
-    loss_step_mean,
-    policy_shift_metrics,
-)
+from agents.algorithms.token_learner import TOKEN_TRAINING, TokenAlgorithm, TokenLearner, TokenLearnerConfig
+from agents.algorithms.token_learner import loss_step_mean, policy_shift_metrics
 from agents.core import SEQ_ID
 from agents.modules.decode_engine import RingKVCache
 from env.text_env import TokenGenerationEnv

@@ -19,6 +19,7 @@ from agents.core import GUIDE_ROLE, ROW_CONTINUES, SAMPLER_STATE, cpu_copy, on_d
 from agents.modules.decode_engine import RingKVCache
 from agents.modules.kv_cache import rows_that_continue
 from agents.samplers import MASKED, Sampler, sample_rows
+from env.text_env import env_setting
 
 
 class RowSamplerState:
@@ -61,7 +62,7 @@ class Acting:
             g = cfg["guide"]
             self.guided = GuidedRollout(
                 build_guide(g, self.tokenizer, seed=cfg.get("seed", 0), max_positions=seq_len),
-                max_new_tokens=env_cfg.get("max_new_tokens", 20), beta=g["beta"], mix=g["mix"],
+                max_new_tokens=env_setting(env_cfg, "max_new_tokens"), beta=g["beta"], mix=g["mix"],
                 seed=cfg.get("seed", 0), mode=g.get("mode", "ppo_pp"))  # EnvRunners reseed it: seed_rollouts
 
     def _next_token_hidden(self, obs: dict, cont=None) -> torch.Tensor:

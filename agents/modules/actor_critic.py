@@ -47,6 +47,7 @@ from agents.modules.decode_engine import RingKVCache
 from agents.modules.kv_cache import lean_forward, sequence_pass_rows
 from agents.modules.sync_state import SyncedState
 from agents.samplers import MASKED
+from env.text_env import env_setting
 
 
 def hidden_at_last_token(trunk: nn.Module, obs: dict, seq_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,7 +80,7 @@ class CausalLMActorCritic(Acting, SyncedState, TorchRLModule, ValueFunctionAPI, 
         cfg = self.model_config
         env_cfg = cfg["env"]
         self.tokenizer = build_tokenizer(env_cfg)
-        seq_len = env_cfg.get("max_prompt_len", 5) + env_cfg.get("max_new_tokens", 20)
+        seq_len = env_setting(env_cfg, "max_prompt_len") + env_setting(env_cfg, "max_new_tokens")
         self.lm = self._build_lm(cfg, seq_len)
         if cfg["model"].get("lora"):  # only the adapters train; the reference is the base (adapters off)
             add_lora(self.lm, cfg["model"]["lora"], seed=cfg.get("seed", 0))

@@ -41,6 +41,7 @@ from agents.core import SEQ_ID
 from agents.models import build_causal_lm, build_tokenizer
 from agents.modules.actor_critic import hidden_at_last_token
 from agents.modules.kv_cache import WindowKVCache
+from env.text_env import env_setting
 
 HEADS = ("logits", "mlp")
 
@@ -54,7 +55,7 @@ class CausalLMQNetwork(TorchRLModule, QNetAPI, TargetNetworkAPI, InferenceOnlyAP
         cfg = self.model_config
         env_cfg, dqn = cfg["env"], cfg.get("dqn") or {}
         self.tokenizer = build_tokenizer(env_cfg)
-        seq_len = env_cfg.get("max_prompt_len", 5) + env_cfg.get("max_new_tokens", 20)
+        seq_len = env_setting(env_cfg, "max_prompt_len") + env_setting(env_cfg, "max_new_tokens")
         self.lm = build_causal_lm(cfg["model"], self.tokenizer, seed=cfg.get("seed", 0), max_positions=seq_len)
         self.kv_cache = WindowKVCache() if cfg["model"].get("kv_cache", True) else None
         hidden, vocab = self.lm.config.hidden_size, self.action_space.n

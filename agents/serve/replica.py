@@ -17,6 +17,7 @@ import time
 from ray import serve
 
 from agents.serve.requests import MAX_SEED, ROUTES, BadRequest, CompletionRequest, GenerateRequest
+from env.text_env import env_setting
 
 
 # -- the policy in one replica (no Ray: usable and testable in-process) ----------------------
@@ -92,8 +93,8 @@ class Policy:
         self.module = load_policy(checkpoint)
         self.env_config = dict(self.module.model_config["env"])
         self.tokenizer = self.module.tokenizer
-        self.max_new_tokens = int(self.env_config.get("max_new_tokens", 20))
-        self.max_prompt_len = int(self.env_config.get("max_prompt_len", 5))
+        self.max_new_tokens = int(env_setting(self.env_config, "max_new_tokens"))
+        self.max_prompt_len = int(env_setting(self.env_config, "max_prompt_len"))
         self.max_samples = int(max_samples)
         self.model_name = os.path.basename(os.path.normpath(checkpoint)) or "policy"
         self.replica = None  # the Serve replica's tag, where one runs it
