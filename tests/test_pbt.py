@@ -249,3 +249,53 @@ def test_asha_keys_with_the_fifo_scheduler_are_refused_in_one_line(key):
         load(QUICKSTART, ["tune.scheduler=fifo", f"tune.{key}"])
     name = key.split("=")[0]
     assert str(err.value) == f"tune.{name}: only used by tune.scheduler asha (this config's scheduler is 'fifo')"
+
+
+@pytest.mark.slow
+def test_a_pbt_run_killed_mid_way_resumes_and_finishes_every_trial(tmp_path):
+    """The shrunk PBT example killed (SIGKILL, driver and Ray) after its trials passed a
+    perturbation, then `--resume`d: the run finishes, each trial reaches the stop iteration, and
+    the resumed trials go on from their checkpoints (not from iteration 1)."""
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import let_the_storage_copy_finish
+
+    args = [PBT_YAML, "--set", "training.lr={grid_search: [3.0e-3, 1.0e-7]}",
+            "--set", "tune.hyperparam_mutations={training.lr: {loguniform: [1.0e-4, 1.0e-2]}}",
+            "--set", "tune.perturbation_interval=2", "--set", "tune.resample_probability=0",
+            "--set", "stop.training_iteration=8", "--set", "tune.max_concurrent_trials=2",
+            "--set", "training.train_batch_size=512", "--set", "env_runners.num_envs_per_env_runner=8",
+            "--set", "generate.num_samples=0", "--set", f"tune.storage_path={tmp_path}", "--set", "tune.name=pbt",
+            "--set", "tune.dashboard=false", "--set", "checkpoint.state_every_s=0.2",
+            # with the PBT default (0) the run killed here had no checkpoint on storage (checked),
+            # and its --resume started the trials over: periodic checkpoints are what it resumes from
+            "--set", "checkpoint.frequency=2"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    killed = subprocess.Popen([sys.executable, "-m", "agents.train", *args], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    reached = {}  # trial -> last iteration printed
+    try:
+        for line in killed.stdout:
+            m = re.search(r"\[(\S+)\] iter +(\d+) ", line)
+            if m:
+                reached[m.group(1)] = int(m.group(2))
+                if len(reached) == 2 and min(reached.values()) >= 3:  # both past their checkpoint at 2
+                    let_the_storage_copy_finish(killed.pid, tmp_path / "pbt")
+                    break
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+    assert len(reached) == 2 and max(reached.values()) < 8, reached  # killed before the end
+    out = run("agents.train", *args, "--resume", timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    after = [int(i) for i in re.findall(r"iter +(\d+) ", out.stdout)]
+    assert after and min(after) > 1, after  # went on from checkpoints
+    finals = []
+    for trial_dir in glob.glob(str(tmp_path / "pbt" / "LMPPO_*")):
+        with open(os.path.join(trial_dir, "result.json")) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        finals.append(rows[-1]["training_iteration"])
+    assert finals == [8, 8], finals
