@@ -16,6 +16,7 @@ defaults and `training()` keywords from the same tables (`DeclaredParams`).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import NamedTuple
 
@@ -57,6 +58,7 @@ def rllib_fields(*tables: dict) -> dict:
     return {p.rllib or key: p.field for table in tables for key, p in table.items()}
 
 
+@functools.cache
 def _rllib_training_keywords(config_cls) -> frozenset:
     """The keywords RLlib's own `training()` methods (of `config_cls`'s RLlib bases) take."""
     out = set()
@@ -83,8 +85,8 @@ class DeclaredParams:
     def training(self, **kwargs):
         from ray.rllib.algorithms.algorithm_config import NotProvided
 
-        native = _rllib_training_keywords(type(self))
-        own = {k: kwargs.pop(k) for k in list(kwargs) if k in self.declared_params() and k not in native}
+        declared, native = self.declared_params(), _rllib_training_keywords(type(self))
+        own = {k: kwargs.pop(k) for k in list(kwargs) if k in declared and k not in native}
         super().training(**kwargs)
         for name, value in own.items():
             if value is not NotProvided:
@@ -114,8 +116,11 @@ class RemoteRunnerStates:
         super().set_state(state)
         saved, group = state.get(REMOTE_RUNNERS), getattr(self, "env_runner_group", None)
         if saved and group is not None and group.num_remote_workers():
-            group.foreach_env_runner(lambda r: r.worker_index in saved and r.set_state(saved[r.worker_index]),
-                                     local_env_runner=False)
+            def restore(runner):
+                if runner.worker_index in saved:  # a runner added since starts from its seed
+                    runner.set_state(saved[runner.worker_index])
+
+            group.foreach_env_runner(restore, local_env_runner=False)
 
 
 def candidates(value) -> list:

@@ -55,7 +55,7 @@ GUIDE_SECTION = {  # the `guide` section
 
 GUIDED_PARAMS = {  # the RLlib config's own attributes (Fields: type, range, default)
     # Which of ppo_pp, aggrevated, lols, dlols (or ppo: no guide) decides each iteration's roll-ins.
-    "guided_algorithm": Field(str, "ppo_pp", choices=["ppo", "ppo_pp", "aggrevated", "lols", "dlols"]),
+    "guided_algorithm": Field(str, "ppo_pp"),  # the config's `algorithm` (GuidedSpec.names, or ppo)
     # DLOLS: AggreVaTeD for iterations [0, switch_iteration), PPO++ after.
     "switch_iteration": GUIDE_SECTION["switch_iteration"],
     # LOLS: the probability an iteration is AggreVaTeD (a coin seeded by guide_seed and the iteration).
