@@ -8,13 +8,14 @@ export HF_HUB_OFFLINE ?= 1
 
 .PHONY: install quickstart sentiment-demo test test-fast clean
 
-# The package (pyproject.toml: requirements.txt + the `tokenmdp` command), editable, in .venv.
-$(VENV)/.installed: requirements.txt pyproject.toml
+# The package (pyproject.toml: requirements.txt + the `tokenmdp` command) with its test extra
+# (requirements-test.txt), editable, in .venv.
+$(VENV)/.installed: requirements.txt requirements-test.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] < (3, 11))' 2>/dev/null || { \
 	  echo "error: Python 3.11 or newer is needed; '$(PYTHON)' is $$($(PYTHON) -c 'import sys; print(sys.version.split()[0])' 2>/dev/null || echo 'not runnable') (try: make PYTHON=python3.11 ...)" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed

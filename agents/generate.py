@@ -91,13 +91,16 @@ def generate(module, env_config: dict, prompts: list[str | None], *, greedy: boo
     return out
 
 
-def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
-    """`logits` (masked entries at `MASKED`) divided by `temperature`, cut to the nucleus of mass `top_p`."""
+def warp_logits(logits: torch.Tensor, temperature=1.0, top_p=1.0) -> torch.Tensor:
+    """`logits` (masked entries at `MASKED`) divided by `temperature`, cut to the nucleus of mass
+    `top_p`: numbers, or (rows, 1) tensors of per-row values (a row at 1.0 and 1.0 is left as it is)."""
     from agents.samplers import MASKED, top_p_mask
 
-    if temperature != 1.0:
+    if torch.is_tensor(temperature) or temperature != 1.0:
         logits = torch.where(logits > MASKED, logits / temperature, MASKED)
-    if top_p < 1.0:
+    if torch.is_tensor(top_p):
+        logits = logits.masked_fill(~(top_p_mask(logits, top_p) | (top_p >= 1)), MASKED)
+    elif top_p < 1.0:
         logits = logits.masked_fill(~top_p_mask(logits, top_p), MASKED)
     return logits
 

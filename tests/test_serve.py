@@ -149,10 +149,25 @@ def call(client, route: str, body, content_type="application/json"):
     return response.status_code, response.json()
 
 
+def error_message(reply: dict) -> str:
+    """A refused request's one line: /generate's `error` string, or the message of OpenAI's error
+    object (the /v1/ routes), whose `param` names the same field."""
+    assert set(reply) == {"error"}, reply
+    error = reply["error"]
+    if isinstance(error, str):
+        return error
+    assert set(error) == {"message", "type", "param", "code"}, error
+    field = error["message"].split(":", 1)[0]
+    assert error["param"] == (None if field in ("request body", "internal error", "path", "method", "server busy")
+                              else field), error
+    return error["message"]
+
+
 def assert_field_error(status, reply, field, want_status=400, context=None):
     assert status == want_status, (context, status, reply)
-    assert set(reply) == {"error"} and reply["error"].startswith(f"{field}:"), (context, reply)
-    assert "\n" not in reply["error"] and "Traceback" not in reply["error"], reply
+    message = error_message(reply)
+    assert message.startswith(f"{field}:"), (context, reply)
+    assert "\n" not in message and "Traceback" not in message, reply
 
 
 BAD_GENERATE = [  # (body, the field the error names)
@@ -177,8 +192,10 @@ BAD_COMPLETIONS = [
     ({"prompt": "3", "n": MAX_SAMPLES + 1}, "n"), ({"prompt": "3", "temperature": -0.1}, "temperature"),
     ({"prompt": "3", "temperature": 2.5}, "temperature"), ({"prompt": "3", "temperature": "hot"}, "temperature"),
     ({"prompt": "3", "top_p": 0}, "top_p"), ({"prompt": "3", "top_p": 1.5}, "top_p"), ({"prompt": "3", "seed": 1.5}, "seed"),
-    ({"prompt": "3", "model": 7}, "model"), ({"prompt": "3", "stream": True}, "stream"),
-    ({"prompt": "3", "logprobs": 1}, "logprobs"), ({"prompt": "3", "stop": ["\n"]}, "stop"),
+    ({"prompt": "3", "model": 7}, "model"), ({"prompt": "3", "stream": "yes"}, "stream"),
+    ({"prompt": "3", "logprobs": 1}, "logprobs"), ({"prompt": "3", "stop": []}, "stop"),
+    ({"prompt": "3", "stop": ["1", "2", "3", "4", "5"]}, "stop"), ({"prompt": "3", "stop": [""]}, "stop"),
+    ({"prompt": "3", "stream_options": {"usage": True}}, "stream_options"), ({"prompt": "3", "echo": True}, "echo"),
     ({"prompt": "3", "max_new_tokens": 5}, "max_new_tokens"), ({"prompt": "3", "greedy": True}, "greedy"),
 ]
 
@@ -191,16 +208,16 @@ def test_bad_requests_on_both_routes_get_400_naming_the_field_and_the_app_keeps_
         for content_type in (None, "application/x-www-form-urlencoded", "text/plain"):
             status, reply = call(client, route, {"prompt": "3"}, content_type=content_type)
             assert_field_error(status, reply, "request body", context=content_type)
-            assert "Content-Type: application/json" in reply["error"]
+            assert "Content-Type: application/json" in error_message(reply)
         assert_field_error(*call(client, route, {"prompt": "3 " * 600_000}), "request body", want_status=413)
         assert_field_error(client.put(route).status_code, client.put(route).json(), "method", want_status=405)
-    assert "max_new_tokens" in call(client, "/v1/completions", {"prompt": "3", "max_new_tokens": 5})[1]["error"]
-    assert "max_tokens" in call(client, "/v1/completions", {"prompt": "3", "max_new_tokens": 5})[1]["error"]
+    assert "max_new_tokens" in error_message(call(client, "/v1/completions", {"prompt": "3", "max_new_tokens": 5})[1])
+    assert "max_tokens" in error_message(call(client, "/v1/completions", {"prompt": "3", "max_new_tokens": 5})[1])
     response = client.get("/nowhere")
     assert_field_error(response.status_code, response.json(), "path", want_status=404)
     # a failure inside generation is a 500 in the same form, and the next request is answered
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(client.policy, "complete", lambda req: 1 / 0)
+        mp.setattr(client.policy.batcher, "step", lambda: 1 / 0)
         assert_field_error(*call(client, "/v1/completions", {"prompt": "3"}), "internal error", want_status=500)
     # harmless OpenAI fields are taken; the app still answers both routes
     status, reply = call(client, "/v1/completions", {"prompt": "3 7", "max_tokens": 3, "stream": False, "user": "u"})
@@ -314,7 +331,10 @@ def test_replica_flags_give_serves_options_and_bad_combinations_are_refused_in_o
                                                                     "--min-replicas"),
                        (["--num-replicas", "3", "--max-replicas", "2"], "--num-replicas"),
                        (["--max-replicas", "2", "--target-ongoing-requests", "0"], "--target-ongoing-requests"),
-                       (["--max-replicas", "2", "--target-ongoing-requests", "9"], "--target-ongoing-requests"),
+                       (["--max-replicas", "2", "--target-ongoing-requests", "281"], "--target-ongoing-requests"),
+                       (["--max-replicas", "2", "--batch-rows", "0", "--target-ongoing-requests", "9"],
+                        "--target-ongoing-requests"),
+                       (["--batch-rows", "-1"], "--batch-rows"), (["--max-queue", "-1"], "--max-queue"),
                        (["--route-prefix", "api"], "--route-prefix")]:
         with pytest.raises(SystemExit) as e:
             main(["--checkpoint", checkpoint, *argv])

@@ -2,6 +2,7 @@
 
     python -m agents.serve --checkpoint PATH [--host 127.0.0.1] [--port 8000] [--route-prefix /]
                            [--num-replicas 1] [--num-cpus 0.5] [--max-samples 16] [--dashboard-port N]
+                           [--batch-rows 16] [--max-queue 256]
                            [--min-replicas N --max-replicas M [--target-ongoing-requests T]]
 
 PATH is a checkpoint directory written by `agents.train` (or the RLModule
@@ -10,7 +11,8 @@ application (`@serve.ingress`) with these routes, under `--route-prefix`:
 
     POST /generate         the project's own request: generations with the task's reward
     GET  /generate         what the policy accepts (task, lengths, sampler, an example prompt)
-    POST /v1/completions   the OpenAI completions API (text only, no reward)
+    POST /v1/completions   the OpenAI completions API (text only, no reward; `stream: true` for events)
+    POST /v1/chat/completions  the OpenAI chat API, where the tokenizer has a chat template
     GET  /v1/models        the served model, in the OpenAI format
     GET  /docs             OpenAPI (Swagger) documentation; /openapi.json is the schema
 
@@ -23,7 +25,12 @@ answers
     curl -s localhost:8000/generate -H 'Content-Type: application/json' \\
          -d '{"prompt": "<pad> <pad> <pad> <pad> <pad>", "greedy": true}'
 
-Generation runs the checkpoint's own environment (`agents.generate.generate`),
+Each replica generates for many requests at once: `--batch-rows` rows (default 16) step
+together, one token per step, and a request's completions take rows as they free up (continuous
+batching; `--batch-rows 0` runs one request at a time). A request's text does not depend on what
+else is being generated: the same seed and request give the same text, alone or under load.
+
+Generation runs the checkpoint's own environment (as `agents.generate.generate` does),
 so the policy acts exactly as in training: the task's tokenizer, the left
 truncation of long prompts to `env.max_prompt_len` (`prompt` in the reply is
 the prompt as the policy saw it, decoded without special tokens such as
@@ -34,6 +41,8 @@ masking), and EOS ending a generation early. `reward` is the task's reward.
 The package:
 
     requests.py     the request and reply models (the fields above, checked with one-line errors)
+    batching.py     `Batcher`: continuous batching, B rows stepping together, requests taking rows as they free
+    replies.py      the replies: /generate's, OpenAI's objects and streamed chunks, OpenAI's error object
     replica.py      `Policy`: the checkpoint in one replica, checking requests and generating
     application.py  the FastAPI `app` (routes, errors, `BodyLimit`) and its Serve deployment
                     (`PolicyServer`, `replica_options`, `make_app`)
@@ -49,9 +58,10 @@ import importlib
 
 _EXPORTS = {
     "agents.serve.application": ("MAX_BODY_BYTES", "MAX_ONGOING_REQUESTS", "BodyLimit", "PolicyServer", "app",
-                                 "make_app", "replica_options"),
+                                 "make_app", "max_ongoing_requests", "replica_options"),
     "agents.serve.cli": ("APP_NAME", "main"),
-    "agents.serve.replica": ("Policy", "replica_policy", "run_completion", "run_request", "unknown_words"),
+    "agents.serve.batching": ("Batcher", "Busy", "Completion", "Job"),
+    "agents.serve.replica": ("BATCH_ROWS", "MAX_QUEUE", "Policy", "alone_results", "replica_policy", "unknown_words"),
     "agents.serve.requests": ("MAX_PROMPT_CHARS", "MAX_REFERENCES", "MAX_SEED", "ROUTES", "BadRequest",
                               "CompletionRequest", "CompletionResponse", "GenerateRequest", "GenerateResponse",
                               "error_line"),

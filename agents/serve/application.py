@@ -7,32 +7,41 @@ The routes are module functions on one FastAPI `app` that take the replica's
 runs in-process for tests with `app.dependency_overrides`.
 
 A request the policy cannot take gets HTTP 400 (413 for a body over 1 MiB,
-405 for a method a route does not take, 404 for an unknown path) and
-`{"error": "<field>: <one line>"}`, FastAPI's validation errors included
-(request bodies must be sent with `Content-Type: application/json`, as
-FastAPI requires); the replica keeps serving. A failure inside generation is
-a 500 with `{"error": "internal error: ..."}`, and the replica keeps serving
-too. A reply with generations carries an `X-Replica` header naming the
-replica that answered.
+405 for a method a route does not take, 404 for an unknown path, 429 when the
+replica's queue is full) and `{"error": "<field>: <one line>"}`, FastAPI's
+validation errors included (request bodies must be sent with `Content-Type:
+application/json`, as FastAPI requires); on the /v1/ routes the same line is
+the message of OpenAI's error object. The replica keeps serving. A failure
+inside generation is a 500 with `internal error: ...`, and the replica keeps
+serving too. A reply with generations carries an `X-Replica` header naming
+the replica that answered.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
 from starlette.exceptions import HTTPException
 
-from agents.serve.replica import Policy, replica_policy
-from agents.serve.requests import (ROUTES, BadRequest, CompletionRequest, CompletionResponse, GenerateRequest,
-                                   GenerateResponse, error_line)
+from agents.serve.batching import Busy
+from agents.serve.replica import BATCH_ROWS, MAX_QUEUE, Policy, replica_policy
+from agents.serve.replies import Chunks, openai_error, reply, sse
+from agents.serve.requests import (ROUTES, BadRequest, ChatCompletionResponse, ChatRequest, CompletionRequest,
+                                   CompletionResponse, GenerateRequest, GenerateResponse, error_line)
 
 MAX_BODY_BYTES = 1 << 20
-MAX_ONGOING_REQUESTS = 8  # per replica: validation answers while a generation runs; generations queue
+MAX_ONGOING_REQUESTS = 8  # per replica without batching: validation answers while a generation runs
+
+
+def max_ongoing_requests(batch_rows: int = BATCH_ROWS, max_queue: int = MAX_QUEUE) -> int:
+    """Requests Serve lets into one replica at a time: every row and queue place, and some more,
+    so that the replica (not Serve's proxy) answers a full queue with 429; without batching, 8."""
+    return batch_rows + max_queue + MAX_ONGOING_REQUESTS if batch_rows > 0 else MAX_ONGOING_REQUESTS
 
 logger = logging.getLogger(__name__)
 
@@ -101,14 +110,20 @@ app = FastAPI(
 app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
 
 
+def error_response(request: Request, message: str, status: int, headers=None) -> JSONResponse:
+    """The one-line error: `{"error": line}`, or OpenAI's error object on the /v1/ routes."""
+    body = openai_error(message, status) if "/v1/" in request.url.path else {"error": message}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError):
-    return JSONResponse({"error": error_line(list(exc.errors()))}, status_code=400)
+    return error_response(request, error_line(list(exc.errors())), 400)
 
 
 @app.exception_handler(BadRequest)
 async def _bad_request(request: Request, exc: BadRequest):
-    return JSONResponse({"error": str(exc)}, status_code=exc.status)
+    return error_response(request, str(exc), exc.status)
 
 
 @app.exception_handler(HTTPException)
@@ -122,41 +137,102 @@ async def _http_error(request: Request, exc: HTTPException):
         message = f"request body: not valid JSON ({exc.detail})"
     else:
         message = f"request: {exc.detail}"
-    return JSONResponse({"error": message}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+    return error_response(request, message, exc.status_code, getattr(exc, "headers", None))
 
 
-async def _answer(policy: Policy, check, run, req: BaseModel, response: Response) -> dict:
-    """`run(check(req))`: the check (fast) on the event loop, the generation in a thread, so the
-    replica keeps answering other requests meanwhile. A failure that is not a BadRequest is a 500."""
+def _internal(e: Exception) -> BadRequest:
+    logger.exception("generation failed")
+    message = " ".join(str(e).split()) or type(e).__name__
+    return BadRequest(f"internal error: {type(e).__name__}: {message}", status=500)
+
+
+async def _results(policy: Policy, checked: dict, job) -> list[dict]:
+    """The request's completion results: from its batch job, or generated one request at a time
+    in a thread (the replica keeps answering other requests meanwhile)."""
+    if job is None:
+        return await asyncio.to_thread(policy.run, checked)
     try:
-        checked = check(req)
-        if policy.replica:
-            response.headers["X-Replica"] = policy.replica
-        return await asyncio.to_thread(run, checked)
+        async for kind, _, value in job.events():
+            if kind == "error":
+                raise RuntimeError(value)
+        return job.results
+    except asyncio.CancelledError:  # the client went away: free its rows
+        job.cancel()
+        raise
+
+
+async def _stream(kind: str, checked: dict, job, results_now):
+    """The streamed reply's server-sent events; a client that goes away cancels the job."""
+    chunks = Chunks(kind, checked)
+    try:
+        for event in chunks.opening():
+            yield event
+        if job is None:  # one request at a time: the whole text as one delta per choice
+            results = await results_now
+            for i, r in enumerate(results):
+                yield chunks.delta(i, r["text"])
+                yield chunks.finish(i, r["finish_reason"])
+        else:
+            async for event, index, value in job.events():
+                if event == "delta":
+                    yield chunks.delta(index, value)
+                elif event == "finish":
+                    yield chunks.finish(index, value["finish_reason"])
+                elif event == "error":
+                    yield sse(openai_error(value, 500))
+                    return
+            results = job.results
+        for event in chunks.closing(results):
+            yield event
+    finally:
+        if job is not None:
+            job.cancel()  # a no-op once every completion finished
+
+
+async def _answer(kind: str, policy: Policy, check, req: BaseModel):
+    """Checks the request (fast, on the event loop), then generates for it: queued for the
+    batch's rows (429 when the queue is full) or one request at a time. A failure that is not a
+    BadRequest is a 500."""
+    checked = check(req)
+    headers = {"X-Replica": policy.replica} if policy.replica else {}
+    try:
+        job = None if policy.batcher is None else policy.submit(checked, asyncio.get_running_loop())
+    except Busy as e:
+        raise BadRequest(str(e), status=429) from None
+    if checked["stream"]:
+        pending = None if job is not None else asyncio.ensure_future(_results(policy, checked, None))
+        return StreamingResponse(_stream(kind, checked, job, pending), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", **headers})
+    try:  # the reply as built (the route's response_model documents it; validating it again costs time)
+        return JSONResponse(reply(kind, checked, await _results(policy, checked, job)), headers=headers)
     except BadRequest:
         raise
     except Exception as e:  # a bug or a task failure: report it, keep the replica up
-        logger.exception("generation failed")
-        message = " ".join(str(e).split()) or type(e).__name__
-        raise BadRequest(f"internal error: {type(e).__name__}: {message}", status=500) from None
+        raise _internal(e) from None
 
 
 @app.post("/generate", response_model=GenerateResponse)
-async def generate_route(req: GenerateRequest, response: Response, policy: Policy = Depends(replica_policy)):
+async def generate_route(req: GenerateRequest, policy: Policy = Depends(replica_policy)):
     """Generations of a prompt by the policy, each with the task's reward."""
-    return await _answer(policy, policy.check_generate, policy.generate, req, response)
+    return await _answer("generate", policy, policy.check_generate, req)
 
 
 @app.get("/generate")
 async def describe_route(policy: Policy = Depends(replica_policy)) -> dict:
-    """What /generate accepts: task, lengths, sampler, an example prompt, the fields."""
-    return policy.info
+    """What /generate accepts: task, lengths, sampler, an example prompt, the fields; the batch's load."""
+    return policy.describe()
 
 
 @app.post("/v1/completions", response_model=CompletionResponse)
-async def completions_route(req: CompletionRequest, response: Response, policy: Policy = Depends(replica_policy)):
-    """The OpenAI completions API: choices and token usage (no reward)."""
-    return await _answer(policy, policy.check_completion, policy.complete, req, response)
+async def completions_route(req: CompletionRequest, policy: Policy = Depends(replica_policy)):
+    """The OpenAI completions API: choices and token usage (no reward); `stream: true` for events."""
+    return await _answer("completion", policy, policy.check_completion, req)
+
+
+@app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def chat_route(req: ChatRequest, policy: Policy = Depends(replica_policy)):
+    """The OpenAI chat API, where the policy's tokenizer has a chat template."""
+    return await _answer("chat", policy, policy.check_chat, req)
 
 
 @app.get("/v1/models")
@@ -176,15 +252,19 @@ async def models_route(policy: Policy = Depends(replica_policy)) -> dict:
 class PolicyServer:
     """One Serve replica: loads the checkpoint's `Policy` once; `app`'s routes answer with it."""
 
-    def __init__(self, checkpoint: str, max_samples: int = 16):
-        self.policy = Policy(checkpoint, max_samples)
+    def __init__(self, checkpoint: str, max_samples: int = 16, batch_rows: int = BATCH_ROWS,
+                 max_queue: int = MAX_QUEUE):
+        self.policy = Policy(checkpoint, max_samples, batch_rows, max_queue)
         self.policy.replica = serve.get_replica_context().replica_tag
 
 
 def replica_options(num_replicas: int | None = None, min_replicas: int | None = None,
-                    max_replicas: int | None = None, target_ongoing_requests: float | None = None) -> dict:
+                    max_replicas: int | None = None, target_ongoing_requests: float | None = None, *,
+                    max_ongoing: int = MAX_ONGOING_REQUESTS, default_target: float = 2.0) -> dict:
     """Serve deployment options for a fixed number of replicas or for autoscaling (when
-    `max_replicas` is given); raises ValueError naming the flag for a combination that cannot work."""
+    `max_replicas` is given); raises ValueError naming the flag for a combination that cannot work.
+    `max_ongoing`: the requests a replica takes at a time (`max_ongoing_requests`);
+    `default_target`: the autoscaling target when none is given."""
     if max_replicas is None:
         for flag, value in (("--min-replicas", min_replicas), ("--target-ongoing-requests", target_ongoing_requests)):
             if value is not None:
@@ -202,23 +282,24 @@ def replica_options(num_replicas: int | None = None, min_replicas: int | None = 
     if not lo <= start <= max_replicas:
         raise ValueError(f"--num-replicas (the replicas to start with when autoscaling) must lie in "
                          f"[--min-replicas, --max-replicas] = [{lo}, {max_replicas}] (got {start})")
-    target = 2.0 if target_ongoing_requests is None else target_ongoing_requests
-    if not 0 < target <= MAX_ONGOING_REQUESTS:
-        raise ValueError(f"--target-ongoing-requests must be in (0, {MAX_ONGOING_REQUESTS}] (a replica takes "
-                         f"{MAX_ONGOING_REQUESTS} requests at a time; got {target:g})")
+    target = default_target if target_ongoing_requests is None else target_ongoing_requests
+    if not 0 < target <= max_ongoing:
+        raise ValueError(f"--target-ongoing-requests must be in (0, {max_ongoing}] (a replica takes "
+                         f"{max_ongoing} requests at a time; got {target:g})")
     return {"autoscaling_config": {"min_replicas": lo, "max_replicas": max_replicas, "initial_replicas": start,
                                    "target_ongoing_requests": target}}
 
 
 def make_app(checkpoint: str, *, num_replicas: int = 1, num_cpus: float = 0.5, max_samples: int = 16,
-             replicas: dict | None = None):
+             replicas: dict | None = None, batch_rows: int = BATCH_ROWS, max_queue: int = MAX_QUEUE):
     """The Serve application: PolicyServer replicas, each loading `checkpoint`: `num_replicas` of
-    them, or as `replicas` (from `replica_options`, e.g. an autoscaling config) says."""
+    them, or as `replicas` (from `replica_options`, e.g. an autoscaling config) says. Each replica
+    batches `batch_rows` rows (0: one request at a time) with up to `max_queue` completions waiting."""
     deployment = serve.deployment(
         PolicyServer,
         name="PolicyServer",
         ray_actor_options={"num_cpus": num_cpus},
-        max_ongoing_requests=MAX_ONGOING_REQUESTS,
+        max_ongoing_requests=max_ongoing_requests(batch_rows, max_queue),
         **(replicas or {"num_replicas": num_replicas}),
     )
-    return deployment.bind(checkpoint, max_samples)
+    return deployment.bind(checkpoint, max_samples, batch_rows, max_queue)

@@ -44,7 +44,8 @@ import time
 
 from ray import serve
 
-from agents.serve.application import MAX_ONGOING_REQUESTS, make_app, replica_options
+from agents.serve.application import make_app, max_ongoing_requests, replica_options
+from agents.serve.replica import BATCH_ROWS, MAX_QUEUE
 
 APP_NAME = "policy"
 
@@ -80,11 +81,17 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
     parser.add_argument("--max-replicas", type=int, default=None,
                         help="autoscaling: most replicas; turns autoscaling on")
     parser.add_argument("--target-ongoing-requests", type=float, default=None,
-                        help=f"autoscaling: requests per replica to aim at (default 2, at most "
-                             f"{MAX_ONGOING_REQUESTS}); needs --max-replicas")
+                        help="autoscaling: requests per replica to aim at (default: --batch-rows; 2 with "
+                             "--batch-rows 0); needs --max-replicas")
     parser.add_argument("--num-cpus", type=float, default=0.5, help="CPUs each replica reserves (default 0.5)")
     parser.add_argument("--max-samples", type=int, default=16,
                         help="most generations per request (num_samples; n x prompts) (default 16)")
+    parser.add_argument("--batch-rows", type=int, default=BATCH_ROWS,
+                        help=f"rows each replica generates together (continuous batching; default {BATCH_ROWS}); "
+                             f"0: one request at a time")
+    parser.add_argument("--max-queue", type=int, default=MAX_QUEUE,
+                        help=f"completions that may wait for a row in a replica before a request gets 429 "
+                             f"(default {MAX_QUEUE})")
     parser.add_argument("--dashboard-port", type=int, default=None,
                         help="start the Ray dashboard on this port (local Ray only; default: no dashboard)")
     args = parser.parse_args(argv)
@@ -92,9 +99,15 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
         parser.error("--port must be in [1, 65535]")
     if not args.route_prefix.startswith("/"):
         parser.error("--route-prefix must start with '/'")
+    if args.batch_rows < 0:
+        parser.error(f"--batch-rows must be >= 0 (0: one request at a time), got {args.batch_rows}")
+    if args.max_queue < 0:
+        parser.error(f"--max-queue must be >= 0, got {args.max_queue}")
     try:
         replicas = replica_options(args.num_replicas, args.min_replicas, args.max_replicas,
-                                   args.target_ongoing_requests)
+                                   args.target_ongoing_requests,
+                                   max_ongoing=max_ongoing_requests(args.batch_rows, args.max_queue),
+                                   default_target=float(args.batch_rows or 2))
     except ValueError as e:
         parser.error(str(e))
     if not args.num_cpus > 0:
@@ -157,14 +170,18 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
         signal.signal(signal.SIGTERM, _interrupt)
         serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
         started = True
-        application = make_app(checkpoint, num_cpus=args.num_cpus, max_samples=args.max_samples, replicas=replicas)
+        application = make_app(checkpoint, num_cpus=args.num_cpus, max_samples=args.max_samples, replicas=replicas,
+                               batch_rows=args.batch_rows, max_queue=args.max_queue)
         serve.run(application, name=APP_NAME, route_prefix=prefix or "/", logging_config={"log_level": "WARNING"})
         base = f"http://{args.host}:{args.port}{prefix}"
         print(f"Serving {checkpoint} at {base}/generate (Ctrl-C to stop)", flush=True)
         scaling = (f"autoscaling {autoscaling['min_replicas']}-{autoscaling['max_replicas']} replicas "
                    f"(started {start}, target {autoscaling['target_ongoing_requests']:g} ongoing requests each)"
                    if autoscaling else f"{start} replica{'s' if start > 1 else ''}")
-        print(f"  OpenAI completions: {base}/v1/completions; API docs: {base}/docs; {scaling}", flush=True)
+        batching = (f"{args.batch_rows} rows batched per replica" if args.batch_rows
+                    else "one request at a time per replica")
+        print(f"  OpenAI completions: {base}/v1/completions (chat: {base}/v1/chat/completions); "
+              f"API docs: {base}/docs; {scaling}; {batching}", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

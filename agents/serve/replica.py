@@ -1,6 +1,8 @@
 """The policy in one Serve replica: `Policy` (a checkpoint loaded once) checks requests against
-its limits and generates for them with `agents.generate.generate` (`run_request`, `run_completion`);
-`replica_policy` is the FastAPI dependency that gives the routes the answering replica's `Policy`.
+its limits and generates for them: through a `Batcher` (continuous batching: `batch_rows` rows
+stepping together, each request taking rows as they free up), or, with `batch_rows` 0, one
+request at a time with `agents.generate.generate` under a lock. `replica_policy` is the FastAPI
+dependency that gives the routes the answering replica's `Policy`.
 
 Generation runs the checkpoint's own environment, so the policy acts exactly as in training
 (the package's docstring says what that means for a reply).
@@ -9,15 +11,20 @@ Nothing here needs Ray but `replica_policy`: a `Policy` is usable and testable i
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import threading
-import time
 
 from ray import serve
 
-from agents.serve.requests import MAX_SEED, ROUTES, BadRequest, CompletionRequest, GenerateRequest
+from agents.serve.batching import Batcher, Completion, Job
+from agents.serve.requests import (MAX_SEED, ROUTES, BadRequest, ChatRequest, CompletionRequest,
+                                   GenerateRequest)
 from env.text_env import env_setting
+
+BATCH_ROWS = 16  # rows stepping together in a replica (--batch-rows)
+MAX_QUEUE = 256  # completions that may wait for a row before a request is refused with 429 (--max-queue)
 
 
 # -- the policy in one replica (no Ray: usable and testable in-process) ----------------------
@@ -37,55 +44,28 @@ def unknown_words(tokenizer, text: str) -> list[str]:
             if t == unk_id and text[s:e] != unk_token]
 
 
-def run_request(module, env_config: dict, req: dict, *, needs_references: bool = False) -> dict:
-    """Generates for a checked /generate request with `agents.generate.generate`; the reply's JSON.
-    A task whose reward needs references is scored only when the request gives them."""
+def alone_results(module, env_config: dict, completions: list[Completion]) -> list[dict]:
+    """The completions generated together with `agents.generate.generate` (the one-at-a-time
+    path: every completion shares the first one's length, greediness, temperature and top_p, as a
+    checked request's do), as the batcher's results."""
     from agents.generate import generate
 
-    env_config = {**env_config, "max_new_tokens": req["max_new_tokens"]}
-    refs = req.get("references")
-    meta = {"references": refs} if refs else {}
-    results = generate(module, env_config, [req["prompt"]] * req["num_samples"], greedy=req["greedy"],
-                       seed=req["seed"], metas=[meta] * req["num_samples"], score=bool(refs) or not needs_references)
-    return {
-        "prompt": results[0]["prompt"],
-        "prompt_truncated": req["prompt_truncated"],
-        "max_new_tokens": req["max_new_tokens"],
-        "greedy": req["greedy"],
-        "seed": req["seed"],
-        "generations": [{"text": r["generation"], "reward": r["reward"]} for r in results],
-    }
-
-
-def run_completion(module, env_config: dict, req: dict) -> dict:
-    """Generates for a checked /v1/completions request with `agents.generate.generate`: the
-    OpenAI reply's JSON. Rows are prompt-major (choice index = prompt_index * n + j)."""
-    from agents.generate import generate
-
-    n = req["n"]
-    greedy = req["temperature"] == 0
-    results = generate(module, {**env_config, "max_new_tokens": req["max_tokens"]},
-                       [p for p in req["prompts"] for _ in range(n)], greedy=greedy, seed=req["seed"], score=False,
-                       temperature=1.0 if greedy else req["temperature"], top_p=1.0 if greedy else req["top_p"])
-    completion_tokens = sum(r["num_generated"] for r in results)
-    prompt_tokens = sum(r["prompt_tokens"] for r in results[::n])
-    return {
-        "id": f"cmpl-{secrets.token_hex(12)}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": req["model"],
-        "choices": [{"text": r["generation"], "index": i, "logprobs": None,
-                     "finish_reason": "stop" if r["eos"] else "length"} for i, r in enumerate(results)],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
-    }
+    c = completions[0]
+    scored = c.meta is not None
+    results = generate(module, {**env_config, "max_new_tokens": c.max_tokens}, [x.prompt for x in completions],
+                       greedy=c.greedy, seed=c.seed, metas=[x.meta or {} for x in completions], score=scored,
+                       temperature=1.0 if c.greedy else c.temperature, top_p=1.0 if c.greedy else c.top_p)
+    return [{"text": r["generation"], "finish_reason": "stop" if r["eos"] else "length",
+             "num_generated": r["num_generated"], "prompt": r["prompt"], "prompt_tokens": r["prompt_tokens"],
+             "reward": r["reward"]} for r in results]
 
 
 class Policy:
-    """A checkpoint's policy, loaded once, behind a lock (its KV cache and sampler state are per
-    module): checks requests against its limits and generates for them."""
+    """A checkpoint's policy, loaded once: checks requests against its limits and generates for
+    them, batched (`batch_rows` > 0) or one request at a time behind a lock."""
 
-    def __init__(self, checkpoint: str, max_samples: int = 16):
+    def __init__(self, checkpoint: str, max_samples: int = 16, batch_rows: int = BATCH_ROWS,
+                 max_queue: int = MAX_QUEUE):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from agents.generate import load_policy, reward_needs_meta
         from env.tasks import make_task
@@ -98,7 +78,9 @@ class Policy:
         self.max_samples = int(max_samples)
         self.model_name = os.path.basename(os.path.normpath(checkpoint)) or "policy"
         self.replica = None  # the Serve replica's tag, where one runs it
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the one-at-a-time path: the module's per-row state is the module's
+        self.batcher = Batcher(self.module, self.env_config, batch_rows, max_queue) if batch_rows > 0 else None
+        self.chat = bool(getattr(self.tokenizer, "chat_template", None))
         task = make_task(self.env_config["task"], max_new_tokens=self.max_new_tokens)
         self.needs_references = reward_needs_meta(task)
         examples = task.examples("train")
@@ -114,18 +96,24 @@ class Policy:
                         if v is not None},
             "example_prompt": examples[0]["prompt"] if examples else None,
             "reward_needs_references": self.needs_references,
+            "chat_template": self.chat,
+            "batch_rows": batch_rows,
             "fields": list(GenerateRequest.model_fields),
             "routes": list(ROUTES),
         }
 
-    def _prompt_tokens(self, text: str, item: str = "") -> int:
+    def describe(self) -> dict:
+        """What GET /generate shows: the policy's limits, and the batch's load where it batches."""
+        return {**self.info, "load": self.batcher.load() if self.batcher else None}
+
+    def _prompt_tokens(self, text: str, item: str = "", field: str = "prompt") -> int:
         """The prompt's length in tokens; refuses unknown words and empty prompts (`item`: "[i] " in a list)."""
         unknown_pieces = unknown_words(self.tokenizer, text)
         if unknown_pieces:
-            raise BadRequest(f"prompt: {item}{unknown_pieces[0]!r} is not in the task's vocabulary")
+            raise BadRequest(f"{field}: {item}{unknown_pieces[0]!r} is not in the task's vocabulary")
         n_tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if n_tokens == 0:
-            raise BadRequest(f"prompt: {item}empty after tokenization")
+            raise BadRequest(f"{field}: {item}empty after tokenization")
         return n_tokens
 
     @staticmethod
@@ -142,46 +130,88 @@ class Policy:
     def check_generate(self, req: GenerateRequest) -> dict:
         """The /generate request with its limits checked and defaults filled in; raises BadRequest."""
         n_tokens = self._prompt_tokens(req.prompt)
-        return {
-            "prompt": req.prompt,
+        checked = {
+            "prompts": [req.prompt],
             "prompt_truncated": n_tokens > self.max_prompt_len,
             "max_new_tokens": self._within("max_new_tokens", self.max_new_tokens if req.max_new_tokens is None
                                            else req.max_new_tokens, self.max_new_tokens),
-            "num_samples": self._within("num_samples", req.num_samples, self.max_samples),
+            "n": self._within("num_samples", req.num_samples, self.max_samples),
             "greedy": req.greedy,
             "seed": self._seed(req.seed),
             "references": req.references,
+            "stream": False,
         }
+        refs = req.references
+        meta = ({"references": refs} if refs else {}) if refs or not self.needs_references else None
+        checked["completions"] = [Completion(req.prompt, checked["seed"] + j, checked["max_new_tokens"],
+                                             greedy=req.greedy, meta=meta) for j in range(checked["n"])]
+        return checked
+
+    def _check_openai(self, req, prompts: list[str], max_tokens: int | None, prompt_field: str = "prompt") -> dict:
+        if self.batcher is None:
+            for field in ("stream", "stop"):
+                if getattr(req, field):
+                    raise BadRequest(f"{field}: needs continuous batching; this server runs one request at a "
+                                     f"time (started with --batch-rows 0)")
+        n = self._within("n", req.n, self.max_samples)
+        if len(prompts) * n > self.max_samples:
+            raise BadRequest(f"{prompt_field}: {len(prompts)} prompts x n={n} = {len(prompts) * n} completions; "
+                             f"at most {self.max_samples} per request (--max-samples)")
+        checked = {
+            "prompts": prompts,
+            "model": req.model or self.model_name,
+            "max_tokens": self._within("max_tokens", self.max_new_tokens if max_tokens is None else max_tokens,
+                                       self.max_new_tokens),
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "n": n,
+            "seed": self._seed(req.seed),
+            "stop": tuple(req.stop or ()),
+            "stream": req.stream,
+            "stream_options": req.stream_options,
+        }
+        greedy = req.temperature == 0
+        checked["completions"] = [
+            Completion(p, checked["seed"] + k, checked["max_tokens"], greedy=greedy,
+                       temperature=1.0 if greedy else req.temperature, top_p=1.0 if greedy else req.top_p,
+                       stop=checked["stop"]) for k, p in enumerate(p for p in prompts for _ in range(n))]
+        return checked
 
     def check_completion(self, req: CompletionRequest) -> dict:
         """The /v1/completions request with its limits checked and defaults filled in; raises BadRequest."""
         prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
         for i, text in enumerate(prompts):
             self._prompt_tokens(text, "" if isinstance(req.prompt, str) else f"[{i}] ")
-        n = self._within("n", req.n, self.max_samples)
-        if len(prompts) * n > self.max_samples:
-            raise BadRequest(f"prompt: {len(prompts)} prompts x n={n} = {len(prompts) * n} completions; "
-                             f"at most {self.max_samples} per request (--max-samples)")
-        return {
-            "prompts": prompts,
-            "model": req.model or self.model_name,
-            "max_tokens": self._within("max_tokens", self.max_new_tokens if req.max_tokens is None
-                                       else req.max_tokens, self.max_new_tokens),
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "n": n,
-            "seed": self._seed(req.seed),
-        }
+        return self._check_openai(req, prompts, req.max_tokens)
 
-    def generate(self, req: dict) -> dict:
-        with self.lock:  # one generation at a time per replica: the module keeps per-row state
-            return run_request(self.module, self.env_config, req, needs_references=self.needs_references)
+    def check_chat(self, req: ChatRequest) -> dict:
+        """The /v1/chat/completions request: its messages through the tokenizer's chat template."""
+        if not self.chat:
+            raise BadRequest("messages: the policy's tokenizer has no chat template, so it cannot take chat "
+                             "messages; send text to /v1/completions")
+        if req.max_tokens is not None and req.max_completion_tokens is not None:
+            raise BadRequest("max_completion_tokens: give max_tokens or max_completion_tokens, not both")
+        try:
+            prompt = self.tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template that raises on these messages (e.g. roles out of order)
+            raise BadRequest(f"messages: the chat template refused them: {' '.join(str(e).split())[:200]}") from None
+        self._prompt_tokens(prompt, field="messages")
+        max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        return self._check_openai(req, [prompt], max_tokens, prompt_field="messages")
 
-    def complete(self, req: dict) -> dict:
-        with self.lock:
-            return run_completion(self.module, self.env_config, req)
+    def submit(self, checked: dict, loop: asyncio.AbstractEventLoop | None = None) -> Job:
+        """The checked request's completions queued for the batch's rows (raises Busy when full)."""
+        return self.batcher.submit(Job(checked["completions"], stream=checked["stream"], loop=loop))
+
+    def run(self, checked: dict) -> list[dict]:
+        """The checked request's completion results, waiting for them (either path)."""
+        if self.batcher is not None:
+            return self.submit(checked).wait()
+        with self.lock:  # one generation at a time: the module keeps per-row state
+            return alone_results(self.module, self.env_config, checked["completions"])
 
 
-def replica_policy() -> Policy:
-    """The `Policy` of the Serve replica answering (a FastAPI dependency; tests override it)."""
+async def replica_policy() -> Policy:
+    """The `Policy` of the Serve replica answering (a FastAPI dependency; tests override it).
+    A coroutine, so FastAPI calls it on the event loop rather than in its thread pool."""
     return serve.get_replica_context().servable_object.policy

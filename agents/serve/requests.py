@@ -37,11 +37,27 @@ so OpenAI clients work against it (`OpenAI(base_url="http://127.0.0.1:8000/v1", 
   n            integer in [1, --max-samples]; n times the number of prompts is at most --max-samples
   seed         integer in [0, 2**31 - 1] (default random): the same seed and request give the same text
   model        string, echoed in the reply (default: the checkpoint directory's name)
-  stream       false only (streaming is not supported); user: string, ignored
-Any other field (logprobs, stop, echo, ...) is refused naming it. `finish_reason` is "stop" when
-the policy wrote EOS, else "length". `usage.prompt_tokens` counts each prompt once, as the policy
+  stop         a string or a list of at most 4 non-empty strings: a completion ends where one first
+               appears (finish_reason "stop"); the text stops before it
+  stream       true: the reply is server-sent events, OpenAI's `text_completion` chunks as the text
+               grows (a stop string's possible beginning is held back), one chunk per choice with its
+               finish_reason, then `data: [DONE]`; `stream_options: {"include_usage": true}` adds a
+               last chunk with the usage. A client that goes away frees its rows at once.
+  user         string, ignored
+Any other field (logprobs, echo, ...) is refused naming it. `finish_reason` is "stop" when
+the policy wrote EOS or a stop string, else "length". `usage.prompt_tokens` counts each prompt once, as the policy
 saw it (after the left truncation to env.max_prompt_len); `completion_tokens` counts the tokens
 the policy wrote over all choices, EOS included (the text omits EOS and other special tokens).
+
+POST /v1/chat/completions takes OpenAI's chat request (`messages`: a non-empty list of
+{"role": "system" | "user" | "assistant", "content": "..."}) where the policy's tokenizer has a
+chat template: the messages become the prompt through it (with the generation prompt), and the
+other fields are the completions route's (`max_completion_tokens` is another name for
+`max_tokens`). It answers `chat.completion` objects (streamed: `chat.completion.chunk`s).
+
+On the /v1/ routes an error is OpenAI's error object,
+    {"error": {"message": "max_tokens: ...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+(the message is the line /generate sends as {"error": "max_tokens: ..."}).
 """
 from __future__ import annotations
 
@@ -55,8 +71,10 @@ from pydantic_core import PydanticCustomError
 MAX_PROMPT_CHARS = 10_000
 MAX_SEED = 2**31 - 1
 MAX_REFERENCES = 64
+MAX_STOPS = 4
+CHAT_ROLES = ("system", "user", "assistant")
 # the application's routes (GET /generate lists them, and a 404 names them)
-ROUTES = ("/generate", "/v1/completions", "/v1/models", "/docs", "/openapi.json")
+ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/docs", "/openapi.json")
 
 
 class BadRequest(ValueError):
@@ -168,11 +186,41 @@ def _references(value):
     return refs
 
 
-def _stream(value):
-    if value is not False:
-        raise _invalid("streaming is not supported; send false or leave the field out"
-                       if value is True else f"must be false, got {_shown(value)}")
-    return value
+def _stops(value):
+    if value is None:
+        return None
+    stops = [value] if isinstance(value, str) else value
+    if (not isinstance(stops, list) or not stops or len(stops) > MAX_STOPS
+            or not all(isinstance(x, str) and x for x in stops)):
+        raise _invalid(f"must be a non-empty string or a list of 1 to {MAX_STOPS} non-empty strings, "
+                       f"got {_shown(value)}")
+    if sum(len(x) for x in stops) > MAX_PROMPT_CHARS:
+        raise _invalid(f"longer than {MAX_PROMPT_CHARS} characters in all")
+    return stops
+
+
+def _stream_options(value):
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"include_usage"}:
+        raise _invalid(f'must be an object like {{"include_usage": true}}, got {_shown(value)}')
+    return {"include_usage": _boolean(value.get("include_usage", False))}
+
+
+def _messages(value):
+    what = 'a non-empty list of {"role": "system" | "user" | "assistant", "content": "..."}'
+    if not isinstance(value, list) or not value:
+        raise _invalid(f"must be {what}, got {_shown(value)}")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or set(m) - {"role", "content", "name"} or "role" not in m or "content" not in m:
+            raise _invalid(f"[{i}] must be an object with role and content, got {_shown(m)}")
+        if m["role"] not in CHAT_ROLES:
+            raise _invalid(f"[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {_shown(m['role'])}")
+        if not isinstance(m["content"], str):
+            raise _invalid(f"[{i}].content must be a string (text parts are not taken), got {_type_name(m['content'])}")
+    if sum(len(m["content"]) for m in value) > MAX_PROMPT_CHARS:
+        raise _invalid(f"longer than {MAX_PROMPT_CHARS} characters in all")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
 class _StrictFields(BaseModel):
@@ -257,7 +305,38 @@ class CompletionRequest(_StrictFields):
         1.0, description="nucleus over the policy's (sampler-masked) distribution")
     n: Annotated[int, _integer()] = Field(1, description="completions per prompt, in [1, --max-samples]")
     seed: Seed
-    stream: Annotated[bool, BeforeValidator(_stream)] = Field(False, description="false only")
+    stop: Annotated[Optional[list[str]], BeforeValidator(_stops)] = Field(
+        None, description="a string or up to 4 strings: the text ends before the first that appears")
+    stream: Annotated[bool, BeforeValidator(_boolean)] = Field(False, description="server-sent events")
+    stream_options: Annotated[Optional[dict], BeforeValidator(_stream_options)] = Field(
+        None, description='{"include_usage": true}: a last chunk with the usage')
+    user: Annotated[Optional[str], BeforeValidator(lambda v: v if v is None else _text(v))] = Field(
+        None, description="ignored")
+
+
+class ChatRequest(_StrictFields):
+    """POST /v1/chat/completions: OpenAI's chat request, for a tokenizer with a chat template."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"model": "policy", "messages": [{"role": "user", "content": "3 7 12"}], "max_tokens": 10, "seed": 0}]})
+    other_route_names: ClassVar[dict[str, str]] = {"prompt": "this route takes messages; /v1/completions takes prompt",
+                                                   **CompletionRequest.other_route_names}
+
+    messages: Annotated[list[dict], BeforeValidator(_messages)] = Field(
+        description='[{"role": "system" | "user" | "assistant", "content": "..."}], through the chat template')
+    model: Annotated[Optional[str], BeforeValidator(lambda v: v if v is None else _text(v))] = Field(
+        None, description="echoed in the reply; default: the checkpoint's name")
+    max_tokens: Annotated[Optional[int], _integer()] = Field(
+        None, description="integer in [1, env.max_new_tokens]; default: that maximum")
+    max_completion_tokens: Annotated[Optional[int], _integer()] = Field(None, description="max_tokens' other name")
+    temperature: Annotated[float, _number(0, 2)] = Field(1.0, description="as for /v1/completions")
+    top_p: Annotated[float, _number(0, 1, lo_open=True)] = Field(1.0, description="as for /v1/completions")
+    n: Annotated[int, _integer()] = Field(1, description="choices, in [1, --max-samples]")
+    seed: Seed
+    stop: Annotated[Optional[list[str]], BeforeValidator(_stops)] = Field(None, description="as for /v1/completions")
+    stream: Annotated[bool, BeforeValidator(_boolean)] = Field(False, description="server-sent events")
+    stream_options: Annotated[Optional[dict], BeforeValidator(_stream_options)] = Field(
+        None, description='{"include_usage": true}: a last chunk with the usage')
     user: Annotated[Optional[str], BeforeValidator(lambda v: v if v is None else _text(v))] = Field(
         None, description="ignored")
 
@@ -281,6 +360,27 @@ class CompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[CompletionChoice]
+    usage: CompletionUsage
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
     usage: CompletionUsage
 
 

@@ -1,0 +1,325 @@
+"""Continuous batching in a replica (agents/serve/batching.py) and what rests on it: streaming,
+stop strings, per-request sampling, the queue bound, cancellation, and the chat route.
+
+The batcher is driven in-process on the quickstart's tiny policy; `Batcher.on_step` (called in
+the batch's thread after each step) pauses it where a test must see the state between steps.
+The OpenAI client against a running server is in tests/test_serve_openai.py.
+"""
+import json
+import threading
+
+import pytest
+import torch
+
+from agents.serve.batching import Batcher, Busy, Completion, Job, held_back, stop_position
+from tests.conftest import QUICKSTART, served_in_process
+
+
+def build_module(*overrides: str):
+    from agents.config import algorithm_config, load
+    from env.text_env import TokenGenerationEnv
+
+    algo_config = algorithm_config(load(QUICKSTART, list(overrides)))
+    module = algo_config.get_rl_module_spec(env=TokenGenerationEnv(algo_config.env_config)).build()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # away from the initial weights: a peaked, prompt-dependent policy
+        for p in module.lm.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    module.eval()
+    return module
+
+
+@pytest.fixture(scope="module", params=["top_k", "mirostat"])
+def module(request):
+    """The quickstart's policy with a logits-only sampler (top-3) or a stateful one (mirostat, whose
+    per-row state must follow each row)."""
+    if request.param == "top_k":
+        return build_module("sampler.name=top_k", "sampler.k=3")
+    return build_module("sampler.name=mirostat", "sampler.tau=3.0", "sampler.learning_rate=0.5")
+
+
+def mix() -> list[Completion]:
+    """Completions that differ in every per-request setting."""
+    out = [Completion("3 7 12", seed, 20, temperature=t, top_p=p)
+           for seed, (t, p) in enumerate([(1.0, 1.0), (0.7, 0.9), (1.5, 1.0), (1.0, 0.5), (0.3, 1.0)])]
+    out += [Completion("1 2", 50, 8, greedy=True), Completion("5", 51, 20, stop=("1",)),
+            Completion("40 41 42 43 44 45 46", 52, 12), Completion("3 7 12", 0, 5)]
+    return out
+
+
+def run_alone(batcher, completions):
+    return [batcher.submit(Job([c])).wait(timeout=60)[0] for c in completions]
+
+
+def test_a_completion_gets_the_same_text_alone_and_among_others_joining_at_any_step(module):
+    env_config = dict(module.model_config["env"])
+    batcher = Batcher(module, env_config, rows=4, max_queue=64)
+    completions = mix()
+    alone = run_alone(batcher, completions)
+    # all at once: 9 completions for 4 rows, so most wait and take rows others free
+    jobs = [batcher.submit(Job([c])) for c in completions]
+    together = [j.wait(timeout=60)[0] for j in jobs]
+    assert together == alone
+    # staggered: half now, the rest while those are mid-generation (at steps 3 and 7)
+    late = {3: completions[::2], 7: completions[1::2]}
+    late_jobs = []
+
+    def submit_late():
+        for c in late.pop(batcher.stats["steps"] - start, []):
+            late_jobs.append((c, batcher.submit(Job([c]))))
+
+    start = batcher.stats["steps"]
+    first = [batcher.submit(Job([c])) for c in completions[:3]]
+    batcher.on_step = submit_late
+    try:
+        assert [j.wait(timeout=60)[0] for j in first] == alone[:3]
+        for _ in range(100):
+            if not late:
+                break
+            threading.Event().wait(0.05)
+        assert not late, "the batch stopped before every late completion was submitted"
+        for c, job in late_jobs:
+            assert job.wait(timeout=60)[0] == alone[completions.index(c)]
+    finally:
+        batcher.on_step = None
+    assert batcher.load()["max_active"] == 4 and batcher.load()["active"] == 0
+
+    # what the settings do: a length cap ends in "length" at it, EOS or a stop string in "stop"
+    for c, r in zip(completions, alone):
+        assert 1 <= r["num_generated"] <= c.max_tokens
+        if r["finish_reason"] == "length":
+            assert r["num_generated"] == c.max_tokens
+        assert r["prompt_tokens"] == min(len(c.prompt.split()), 5) and r["reward"] is None  # cut to max_prompt_len
+    assert alone[-1]["text"].split() == alone[0]["text"].split()[:5]  # the same row, cut at 5 tokens
+    assert len({r["text"] for r in alone[:5]}) == 5  # the sampling settings change the text
+    stopped, unstopped = alone[6], run_alone(batcher, [Completion("5", 51, 20)])[0]
+    cut = unstopped["text"].find("1")
+    assert cut >= 0, unstopped  # the stop string occurs in this seed's text, so the test can see the cut
+    assert stopped["text"] == unstopped["text"][:cut] and stopped["finish_reason"] == "stop"
+    batcher.close()
+
+
+def test_greedy_rows_write_what_generate_writes_in_the_env(module):
+    """The batch keeps each row's window as the env's observation would be (its own update, not
+    env.step): greedy completions equal `agents.generate.generate`'s, which steps real envs."""
+    from agents.serve.replica import alone_results
+
+    env_config = dict(module.model_config["env"])
+    batcher = Batcher(module, env_config, rows=3)
+    prompts = ["3 7 12", "1 2", "40 41 42 43 44 45 46", "5", "9 9"]
+    completions = [Completion(p, 0, 20, greedy=True) for p in prompts]
+    batched = [j.wait(timeout=60)[0] for j in [batcher.submit(Job([c])) for c in completions]]
+    for c, got in zip(completions, batched):
+        want = alone_results(module, env_config, [c])[0]
+        assert {k: got[k] for k in want} == want
+    assert len({r["text"] for r in batched}) > 1
+    batcher.close()
+
+
+def test_stop_strings_are_held_back_from_a_stream_until_they_cannot_begin_one():
+    assert stop_position("12 13 14", ("13", "4")) == 3 and stop_position("12", ("3",)) is None
+    assert held_back("12 1", ("13",)) == 1 and held_back("12 ", (" 13",)) == 1 and held_back("12", ("5",)) == 0
+    assert held_back("ab", ("abc", "b")) == 2
+
+
+def test_streamed_deltas_add_up_to_the_text_and_never_show_a_stop_string():
+    module = build_module()
+    batcher = Batcher(module, dict(module.model_config["env"]), rows=3)
+    for c in [Completion("3 7 12", 0, 20), Completion("5", 51, 20, stop=("1",)), Completion("5", 51, 20, stop=(" 4",))]:
+        job = batcher.submit(Job([c], stream=True))
+        deltas, finish = [], None
+        while finish is None:
+            kind, index, value = job._events.get(timeout=60)
+            assert index == 0
+            if kind == "delta":
+                assert value and finish is None
+                deltas.append(value)
+                assert not any(s in "".join(deltas) for s in c.stop)
+            else:
+                assert kind == "finish"
+                finish = value
+        assert job._events.get(timeout=60)[0] == "done"
+        assert "".join(deltas) == finish["text"] and len(deltas) > 1
+    batcher.close()
+
+
+def test_a_full_queue_refuses_at_once_and_every_accepted_request_is_answered():
+    module = build_module()
+    batcher = Batcher(module, dict(module.model_config["env"]), rows=2, max_queue=2)
+    with batcher.cv:  # the batch cannot take anything from the queue meanwhile
+        accepted = [batcher.submit(Job([Completion("3", 0, 4), Completion("3", 1, 4)])),  # the 2 rows
+                    batcher.submit(Job([Completion("3", 2, 4)])), batcher.submit(Job([Completion("3", 3, 4)]))]
+        with pytest.raises(Busy, match=r"--max-queue 2"):
+            batcher.submit(Job([Completion("3", 4, 4)]))
+    assert [len(j.wait(timeout=60)) for j in accepted] == [2, 1, 1]
+    load = batcher.load()
+    assert load["refused"] == 1 and load["completions"] == 4 and load["waiting"] == 0
+    batcher.submit(Job([Completion("3", 4, 4)])).wait(timeout=60)  # room again
+    batcher.close()
+
+
+def test_a_cancelled_job_frees_its_row_and_drops_its_waiting_completions_at_the_next_step():
+    module = build_module()
+    batcher = Batcher(module, dict(module.model_config["env"]), rows=1)
+    paused, go = threading.Event(), threading.Event()
+
+    def pause():
+        paused.set()
+        go.wait(timeout=60)
+
+    batcher.on_step = pause
+    job = batcher.submit(Job([Completion("3", s, 20) for s in range(3)], stream=True))
+    assert paused.wait(timeout=60)  # one step done: one token of the first completion
+    job.cancel()
+    batcher.on_step = None
+    go.set()
+    other = batcher.submit(Job([Completion("3 7", 9, 3)])).wait(timeout=60)  # the row is free for it
+    assert other[0]["num_generated"] == 3
+    load = batcher.load()
+    assert load["cancelled"] == 3 and load["active"] == 0 and load["waiting"] == 0
+    assert load["tokens"] == 1 + 3  # the cancelled row wrote one token, then stopped
+    assert job.results == [None, None, None]
+    batcher.close()
+
+
+# -- the routes over HTTP, in-process ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from agents.generate import MODULE_SUBDIR
+
+    path = tmp_path_factory.mktemp("checkpoint")
+    build_module().save_to_path(str(path / MODULE_SUBDIR))
+    return str(path)
+
+
+def events_of(response) -> list:
+    """The server-sent events of a streamed reply: parsed JSON, or the string [DONE]."""
+    out = []
+    for line in response.iter_lines():
+        if line:
+            assert line.startswith("data: "), line
+            out.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+    return out
+
+
+def test_a_streamed_completion_is_openais_chunks_with_the_text_of_the_whole_reply(checkpoint):
+    from agents.serve import Policy
+
+    policy = Policy(checkpoint, max_samples=4)
+    body = {"prompt": ["3 7", "5"], "n": 2, "max_tokens": 12, "seed": 5, "stop": ["4"]}
+    with served_in_process(policy) as client:
+        whole = client.post("/v1/completions", json=body).json()
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                             "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = events_of(r)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"] == whole["usage"]
+    texts, finish = {}, {}
+    for e in events[:-2]:
+        assert e["object"] == "text_completion" and e["id"] == events[0]["id"] and len(e["choices"]) == 1
+        (choice,) = e["choices"]
+        assert choice["index"] not in finish  # nothing after a choice's finish chunk
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        if choice["finish_reason"]:
+            finish[choice["index"]] = choice["finish_reason"]
+    assert [texts[i] for i in range(4)] == [c["text"] for c in whole["choices"]]
+    assert [finish[i] for i in range(4)] == [c["finish_reason"] for c in whole["choices"]]
+
+
+def test_the_chat_route_answers_through_the_chat_template_and_refuses_without_one(checkpoint):
+    from agents.serve import Policy
+
+    policy = Policy(checkpoint, max_samples=4)
+    messages = [{"role": "system", "content": "3"}, {"role": "user", "content": "7 12"}]
+    with served_in_process(policy) as client:
+        r = client.post("/v1/chat/completions", json={"messages": messages})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "messages" and "no chat template" in error["message"]
+        assert error["type"] == "invalid_request_error" and "\n" not in error["message"]
+        # a template that writes the contents one after another: the chat is the prompt "3 7 12"
+        policy.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        policy.chat = True
+        body = {"messages": messages, "max_tokens": 6, "seed": 2, "n": 2}
+        chat = client.post("/v1/chat/completions", json=body).json()
+        plain = client.post("/v1/completions", json={"prompt": "3 7 12", "max_tokens": 6, "seed": 2, "n": 2}).json()
+        assert chat["object"] == "chat.completion" and chat["id"].startswith("chatcmpl-")
+        assert [c["message"] for c in chat["choices"]] == [{"role": "assistant", "content": c["text"]}
+                                                           for c in plain["choices"]]
+        assert chat["usage"] == plain["usage"]
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            events = events_of(r)
+        assert events[-1] == "[DONE]"
+        content = {0: "", 1: ""}
+        for e in events[:-1]:
+            assert e["object"] == "chat.completion.chunk"
+            delta = e["choices"][0]["delta"]
+            assert set(delta) <= {"role", "content"} and delta.get("role", "assistant") == "assistant"
+            content[e["choices"][0]["index"]] += delta.get("content", "")
+        assert [content[0], content[1]] == [c["message"]["content"] for c in chat["choices"]]
+        for bad, field in [({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "3"}]},
+                                                               "messages"),
+                           ({"messages": messages, "max_tokens": 2, "max_completion_tokens": 2},
+                            "max_completion_tokens"), ({"messages": messages, "prompt": "3"}, "prompt"),
+                           ({"messages": [{"role": "user", "content": "three"}]}, "messages")]:
+            r = client.post("/v1/chat/completions", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{field}:"), (bad, r.text)
+
+
+def test_a_full_replica_answers_429_and_one_request_at_a_time_refuses_streaming(checkpoint):
+    from agents.serve import Policy
+
+    policy = Policy(checkpoint, batch_rows=1, max_queue=0)
+    paused, go = threading.Event(), threading.Event()
+    policy.batcher.on_step = lambda: (paused.set(), go.wait(timeout=60))
+    with served_in_process(policy) as client:
+        first = {}
+        sender = threading.Thread(target=lambda: first.update(r=client.post("/v1/completions", json={
+            "prompt": "3", "max_tokens": 3})))
+        sender.start()
+        assert paused.wait(timeout=60)  # the only row is taken
+        r = client.post("/v1/completions", json={"prompt": "3"})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
+        assert r.json()["error"]["message"].startswith("server busy:")
+        r = client.post("/generate", json={"prompt": "3"})
+        assert r.status_code == 429 and r.json()["error"].startswith("server busy:"), r.text
+        policy.batcher.on_step = None
+        go.set()
+        sender.join(timeout=60)
+        assert first["r"].status_code == 200 and len(first["r"].json()["choices"]) == 1
+    alone = Policy(checkpoint, batch_rows=0)
+    with served_in_process(alone) as client:
+        for field in ("stream", "stop"):
+            r = client.post("/v1/completions", json={"prompt": "3", field: True if field == "stream" else "1"})
+            assert r.status_code == 400 and "--batch-rows 0" in r.json()["error"]["message"], r.text
+        assert client.post("/v1/completions", json={"prompt": "3", "max_tokens": 4}).status_code == 200
+        assert client.get("/generate").json()["load"] is None
+
+
+def test_a_streaming_client_that_goes_away_frees_its_row_at_once(checkpoint):
+    from agents.serve import Policy
+
+    policy = Policy(checkpoint, batch_rows=1)
+    paused, go = threading.Event(), threading.Event()
+    policy.batcher.on_step = lambda: (paused.set(), go.wait(timeout=60))
+    with served_in_process(policy) as client:
+        with client.stream("POST", "/v1/completions", json={"prompt": "3", "max_tokens": 20, "stream": True}) as r:
+            assert paused.wait(timeout=60)  # the batch holds after its first step (the first token's chunk)
+            assert next(r.iter_lines()).startswith("data: ")
+        row = policy.batcher.slots[0]  # still in its row: the batch is paused
+        for _ in range(200):  # the server sees the client go and cancels the request
+            if row.job.cancelled:
+                break
+            threading.Event().wait(0.05)
+        assert row.job.cancelled
+        policy.batcher.on_step = None
+        go.set()
+        for _ in range(200):
+            load = client.get("/generate").json()["load"]
+            if load["active"] == 0:
+                break
+            threading.Event().wait(0.05)
+    # the row was freed at the next step boundary: one token written of the 20 asked for
+    assert load["cancelled"] == 1 and load["completions"] == 0 and load["tokens"] == 1 and load["active"] == 0
