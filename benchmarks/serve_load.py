@@ -10,7 +10,8 @@ Servers. Without --url it starts `python -m agents.serve` once per pair of a --r
 --batch-rows value (`--num-replicas R --batch-rows B`, then --serve-args; a private Ray instance on
 a free loopback port, each replica reserving --num-cpus CPUs), serving --checkpoint or, without
 one, a tiny policy it builds itself: the quickstart's tiny GPT-2 (2 layers, 64 wide, vocabulary
-52) with its random initial weights (what a request costs does not depend on training). Batch rows
+52) with its random initial weights (what a request costs does not depend on training), its
+env.max_new_tokens the quickstart's 20 or --max-tokens where that is more. Batch rows
 0 is the one-request-at-a-time path, B > 0 continuous batching with B rows per replica; the
 default `--batch-rows 0 16` measures both in one invocation. Per server it waits for it, sends
 --warmup requests, then makes one timed run per --clients value (default 1 4 16 64), then stops

@@ -173,13 +173,18 @@ async def _stream(kind: str, checked: dict, job, results_now):
                 yield chunks.delta(i, r["text"])
                 yield chunks.finish(i, r["finish_reason"])
         else:
-            async for event, index, value in job.events():
-                if event == "delta":
-                    yield chunks.delta(index, value)
-                elif event == "finish":
-                    yield chunks.finish(index, value["finish_reason"])
-                elif event == "error":
-                    yield sse(openai_error(value, 500))
+            async for batch in job.event_batches():  # the events waiting together, in one write
+                out = []
+                for event, index, value in batch:
+                    if event == "delta":
+                        out.append(chunks.delta(index, value))
+                    elif event == "finish":
+                        out.append(chunks.finish(index, value["finish_reason"]))
+                    elif event == "error":
+                        out.append(sse(openai_error(value, 500)))
+                if out:
+                    yield "".join(out)
+                if batch[-1][0] == "error":
                     return
             results = job.results
         for event in chunks.closing(results):

@@ -97,10 +97,19 @@ class Job:
 
     async def events(self):
         """The job's events, as an async iterator (for a job made with an event loop)."""
+        async for batch in self.event_batches():
+            for event in batch:
+                yield event
+
+    async def event_batches(self):
+        """The job's events as lists: each the next event and those already waiting behind it (a
+        stream writes them in one piece: fewer, larger writes when the server is busy)."""
         while True:
-            event = await self._events.get()
-            yield event
-            if event[0] in ("done", "error"):
+            batch = [await self._events.get()]
+            while not self._events.empty():
+                batch.append(self._events.get_nowait())
+            yield batch
+            if batch[-1][0] in ("done", "error"):
                 return
 
     def wait(self, timeout: float | None = None) -> list[dict]:
