@@ -43,7 +43,9 @@ def mix() -> list[Completion]:
     out = [Completion("3 7 12", seed, 20, temperature=t, top_p=p)
            for seed, (t, p) in enumerate([(1.0, 1.0), (0.7, 0.9), (1.5, 1.0), (1.0, 0.5), (0.3, 1.0)])]
     out += [Completion("1 2", 50, 8, greedy=True), Completion("5", 51, 20, stop=("1",)),
-            Completion("40 41 42 43 44 45 46", 52, 12), Completion("3 7 12", 0, 5)]
+            Completion("40 41 42 43 44 45 46", 52, 12), Completion("3 7 12", 0, 5),
+            Completion("3 7 12", 0, 20, sampler=(("name", "mirostat"), ("tau", 2.0), ("learning_rate", 0.5))),
+            Completion("3 7 12", 0, 20, sampler=(("name", "typical"), ("p", 0.5)))]
     return out
 
 
@@ -90,7 +92,12 @@ def test_a_completion_gets_the_same_text_alone_and_among_others_joining_at_any_s
         if r["finish_reason"] == "length":
             assert r["num_generated"] == c.max_tokens
         assert r["prompt_tokens"] == min(len(c.prompt.split()), 5) and r["reward"] is None  # cut to max_prompt_len
-    assert alone[-1]["text"].split() == alone[0]["text"].split()[:5]  # the same row, cut at 5 tokens
+    assert alone[8]["text"].split() == alone[0]["text"].split()[:5]  # the same row, cut at 5 tokens
+    # a requested sampler changes the text; top-k with k = 1 is argmax
+    assert alone[9]["text"] != alone[0]["text"] and alone[10]["text"] != alone[0]["text"]
+    k1, argmax = run_alone(batcher, [Completion("3 7", 4, 20, sampler=(("name", "top_k"), ("k", 1))),
+                                     Completion("3 7", 4, 20, greedy=True)])
+    assert k1["text"] == argmax["text"]
     assert len({r["text"] for r in alone[:5]}) == 5  # the sampling settings change the text
     stopped, unstopped = alone[6], run_alone(batcher, [Completion("5", 51, 20)])[0]
     cut = unstopped["text"].find("1")
@@ -263,7 +270,12 @@ def test_the_chat_route_answers_through_the_chat_template_and_refuses_without_on
                                                                "messages"),
                            ({"messages": messages, "max_tokens": 2, "max_completion_tokens": 2},
                             "max_completion_tokens"), ({"messages": messages, "prompt": "3"}, "prompt"),
-                           ({"messages": [{"role": "user", "content": "three"}]}, "messages")]:
+                           ({"messages": [{"role": "user", "content": "three"}]}, "messages"),
+                           ({"messages": messages, "sampler": {"name": "top_k"}}, "sampler"),
+                           ({"messages": messages, "sampler": {"name": "top_k", "k": 0}}, "sampler"),
+                           ({"messages": messages, "sampler": {"name": "typical", "k": 3}}, "sampler"),
+                           ({"messages": messages, "sampler": {"name": "beam"}}, "sampler"),
+                           ({"messages": messages, "sampler": "top_k"}, "sampler")]:
             r = client.post("/v1/chat/completions", json=bad)
             assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{field}:"), (bad, r.text)
 

@@ -27,6 +27,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import math
 import queue
 import threading
 
@@ -53,6 +54,7 @@ class Completion:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     meta: dict | None = None
+    sampler: tuple = ()  # a truncation sampler's (key, value) items, name first; () for none
 
 
 class Job:
@@ -140,12 +142,30 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
     return 0
 
 
+def request_sampler_mask(logits: torch.Tensor, row) -> torch.Tensor:
+    """`logits` (one row, the policy's own sampler applied) with the row's requested sampler's mask
+    on top; mirostat's mu is the row's own."""
+    from agents.samplers import MASKED, SAMPLERS, mirostat_mask
+
+    spec = dict(row.completion.sampler)
+    name = spec.pop("name")
+    if name == "mirostat":
+        if row.mu is None:
+            row.mu = torch.full((1,), 2.0 * spec["tau"])
+        keep = mirostat_mask(logits, row.mu)
+    else:
+        fn, names = SAMPLERS[name]
+        keep = fn(logits, *(spec[n] for n in names))
+    return logits.masked_fill(~keep, MASKED)
+
+
 def draw(logits: torch.Tensor, rows: dict) -> dict[int, int]:
     """Each row's token (rows: batch index -> `_Row`): argmax, or drawn at one uniform from the
     row's own generator (`agents.samplers.sample_rows`, inverting the cumulative distribution)
-    from the policy's distribution warped by the row's temperature and top_p."""
+    from the policy's distribution with the row's requested sampler's mask, warped by its
+    temperature and top_p."""
     from agents.generate import warp_logits
-    from agents.samplers import sample_rows
+    from agents.samplers import mirostat_update, sample_rows
 
     out = {}
     greedy = logits.argmax(-1).tolist()
@@ -153,12 +173,20 @@ def draw(logits: torch.Tensor, rows: dict) -> dict[int, int]:
     if sampled:
         c = [rows[i].completion for i in sampled]
         warped = logits[sampled]
+        for j, i in enumerate(sampled):
+            if c[j].sampler:
+                warped[j] = request_sampler_mask(warped[j:j + 1], rows[i])[0]
         if any(x.temperature != 1.0 or x.top_p < 1.0 for x in c):
             warped = warp_logits(warped, torch.tensor([[x.temperature] for x in c], dtype=logits.dtype),
                                  torch.tensor([[x.top_p] for x in c], dtype=logits.dtype))
         uniform = torch.cat([torch.rand(1, dtype=torch.float64, generator=rows[i].generator) for i in sampled])
         for i, token in zip(sampled, sample_rows(torch.softmax(warped, -1), uniform[:, None]).tolist()):
             out[i] = token
+            row = rows[i]
+            if row.mu is not None:  # mirostat: mu follows the surprise of the token under the policy
+                spec = dict(row.completion.sampler)
+                surprise = -torch.log_softmax(logits[i], -1)[token] / math.log(2)
+                row.mu = mirostat_update(row.mu, surprise, spec["tau"], spec["learning_rate"])
     for i in rows:
         out.setdefault(i, greedy[i])
     return out
@@ -172,6 +200,7 @@ class _Row:
     generator: torch.Generator
     prompt: str
     tokens: list = dataclasses.field(default_factory=list)
+    mu: torch.Tensor | None = None  # a requested mirostat sampler's state
     sent: str = ""  # the text a streaming job was sent so far
 
 

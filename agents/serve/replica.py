@@ -149,7 +149,7 @@ class Policy:
 
     def _check_openai(self, req, prompts: list[str], max_tokens: int | None, prompt_field: str = "prompt") -> dict:
         if self.batcher is None:
-            for field in ("stream", "stop"):
+            for field in ("stream", "stop", "sampler"):
                 if getattr(req, field):
                     raise BadRequest(f"{field}: needs continuous batching; this server runs one request at a "
                                      f"time (started with --batch-rows 0)")
@@ -171,10 +171,11 @@ class Policy:
             "stream_options": req.stream_options,
         }
         greedy = req.temperature == 0
+        sampler = tuple(req.sampler.items()) if req.sampler and req.sampler["name"] != "none" else ()
         checked["completions"] = [
             Completion(p, checked["seed"] + k, checked["max_tokens"], greedy=greedy,
                        temperature=1.0 if greedy else req.temperature, top_p=1.0 if greedy else req.top_p,
-                       stop=checked["stop"]) for k, p in enumerate(p for p in prompts for _ in range(n))]
+                       stop=checked["stop"], sampler=sampler) for k, p in enumerate(p for p in prompts for _ in range(n))]
         return checked
 
     def check_completion(self, req: CompletionRequest) -> dict:

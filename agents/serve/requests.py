@@ -37,6 +37,11 @@ so OpenAI clients work against it (`OpenAI(base_url="http://127.0.0.1:8000/v1", 
   n            integer in [1, --max-samples]; n times the number of prompts is at most --max-samples
   seed         integer in [0, 2**31 - 1] (default random): the same seed and request give the same text
   model        string, echoed in the reply (default: the checkpoint directory's name)
+  sampler      one of the project's truncation samplers for this request, on top of the policy's
+               own: {"name": "top_k", "k": 5}, {"name": "top_p" | "typical", "p": 0.9},
+               {"name": "epsilon", "epsilon": 3e-4}, {"name": "eta", "eta": 3e-4} or
+               {"name": "mirostat", "tau": 3.0, "learning_rate": 0.1} (its state kept per completion);
+               its mask applies before temperature and top_p (temperature 0, argmax, ignores it)
   stop         a string or a list of at most 4 non-empty strings: a completion ends where one first
                appears (finish_reason "stop"); the text stops before it
   stream       true: the reply is server-sent events, OpenAI's `text_completion` chunks as the text
@@ -199,6 +204,31 @@ def _stops(value):
     return stops
 
 
+def _sampler(value):
+    """A request's truncation sampler: {"name": one of the project's samplers, its parameters}."""
+    from agents.schema import GENERIC_SCHEMA, SAMPLER_PARAMS
+
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("name") not in SAMPLER_PARAMS:
+        raise _invalid(f'must be an object like {{"name": "top_k", "k": 5}} with name one of '
+                       f'{", ".join(SAMPLER_PARAMS)}, got {_shown(value)}')
+    name, fields = value["name"], GENERIC_SCHEMA["sampler"]
+    params = SAMPLER_PARAMS[name]
+    unknown = sorted(set(value) - {"name", *params})
+    if unknown:
+        raise _invalid(f"{unknown[0]} is not a parameter of {name} (it takes: {', '.join(params) or 'none'})")
+    out = {"name": name}
+    for p in params:
+        if p not in value and fields[p].default is None:
+            raise _invalid(f"{name} needs {p}")
+        try:
+            out[p] = fields[p].check(p, value.get(p, fields[p].default), error=ValueError)
+        except ValueError as e:
+            raise _invalid(str(e)) from None
+    return out
+
+
 def _stream_options(value):
     if value is None:
         return None
@@ -307,6 +337,9 @@ class CompletionRequest(_StrictFields):
     seed: Seed
     stop: Annotated[Optional[list[str]], BeforeValidator(_stops)] = Field(
         None, description="a string or up to 4 strings: the text ends before the first that appears")
+    sampler: Annotated[Optional[dict], BeforeValidator(_sampler)] = Field(
+        None, description='one of the project\'s truncation samplers, e.g. {"name": "typical", "p": 0.9}, '
+                          'on top of the policy\'s own')
     stream: Annotated[bool, BeforeValidator(_boolean)] = Field(False, description="server-sent events")
     stream_options: Annotated[Optional[dict], BeforeValidator(_stream_options)] = Field(
         None, description='{"include_usage": true}: a last chunk with the usage')
@@ -334,6 +367,7 @@ class ChatRequest(_StrictFields):
     n: Annotated[int, _integer()] = Field(1, description="choices, in [1, --max-samples]")
     seed: Seed
     stop: Annotated[Optional[list[str]], BeforeValidator(_stops)] = Field(None, description="as for /v1/completions")
+    sampler: Annotated[Optional[dict], BeforeValidator(_sampler)] = Field(None, description="as for /v1/completions")
     stream: Annotated[bool, BeforeValidator(_boolean)] = Field(False, description="server-sent events")
     stream_options: Annotated[Optional[dict], BeforeValidator(_stream_options)] = Field(
         None, description='{"include_usage": true}: a last chunk with the usage')
