@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from agents.serve.launch import ServeProcess
-from tests.conftest import ROOT, write_jsonl
+from tests.conftest import write_jsonl
+from tests.test_serve import start_server as start
 
 openai = pytest.importorskip("openai")
 
@@ -47,11 +47,6 @@ def checkpoint(tmp_path_factory):
             p.add_(0.3 * torch.randn(p.shape, generator=gen))
     module.save_to_path(str(root / "ckpt" / MODULE_SUBDIR))
     return str(root / "ckpt")
-
-
-def start(checkpoint, log_dir, *args) -> ServeProcess:
-    return ServeProcess(checkpoint, "--max-samples", "4", "--num-cpus", "0.25", *args, cwd=ROOT,
-                        stderr_path=str(log_dir / "serve.stderr"))
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +110,7 @@ def test_chat_through_the_openai_client(client):
 @pytest.mark.slow
 def test_errors_arrive_as_openais_error_objects(client):
     cases = [(dict(prompt="3", max_tokens=0), "max_tokens"), (dict(prompt="three"), "prompt"),
-             (dict(prompt="3", temperature=5), "temperature"), (dict(prompt="3", n=5), "n"),
+             (dict(prompt="3", temperature=5), "temperature"), (dict(prompt="3", n=9), "n"),
              (dict(prompt="3", stop=["1", "2", "3", "4", "5"]), "stop"), (dict(prompt="3", logprobs=2), "logprobs")]
     for kwargs, field in cases:
         with pytest.raises(openai.BadRequestError) as e:

@@ -314,21 +314,11 @@ class GenerateResponse(BaseModel):
     generations: list[Generation]
 
 
-class CompletionRequest(_StrictFields):
-    """POST /v1/completions: the OpenAI completions request (the fields this policy can honour)."""
+class _SamplingFields(_StrictFields):
+    """The fields the completions and chat routes share (OpenAI's sampling and reply options)."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"model": "policy", "prompt": "3 7 12", "max_tokens": 10, "temperature": 0.7, "n": 2, "seed": 0}]})
-    other_route_names: ClassVar[dict[str, str]] = {
-        "max_new_tokens": "this route calls it max_tokens", "num_samples": "this route calls it n",
-        "greedy": "temperature 0 is argmax here", "references": "/generate takes references and gives rewards"}
-
-    prompt: Annotated[Union[str, list[str]], BeforeValidator(_texts)] = Field(
-        description="a string or a list of strings, each cut on the left to env.max_prompt_len tokens")
     model: Annotated[Optional[str], BeforeValidator(lambda v: v if v is None else _text(v))] = Field(
         None, description="echoed in the reply; default: the checkpoint's name")
-    max_tokens: Annotated[Optional[int], _integer()] = Field(
-        None, description="integer in [1, env.max_new_tokens]; default: that maximum")
     temperature: Annotated[float, _number(0, 2)] = Field(
         1.0, description="divides the policy's (sampler-masked) logits; 0 is argmax")
     top_p: Annotated[float, _number(0, 1, lo_open=True)] = Field(
@@ -347,7 +337,22 @@ class CompletionRequest(_StrictFields):
         None, description="ignored")
 
 
-class ChatRequest(_StrictFields):
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions: the OpenAI completions request (the fields this policy can honour)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"model": "policy", "prompt": "3 7 12", "max_tokens": 10, "temperature": 0.7, "n": 2, "seed": 0}]})
+    other_route_names: ClassVar[dict[str, str]] = {
+        "max_new_tokens": "this route calls it max_tokens", "num_samples": "this route calls it n",
+        "greedy": "temperature 0 is argmax here", "references": "/generate takes references and gives rewards"}
+
+    prompt: Annotated[Union[str, list[str]], BeforeValidator(_texts)] = Field(
+        description="a string or a list of strings, each cut on the left to env.max_prompt_len tokens")
+    max_tokens: Annotated[Optional[int], _integer()] = Field(
+        None, description="integer in [1, env.max_new_tokens]; default: that maximum")
+
+
+class ChatRequest(_SamplingFields):
     """POST /v1/chat/completions: OpenAI's chat request, for a tokenizer with a chat template."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
@@ -357,22 +362,9 @@ class ChatRequest(_StrictFields):
 
     messages: Annotated[list[dict], BeforeValidator(_messages)] = Field(
         description='[{"role": "system" | "user" | "assistant", "content": "..."}], through the chat template')
-    model: Annotated[Optional[str], BeforeValidator(lambda v: v if v is None else _text(v))] = Field(
-        None, description="echoed in the reply; default: the checkpoint's name")
     max_tokens: Annotated[Optional[int], _integer()] = Field(
         None, description="integer in [1, env.max_new_tokens]; default: that maximum")
     max_completion_tokens: Annotated[Optional[int], _integer()] = Field(None, description="max_tokens' other name")
-    temperature: Annotated[float, _number(0, 2)] = Field(1.0, description="as for /v1/completions")
-    top_p: Annotated[float, _number(0, 1, lo_open=True)] = Field(1.0, description="as for /v1/completions")
-    n: Annotated[int, _integer()] = Field(1, description="choices, in [1, --max-samples]")
-    seed: Seed
-    stop: Annotated[Optional[list[str]], BeforeValidator(_stops)] = Field(None, description="as for /v1/completions")
-    sampler: Annotated[Optional[dict], BeforeValidator(_sampler)] = Field(None, description="as for /v1/completions")
-    stream: Annotated[bool, BeforeValidator(_boolean)] = Field(False, description="server-sent events")
-    stream_options: Annotated[Optional[dict], BeforeValidator(_stream_options)] = Field(
-        None, description='{"include_usage": true}: a last chunk with the usage')
-    user: Annotated[Optional[str], BeforeValidator(lambda v: v if v is None else _text(v))] = Field(
-        None, description="ignored")
 
 
 class CompletionChoice(BaseModel):
