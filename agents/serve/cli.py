@@ -103,6 +103,10 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
         parser.error(f"--batch-rows must be >= 0 (0: one request at a time), got {args.batch_rows}")
     if args.max_queue < 0:
         parser.error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.batch_rows and args.max_samples > args.batch_rows + args.max_queue:
+        parser.error(f"--max-queue {args.max_queue}: a request of --max-samples {args.max_samples} completions "
+                     f"would never fit in {args.batch_rows} rows and the queue; raise --max-queue or lower "
+                     f"--max-samples")
     try:
         replicas = replica_options(args.num_replicas, args.min_replicas, args.max_replicas,
                                    args.target_ongoing_requests,
