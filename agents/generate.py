@@ -91,6 +91,14 @@ def generate(module, env_config: dict, prompts: list[str | None], *, greedy: boo
     return out
 
 
+def policy_device(module) -> torch.device:
+    """Where the policy's weights are (a serve replica may hold it on a GPU); the CPU for a policy
+    that shows none (a wrapper that places its own inputs)."""
+    parameters = getattr(module, "parameters", None)
+    first = next(parameters(), None) if parameters is not None else None
+    return first.device if first is not None else torch.device("cpu")
+
+
 def warp_logits(logits: torch.Tensor, temperature=1.0, top_p=1.0) -> torch.Tensor:
     """`logits` (masked entries at `MASKED`) divided by `temperature`, cut to the nucleus of mass
     `top_p`: numbers, or (rows, 1) tensors of per-row values (a row at 1.0 and 1.0 is left as it is)."""
@@ -117,14 +125,15 @@ def _generate_rows(module, env_config, prompts, metas, greedy, seed, score, temp
         options = None if prompt is None else {"prompt": prompt, "meta": metas[i], "score": score}
         obs.append(env.reset(seed=seed + i, options=options)[0])
     gens = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
+    device = policy_device(module)
     done = [False] * len(envs)
     returns = [0.0] * len(envs)
     # Every row stays in the batch until all are done, so row i is always env i: the module's
     # per-row KV cache and sampler state (mirostat) follow each episode. Finished rows repeat
     # their last observation and their actions are ignored.
     while not all(done):
-        batch = {Columns.OBS: {k: torch.as_tensor(np.stack([o[k] for o in obs])) for k in obs[0]}}
-        logits = module.forward_inference(batch)[Columns.ACTION_DIST_INPUTS].float()
+        batch = {Columns.OBS: {k: torch.as_tensor(np.stack([o[k] for o in obs])).to(device) for k in obs[0]}}
+        logits = module.forward_inference(batch)[Columns.ACTION_DIST_INPUTS].float().cpu()  # the draws: CPU generators
         if not greedy:
             logits = warp_logits(logits, temperature, top_p)
         # One batched argmax or softmax per step; only the draw is per row (its own generator).

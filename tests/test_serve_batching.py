@@ -335,3 +335,15 @@ def test_a_streaming_client_that_goes_away_frees_its_row_at_once(checkpoint):
             threading.Event().wait(0.05)
     # the row was freed at the next step boundary: one token written of the 20 asked for
     assert load["cancelled"] == 1 and load["completions"] == 0 and load["tokens"] == 1 and load["active"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_replica_on_a_gpu_writes_what_the_cpu_replica_writes(checkpoint):
+    from agents.serve import Policy
+
+    body = {"prompt": ["3 7", "5"], "n": 2, "max_tokens": 12, "temperature": 0}
+    replies = []
+    for device in ("cpu", "cuda"):
+        with served_in_process(Policy(checkpoint, max_samples=4, device=device)) as client:
+            replies.append(client.post("/v1/completions", json=body).json())
+    assert [c["text"] for c in replies[1]["choices"]] == [c["text"] for c in replies[0]["choices"]]

@@ -128,7 +128,7 @@ def test_errors_arrive_as_openais_error_objects(client):
 
 @pytest.mark.slow
 def test_a_full_replica_refuses_with_429_and_loses_nothing_it_took(checkpoint, tmp_path):
-    server = start(checkpoint, tmp_path, "--batch-rows", "1", "--max-queue", "0")
+    server = start(checkpoint, tmp_path, "--batch-rows", "1", "--max-queue", "0", "--max-samples", "1")
     try:
         client = openai.OpenAI(base_url=server.url.rsplit("/generate", 1)[0] + "/v1", api_key="-", max_retries=0,
                                timeout=60)

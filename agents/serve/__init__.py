@@ -1,7 +1,7 @@
 """Serve a trained policy over HTTP with Ray Serve.
 
     python -m agents.serve --checkpoint PATH [--host 127.0.0.1] [--port 8000] [--route-prefix /]
-                           [--num-replicas 1] [--num-cpus 0.5] [--max-samples 16] [--dashboard-port N]
+                           [--num-replicas 1] [--num-cpus 0.5] [--num-gpus 0] [--max-samples 16] [--dashboard-port N]
                            [--batch-rows 16] [--max-queue 256]
                            [--min-replicas N --max-replicas M [--target-ongoing-requests T]]
 

@@ -258,8 +258,12 @@ class PolicyServer:
     """One Serve replica: loads the checkpoint's `Policy` once; `app`'s routes answer with it."""
 
     def __init__(self, checkpoint: str, max_samples: int = 16, batch_rows: int = BATCH_ROWS,
-                 max_queue: int = MAX_QUEUE):
-        self.policy = Policy(checkpoint, max_samples, batch_rows, max_queue)
+                 max_queue: int = MAX_QUEUE, num_gpus: float = 0):
+        import torch
+
+        if num_gpus and not torch.cuda.is_available():
+            raise RuntimeError("--num-gpus: the replica was given a GPU but torch sees no CUDA device")
+        self.policy = Policy(checkpoint, max_samples, batch_rows, max_queue, device="cuda" if num_gpus else "cpu")
         self.policy.replica = serve.get_replica_context().replica_tag
 
 
@@ -296,15 +300,17 @@ def replica_options(num_replicas: int | None = None, min_replicas: int | None = 
 
 
 def make_app(checkpoint: str, *, num_replicas: int = 1, num_cpus: float = 0.5, max_samples: int = 16,
-             replicas: dict | None = None, batch_rows: int = BATCH_ROWS, max_queue: int = MAX_QUEUE):
+             replicas: dict | None = None, batch_rows: int = BATCH_ROWS, max_queue: int = MAX_QUEUE,
+             num_gpus: float = 0):
     """The Serve application: PolicyServer replicas, each loading `checkpoint`: `num_replicas` of
     them, or as `replicas` (from `replica_options`, e.g. an autoscaling config) says. Each replica
-    batches `batch_rows` rows (0: one request at a time) with up to `max_queue` completions waiting."""
+    batches `batch_rows` rows (0: one request at a time) with up to `max_queue` completions waiting,
+    on the CPU, or on a GPU of its own where `num_gpus` (a fraction is fine) is given."""
     deployment = serve.deployment(
         PolicyServer,
         name="PolicyServer",
-        ray_actor_options={"num_cpus": num_cpus},
+        ray_actor_options={"num_cpus": num_cpus, **({"num_gpus": num_gpus} if num_gpus else {})},
         max_ongoing_requests=max_ongoing_requests(batch_rows, max_queue),
         **(replicas or {"num_replicas": num_replicas}),
     )
-    return deployment.bind(checkpoint, max_samples, batch_rows, max_queue)
+    return deployment.bind(checkpoint, max_samples, batch_rows, max_queue, num_gpus)

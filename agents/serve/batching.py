@@ -192,6 +192,16 @@ def draw(logits: torch.Tensor, rows: dict) -> dict[int, int]:
     return out
 
 
+def score(scorers: dict, env_config: dict, c: Completion, prompt: str, text: str) -> float:
+    """The task's reward for `text`, as the env of the completion's length gives it (a dense
+    reward's return is the same final metric); `scorers` keeps one env per length."""
+    from env.text_env import TokenGenerationEnv
+
+    if c.max_tokens not in scorers:
+        scorers[c.max_tokens] = TokenGenerationEnv({**env_config, "max_new_tokens": c.max_tokens})
+    return scorers[c.max_tokens].score([prompt], [text], [c.meta])[0]
+
+
 @dataclasses.dataclass
 class _Row:
     job: Job
@@ -209,6 +219,7 @@ class Batcher:
     `max_queue`: completions that may wait for a row; `submit` refuses a job (Busy) beyond it."""
 
     def __init__(self, module, env_config: dict, rows: int = 16, max_queue: int = 256):
+        from agents.generate import policy_device
         from env.text_env import TokenGenerationEnv
 
         if rows < 1 or max_queue < 0:
@@ -216,6 +227,7 @@ class Batcher:
         self.module, self.env_config = module, dict(env_config)
         self.rows, self.max_queue = int(rows), int(max_queue)
         self.envs = [TokenGenerationEnv(self.env_config) for _ in range(self.rows)]
+        self.device = policy_device(module)
         self.eos_id, self.tokenizer = self.envs[0].eos_id, self.envs[0].tokenizer
         self.max_new_tokens = self.envs[0].max_new_tokens
         self._scorers: dict[int, TokenGenerationEnv] = {}  # max_tokens -> an env scoring at that length
@@ -322,12 +334,14 @@ class Batcher:
 
         from agents.core import ROW_CONTINUES
 
-        batch = {Columns.OBS: {k: torch.from_numpy(v.copy()) for k, v in self.obs.items()},
+        # observations on the policy's device; which rows continue stays on the CPU (the caches
+        # branch on it with no device sync); the logits come back for the draws (CPU generators)
+        batch = {Columns.OBS: {k: torch.from_numpy(v.copy()).to(self.device) for k, v in self.obs.items()},
                  ROW_CONTINUES: torch.from_numpy(self.cont.copy())}
         # the module's own step where it has one (RLlib's forward_inference flips train/eval each call)
         act = getattr(self.module, "act", None)
         out = act(batch, explore=False) if act is not None else self.module.forward_inference(batch)
-        logits = out[Columns.ACTION_DIST_INPUTS].float()
+        logits = out[Columns.ACTION_DIST_INPUTS].float().cpu()
         self.cont[:] = True
         active = [i for i, s in enumerate(self.slots) if s is not None]
         self.stats["steps"] += 1
@@ -383,15 +397,7 @@ class Batcher:
         if row.job.stream and text.startswith(row.sent) and len(text) > len(row.sent):
             row.job._emit("delta", row.index, text[len(row.sent):])
         c = row.completion
-        reward = None
-        if c.meta is not None:  # the task's reward for an episode of this length (as the env gives it)
-            scorer = self._scorers.get(c.max_tokens)
-            if scorer is None:
-                from env.text_env import TokenGenerationEnv
-
-                scorer = self._scorers[c.max_tokens] = TokenGenerationEnv({**self.env_config,
-                                                                           "max_new_tokens": c.max_tokens})
-            reward = scorer.score([row.prompt], [text], [c.meta])[0]
+        reward = None if c.meta is None else score(self._scorers, self.env_config, c, row.prompt, text)
         row.job._finish(row.index, {"text": text, "finish_reason": reason, "num_generated": len(row.tokens),
                                     "prompt": row.prompt, "prompt_tokens": len(env.prompt_ids), "reward": reward})
 

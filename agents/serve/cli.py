@@ -84,6 +84,9 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
                         help="autoscaling: requests per replica to aim at (default: --batch-rows; 2 with "
                              "--batch-rows 0); needs --max-replicas")
     parser.add_argument("--num-cpus", type=float, default=0.5, help="CPUs each replica reserves (default 0.5)")
+    parser.add_argument("--num-gpus", type=float, default=0,
+                        help="GPUs each replica reserves and generates on (default 0: the CPU; fractions such "
+                             "as 0.5 share one GPU between replicas)")
     parser.add_argument("--max-samples", type=int, default=16,
                         help="most generations per request (num_samples; n x prompts) (default 16)")
     parser.add_argument("--batch-rows", type=int, default=BATCH_ROWS,
@@ -116,6 +119,10 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
         parser.error(str(e))
     if not args.num_cpus > 0:
         parser.error("--num-cpus must be > 0 (fractions such as 0.25 are fine)")
+    if not 0 <= args.num_gpus <= 1 and not float(args.num_gpus).is_integer():
+        parser.error(f"--num-gpus must be a fraction in [0, 1] or a whole number, got {args.num_gpus:g}")
+    if args.num_gpus < 0:
+        parser.error(f"--num-gpus must be >= 0, got {args.num_gpus:g}")
     if args.max_samples < 1:
         parser.error("--max-samples must be >= 1")
     if args.dashboard_port is not None and not 1 <= args.dashboard_port <= 65535:
@@ -164,6 +171,11 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
                 print(f"error: --num-replicas: {start} replicas x --num-cpus {args.num_cpus:g} need "
                       f"{start * args.num_cpus:g} CPUs; this machine's Ray instance has {cpus:g}", file=sys.stderr)
                 return 2
+            gpus = ray.cluster_resources().get("GPU", 0)
+            if start * args.num_gpus > gpus + 1e-9:  # as for CPUs: Serve would wait forever
+                print(f"error: --num-gpus: {start} replicas x --num-gpus {args.num_gpus:g} need "
+                      f"{start * args.num_gpus:g} GPUs; this machine's Ray instance has {gpus:g}", file=sys.stderr)
+                return 2
             if autoscaling and autoscaling["max_replicas"] * args.num_cpus > cpus + 1e-9:
                 print(f"note: --max-replicas {autoscaling['max_replicas']} x --num-cpus {args.num_cpus:g} is more "
                       f"than the {cpus:g} CPUs here; autoscaling stops at {int(cpus // args.num_cpus)} replicas",
@@ -175,7 +187,7 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
         serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
         started = True
         application = make_app(checkpoint, num_cpus=args.num_cpus, max_samples=args.max_samples, replicas=replicas,
-                               batch_rows=args.batch_rows, max_queue=args.max_queue)
+                               batch_rows=args.batch_rows, max_queue=args.max_queue, num_gpus=args.num_gpus)
         serve.run(application, name=APP_NAME, route_prefix=prefix or "/", logging_config={"log_level": "WARNING"})
         base = f"http://{args.host}:{args.port}{prefix}"
         print(f"Serving {checkpoint} at {base}/generate (Ctrl-C to stop)", flush=True)

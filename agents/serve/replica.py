@@ -65,12 +65,12 @@ class Policy:
     them, batched (`batch_rows` > 0) or one request at a time behind a lock."""
 
     def __init__(self, checkpoint: str, max_samples: int = 16, batch_rows: int = BATCH_ROWS,
-                 max_queue: int = MAX_QUEUE):
+                 max_queue: int = MAX_QUEUE, device: str = "cpu"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from agents.generate import load_policy, reward_needs_meta
         from env.tasks import make_task
 
-        self.module = load_policy(checkpoint)
+        self.module = load_policy(checkpoint).to(device)
         self.env_config = dict(self.module.model_config["env"])
         self.tokenizer = self.module.tokenizer
         self.max_new_tokens = int(env_setting(self.env_config, "max_new_tokens"))
@@ -98,6 +98,7 @@ class Policy:
             "reward_needs_references": self.needs_references,
             "chat_template": self.chat,
             "batch_rows": batch_rows,
+            "device": str(device),
             "fields": list(GenerateRequest.model_fields),
             "routes": list(ROUTES),
         }
