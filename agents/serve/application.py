@@ -161,37 +161,30 @@ async def _results(policy: Policy, checked: dict, job) -> list[dict]:
         raise
 
 
-async def _stream(kind: str, checked: dict, job, results_now):
-    """The streamed reply's server-sent events; a client that goes away cancels the job."""
+async def _stream(kind: str, checked: dict, job):
+    """The streamed reply's server-sent events (batched requests only: the one-at-a-time path
+    refuses `stream`); a client that goes away cancels the job."""
     chunks = Chunks(kind, checked)
     try:
         for event in chunks.opening():
             yield event
-        if job is None:  # one request at a time: the whole text as one delta per choice
-            results = await results_now
-            for i, r in enumerate(results):
-                yield chunks.delta(i, r["text"])
-                yield chunks.finish(i, r["finish_reason"])
-        else:
-            async for batch in job.event_batches():  # the events waiting together, in one write
-                out = []
-                for event, index, value in batch:
-                    if event == "delta":
-                        out.append(chunks.delta(index, value))
-                    elif event == "finish":
-                        out.append(chunks.finish(index, value["finish_reason"]))
-                    elif event == "error":
-                        out.append(sse(openai_error(value, 500)))
-                if out:
-                    yield "".join(out)
-                if batch[-1][0] == "error":
-                    return
-            results = job.results
-        for event in chunks.closing(results):
+        async for batch in job.event_batches():  # the events waiting together, in one write
+            out = []
+            for event, index, value in batch:
+                if event == "delta":
+                    out.append(chunks.delta(index, value))
+                elif event == "finish":
+                    out.append(chunks.finish(index, value["finish_reason"]))
+                elif event == "error":
+                    out.append(sse(openai_error(value, 500)))
+            if out:
+                yield "".join(out)
+            if batch[-1][0] == "error":
+                return
+        for event in chunks.closing(job.results):
             yield event
     finally:
-        if job is not None:
-            job.cancel()  # a no-op once every completion finished
+        job.cancel()  # a no-op once every completion finished
 
 
 async def _answer(kind: str, policy: Policy, check, req: BaseModel):
@@ -205,8 +198,7 @@ async def _answer(kind: str, policy: Policy, check, req: BaseModel):
     except Busy as e:
         raise BadRequest(str(e), status=429) from None
     if checked["stream"]:
-        pending = None if job is not None else asyncio.ensure_future(_results(policy, checked, None))
-        return StreamingResponse(_stream(kind, checked, job, pending), media_type="text/event-stream",
+        return StreamingResponse(_stream(kind, checked, job), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", **headers})
     try:  # the reply as built (the route's response_model documents it; validating it again costs time)
         return JSONResponse(reply(kind, checked, await _results(policy, checked, job)), headers=headers)
