@@ -209,6 +209,7 @@ class _Row:
     completion: Completion
     generator: torch.Generator
     prompt: str
+    prompt_tokens: int
     tokens: list = dataclasses.field(default_factory=list)
     mu: torch.Tensor | None = None  # a requested mirostat sampler's state
     sent: str = ""  # the text a streaming job was sent so far
@@ -226,10 +227,10 @@ class Batcher:
             raise ValueError(f"Batcher: rows must be >= 1 and max_queue >= 0, got {rows} and {max_queue}")
         self.module, self.env_config = module, dict(env_config)
         self.rows, self.max_queue = int(rows), int(max_queue)
-        self.envs = [TokenGenerationEnv(self.env_config) for _ in range(self.rows)]
+        self.env = TokenGenerationEnv(self.env_config)  # resets a row's window (the rows' windows live in obs)
         self.device = policy_device(module)
-        self.eos_id, self.tokenizer = self.envs[0].eos_id, self.envs[0].tokenizer
-        self.max_new_tokens = self.envs[0].max_new_tokens
+        self.eos_id, self.tokenizer = self.env.eos_id, self.env.tokenizer
+        self.max_new_tokens = self.env.max_new_tokens
         self._scorers: dict[int, TokenGenerationEnv] = {}  # max_tokens -> an env scoring at that length
         self.slots: list[_Row | None] = [None] * self.rows
         self.obs: dict[str, np.ndarray] | None = None
@@ -315,7 +316,7 @@ class Batcher:
 
     def _start_row(self, i: int, job: Job, index: int, c: Completion) -> None:
         try:
-            obs, info = self.envs[i].reset(seed=c.seed, options={"prompt": c.prompt, "meta": c.meta or {},
+            obs, info = self.env.reset(seed=c.seed, options={"prompt": c.prompt, "meta": c.meta or {},
                                                                  "score": False})
         except ValueError as e:  # checked before submit; kept from failing the batch all the same
             job._fail(f"prompt: {e}")
@@ -325,7 +326,8 @@ class Batcher:
         for k, v in obs.items():
             self.obs[k][i] = v
         self.cont[i] = False
-        self.slots[i] = _Row(job, index, c, torch.Generator().manual_seed(c.seed), info["prompt"])
+        self.slots[i] = _Row(job, index, c, torch.Generator().manual_seed(c.seed), info["prompt"],
+                             len(self.env.prompt_ids))
 
     @torch.no_grad()
     def step(self) -> None:
@@ -387,7 +389,7 @@ class Batcher:
                 row.sent = ready
 
     def _end(self, i: int, reason: str, text: str | None = None) -> None:
-        row, env = self.slots[i], self.envs[i]
+        row = self.slots[i]
         text = self._text(i) if text is None and reason != "cancelled" else text
         self.slots[i] = None
         if reason == "cancelled":
@@ -399,7 +401,7 @@ class Batcher:
         c = row.completion
         reward = None if c.meta is None else score(self._scorers, self.env_config, c, row.prompt, text)
         row.job._finish(row.index, {"text": text, "finish_reason": reason, "num_generated": len(row.tokens),
-                                    "prompt": row.prompt, "prompt_tokens": len(env.prompt_ids), "reward": reward})
+                                    "prompt": row.prompt, "prompt_tokens": row.prompt_tokens, "reward": reward})
 
     def _fail_all(self, message: str) -> None:
         with self.cv:
