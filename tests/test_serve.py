@@ -13,6 +13,8 @@ import os
 import queue
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -499,8 +501,19 @@ def test_serve_cli_refuses_a_taken_port_and_a_path_without_a_policy(checkpoint, 
         s.listen()
         port = s.getsockname()[1]
         taken = run("agents.serve", "--checkpoint", checkpoint, "--port", str(port), timeout=120)
-    assert taken.returncode == 2
-    assert taken.stderr.strip().startswith("error: --port:") and len(taken.stderr.strip().splitlines()) == 1
+        # The port taken after the CLI's check (by another process starting at the same moment):
+        # Serve's own bind fails, and the error is the same one line, not Ray's traceback.
+        raced = subprocess.run(
+            [sys.executable, "-c", "import sys, agents.serve.cli as c; c._check_port_free = lambda *a: None; "
+             "sys.exit(c.main(sys.argv[1:]))", "--checkpoint", checkpoint, "--port", str(port),
+             "--num-replicas", "1", "--num-cpus", "0.5"],
+            cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
+    for refused in (taken, raced):
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        error = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+        assert error == [f"error: --port: cannot listen on 127.0.0.1:{port} (Address already in use)"], \
+            refused.stderr[-2000:]
+    assert len(taken.stderr.strip().splitlines()) == 1
     missing = run("agents.serve", "--checkpoint", str(tmp_path), "--port", str(free_port()), timeout=120)
     assert missing.returncode == 2
     assert missing.stderr.strip().startswith("error: --checkpoint:")

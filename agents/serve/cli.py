@@ -50,6 +50,16 @@ from agents.serve.replica import BATCH_ROWS, MAX_QUEUE
 APP_NAME = "policy"
 
 
+def _root_cause(e: BaseException) -> str:
+    """The innermost error behind `e` as one line: a Ray task's error carries the actor's traceback,
+    whose last line names what went wrong."""
+    while getattr(e, "cause", None) is not None and e.cause is not e:
+        e = e.cause
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    last = lines[-1] if lines else type(e).__name__
+    return last if len(lines) > 1 or last.startswith(type(e).__name__) else f"{type(e).__name__}: {last}"
+
+
 def _check_port_free(flag: str, host: str, port: int) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -204,8 +214,13 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
         print("shutting down Serve", flush=True)
         return 0
     except Exception as e:  # Ray/Serve failed to start or to deploy: one line, not a Ray traceback
-        message = " ".join(str(e).split())
-        print(f"error: serving failed: {type(e).__name__}: {message[:500]}", file=sys.stderr)
+        cause = _root_cause(e)
+        if any(m in cause.lower() for m in ("address already in use", "failed to bind")):
+            # the port was taken between the check above and Serve's bind
+            print(f"error: --port: cannot listen on {args.host}:{args.port} (Address already in use)",
+                  file=sys.stderr)
+            return 2
+        print(f"error: serving failed: {cause[:500]}", file=sys.stderr)
         return 1
     finally:
         # A second Ctrl-C or SIGTERM must not cut the cleanup short.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import re
 import signal
 import socket
@@ -46,9 +47,39 @@ def untrained_checkpoint(config: str, path: str, overrides=()) -> str:
     return path
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (the system's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port on 127.0.0.1 that nothing listens on now, not handed out before by this process.
+    It is drawn from 20000 up to the system's ephemeral range, which is where nothing else picks
+    ports at random: the system's own picks (a `bind` to port 0, as Ray's processes do for their
+    agents and metrics as they start) come from the ephemeral range, and Ray's workers take
+    10002-19999. A port from the ephemeral range could be taken by a starting Ray instance between
+    this check and the server's own bind."""
+    low, high = 20000, _ephemeral_range()[0] - 1
+    candidates = list(range(low, high + 1)) if high > low else []
+    random.SystemRandom().shuffle(candidates)  # not the seeded global generator
+    for port in candidates[:200]:
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the ephemeral range
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -95,12 +126,26 @@ class ServeProcess:
 
     def __init__(self, checkpoint: str, *args: str, host: str = "127.0.0.1", port: int | None = None,
                  start_timeout: float = 300, stderr_path: str | None = None, cwd: str | None = None):
-        self.port = free_port() if port is None else port
+        self.stderr_path = stderr_path
+        tries = 1 if port is not None else 3  # a port of its own pick taken meanwhile: pick another
+        for attempt in range(tries):
+            self.port = free_port() if port is None else port
+            self._start(checkpoint, args, host, cwd)
+            try:
+                self.base = self.wait_for(r"at (http://\S+)/generate", start_timeout).group(1)
+                break
+            except RuntimeError:
+                taken = "--port: cannot listen" in self.output()
+                self.stop()
+                if not (taken and attempt + 1 < tries):
+                    raise
+        self.url = self.base + "/generate"
+
+    def _start(self, checkpoint: str, args: tuple, host: str, cwd: str | None) -> None:
         env = {**os.environ}
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.pop("RAY_ADDRESS", None)  # a private Ray instance, as on a user's machine
-        self.stderr_path = stderr_path
-        self.stderr = open(stderr_path, "w+") if stderr_path else tempfile.TemporaryFile(mode="w+")
+        self.stderr = open(self.stderr_path, "w+") if self.stderr_path else tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "agents.serve", "--checkpoint", str(checkpoint), "--host", host,
              "--port", str(self.port), *args],
@@ -108,12 +153,6 @@ class ServeProcess:
             start_new_session=True,  # its own process group, with the Ray processes it starts
         )
         self.lines = OutputLines(self.proc.stdout)
-        try:
-            self.base = self.wait_for(r"at (http://\S+)/generate", start_timeout).group(1)
-        except RuntimeError:
-            self.stop()
-            raise
-        self.url = self.base + "/generate"
 
     def output(self) -> str:
         """What the server has printed so far: the stdout lines read, then the end of its stderr."""
