@@ -257,3 +257,21 @@ def test_dqn_learner_target_update_time_saved_by_the_lm_dqn_learner():
     from ray.rllib.algorithms.dqn.dqn_learner import DQNLearner
 
     assert "self.last_update_ts_by_mid[" in inspect.getsource(DQNLearner.after_gradient_based_update)
+
+
+def test_serve_proxy_grpc_switch_used_by_the_policy_server():
+    # agents/serve/cli.py sets RAY_SERVE_PROXY_USE_GRPC=1 for its private Ray instance: Serve's
+    # proxy then calls the replicas over gRPC (a handle option `_by_reference=False`)
+    import os
+    import subprocess
+    import sys
+
+    from agents.serve.cli import SERVE_PROXY_GRPC
+    from ray.serve._private import default_impl
+
+    read = "from ray.serve._private.constants import RAY_SERVE_PROXY_USE_GRPC as v; print(v)"
+    for value, expected in (("1", "True"), ("0", "False")):
+        out = subprocess.run([sys.executable, "-c", read], env={**os.environ, SERVE_PROXY_GRPC: value},
+                             capture_output=True, text=True, timeout=120).stdout.strip()
+        assert out == expected, (value, out)
+    assert "_by_reference=not RAY_SERVE_PROXY_USE_GRPC" in inspect.getsource(default_impl.get_proxy_handle)

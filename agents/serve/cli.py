@@ -48,6 +48,7 @@ from agents.serve.application import make_app, max_ongoing_requests, replica_opt
 from agents.serve.replica import BATCH_ROWS, MAX_QUEUE
 
 APP_NAME = "policy"
+SERVE_PROXY_GRPC = "RAY_SERVE_PROXY_USE_GRPC"  # read by Serve's proxy: gRPC to the replicas ("1")
 
 
 def _root_cause(e: BaseException) -> str:
@@ -172,6 +173,11 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
             from agents.reaper import watch_this_process
 
             watch_this_process()  # stops this instance's processes should this one be killed
+            # Serve's proxy sends requests to the replicas over gRPC rather than as Ray actor
+            # calls: fewer calls and less serialization per request in the replica, which shares
+            # its CPU with the batch (docs/results/serving.md). The private instance's processes
+            # inherit this environment; a user's own setting wins.
+            os.environ.setdefault(SERVE_PROXY_GRPC, "1")
             context = ray.init(address="local", logging_level="ERROR", log_to_driver=False,
                                runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}}, **dashboard)
             if context.dashboard_url:

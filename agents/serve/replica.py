@@ -30,8 +30,9 @@ MAX_QUEUE = 256  # completions that may wait for a row before a request is refus
 # -- the policy in one replica (no Ray: usable and testable in-process) ----------------------
 
 
-def unknown_words(tokenizer, text: str) -> list[str]:
-    """The pieces of `text` that `tokenizer` can only encode as its unknown token."""
+def unknown_words(tokenizer, text: str, encoding=None) -> list[str]:
+    """The pieces of `text` that `tokenizer` can only encode as its unknown token (`encoding`:
+    `text` already encoded with `return_offsets_mapping=True`)."""
     unk_id, unk_token = tokenizer.unk_token_id, tokenizer.unk_token
     if unk_id is None:  # e.g. a word-level tokenizer whose unknown token is set on its backend only
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -39,7 +40,8 @@ def unknown_words(tokenizer, text: str) -> list[str]:
         unk_id = backend.token_to_id(unk_token) if unk_token else None
     if unk_id is None:
         return []
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    enc = encoding if encoding is not None and "offset_mapping" in encoding else \
+        tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return [text[s:e] for t, (s, e) in zip(enc["input_ids"], enc["offset_mapping"])
             if t == unk_id and text[s:e] != unk_token]
 
@@ -109,10 +111,12 @@ class Policy:
 
     def _prompt_tokens(self, text: str, item: str = "", field: str = "prompt") -> int:
         """The prompt's length in tokens; refuses unknown words and empty prompts (`item`: "[i] " in a list)."""
-        unknown_pieces = unknown_words(self.tokenizer, text)
+        encoding = self.tokenizer(text, add_special_tokens=False,
+                                  return_offsets_mapping=bool(getattr(self.tokenizer, "is_fast", False)))
+        unknown_pieces = unknown_words(self.tokenizer, text, encoding)
         if unknown_pieces:
             raise BadRequest(f"{field}: {item}{unknown_pieces[0]!r} is not in the task's vocabulary")
-        n_tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        n_tokens = len(encoding["input_ids"])
         if n_tokens == 0:
             raise BadRequest(f"{field}: {item}empty after tokenization")
         return n_tokens
