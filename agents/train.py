@@ -193,7 +193,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
     from agents.pbt import make_scheduler
     from agents.workarounds import (check_experiment_state, make_curve_logger, make_log_once_pruner,
                                     make_progress_csv_logger, make_wandb_callback, release_resolved_task_futures,
-                                    replace_restored_callbacks)
+                                    replace_restored_callbacks, upload_whole_files_to_local_storage)
 
     tune_cfg = cfg["tune"]
     storage = os.path.abspath(tune_cfg["storage_path"])
@@ -227,6 +227,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
             stop[result_key] = cfg["stop"][key]
 
     release_resolved_task_futures()
+    upload_whole_files_to_local_storage()
     progress = make_progress_callback(cfg["evaluation"]["interval"], quiet=quiet)
     callbacks = [progress, make_curve_logger(), make_progress_csv_logger(), make_log_once_pruner()]
     if tune_cfg["wandb"] or os.environ.get("WANDB_PROJECT"):

@@ -19,8 +19,11 @@ tests/test_reproducibility.py (W&B's run file, the driver's memory, a state cut 
   W&B logger (`_WandbLoggingActor`, its `_wandb`, `_logger_actor_cls`) writing each trial's W&B run
   into the trial's folder, a resumed trial logging to its own run without repeating a step; the
   steps an offline run holds are read from W&B's run file (its record log, read as W&B writes it).
-* `check_experiment_state`: Tune copies the experiment state to the storage path in a background
-  thread; a driver killed during the copy leaves empty files, from which Tune would start afresh.
+* `upload_whole_files_to_local_storage` (with `upload_whole_files`): Tune's background copy of the
+  experiment to a local storage path (`_FilesystemSyncer._sync_up_command`) writes each file
+  whole and renames it into place, the experiment's state last: a driver killed at any moment of
+  the copy leaves a state that resumes. `check_experiment_state` removes a killed copy's partial
+  files and refuses, in one line, a state cut short by Tune's own copy (storage that is not local).
 * `replace_restored_callbacks`: a restored Tuner carries the callbacks pickled when the run
   started (`Tuner._local_tuner`); the resumed run prints through this process's instead.
 """
@@ -117,13 +120,17 @@ def release_resolved_task_futures() -> None:
 
 
 def check_experiment_state(experiment: str) -> None:
-    """Refuses, in one line, an experiment whose saved state is empty or cut short. Tune copies
-    the experiment from the driver's staging directory to the storage path in a background
-    thread; a driver killed during that copy leaves empty files, and Tune would then start the
-    run afresh under the old name or wait forever for a trial that never starts."""
+    """Removes the partial files of a copy that was killed (`upload_whole_files`), and refuses, in
+    one line, an experiment whose saved state is empty or cut short: Tune's own copy to a storage
+    path that is not local (or a run of an older version) may leave one when the driver is killed
+    during it, and Tune would then start the run afresh under the old name or wait forever for a
+    trial that never starts."""
     import glob
     import json
 
+    # what a copy killed midway left beside its target (the target itself is whole: old or new)
+    for partial in glob.glob(os.path.join(glob.escape(experiment), "**", f"*{PARTIAL}*"), recursive=True):
+        os.remove(partial)
     states = sorted(glob.glob(os.path.join(experiment, "experiment_state-*.json")), key=os.path.getmtime)
     if not states:
         return
@@ -133,6 +140,72 @@ def check_experiment_state(experiment: str) -> None:
     except (OSError, ValueError):
         raise ValueError(f"--resume: the experiment state {states[-1]} is empty or cut short (the run was killed "
                          "while Tune was copying it to the storage path); there is nothing to resume from") from None
+
+
+PARTIAL = ".partial-"  # a file being copied to the storage path: <name>.partial-<pid>
+
+
+def _excluded(rel: str, exclude) -> bool:
+    """Tune's exclusion rule (`_ExcludingLocalFilesystem._should_exclude`): a pattern matches the
+    file's path relative to the copied folder, or one of its folders' paths with a trailing /."""
+    import fnmatch
+
+    parts = rel.split("/")
+    candidates = [rel] + ["/".join(parts[:i]) + "/" for i in range(1, len(parts))]
+    return any(fnmatch.fnmatch(c, pattern) for pattern in exclude or () for c in candidates)
+
+
+def upload_whole_files(local_path: str, fs_path: str, exclude=None) -> None:
+    """Copies a folder (or a file) to a local storage path one whole file at a time: each file is
+    written beside its target and renamed over it (`os.replace`, atomic), so a process killed at
+    any moment leaves every file either as it was or as it is now, never cut short. The trials'
+    files go first and the experiment's state (which names each trial's checkpoint) last: when a
+    new state is in place, so is everything it points to."""
+    import shutil
+
+    pairs = []  # (source, target)
+    if os.path.isfile(local_path):
+        pairs.append((local_path, fs_path))
+    for root, _, names in os.walk(local_path):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), local_path).replace(os.sep, "/")
+            if PARTIAL not in name and not _excluded(rel, exclude):
+                pairs.append((os.path.join(local_path, rel), os.path.join(fs_path, rel)))
+    def order(pair):  # subfolders' files first, then the top's, the experiment's state last
+        top = os.path.dirname(pair[1]) == os.path.normpath(fs_path)
+        return top, top and os.path.basename(pair[1]).startswith("experiment_state-"), pair[1]
+
+    pairs.sort(key=order)
+    for source, target in pairs:
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        partial = f"{target}{PARTIAL}{os.getpid()}"
+        try:
+            shutil.copyfile(source, partial)
+        except FileNotFoundError:  # the staging copy went away meanwhile (a trial's folder removed)
+            continue
+        os.replace(partial, target)
+
+
+def upload_whole_files_to_local_storage() -> None:
+    """Makes Tune's background copy of the experiment to a local storage path `upload_whole_files`
+    (once per process; driver side). Tune's own copy (pyarrow's `copy_files`) truncates each
+    target and writes it in place: a driver killed during it left empty or cut-short state and
+    results, and the run could not be resumed. Other filesystems (S3, GCS) keep Tune's copy."""
+    import pyarrow.fs
+    from ray.train._internal.storage import _FilesystemSyncer
+
+    original = _FilesystemSyncer._sync_up_command
+    if getattr(original, "whole_files", False):
+        return
+
+    def sync_up_command(self, local_path, uri, exclude=None):
+        fs = self.storage_filesystem
+        if fs is not None and not isinstance(fs, pyarrow.fs.LocalFileSystem):
+            return original(self, local_path, uri, exclude)
+        return upload_whole_files, {"local_path": local_path, "fs_path": uri, "exclude": exclude}
+
+    sync_up_command.whole_files, sync_up_command.original = True, original
+    _FilesystemSyncer._sync_up_command = sync_up_command
 
 
 def make_log_once_pruner(every_s: float = 10.0):

@@ -124,6 +124,7 @@ PINNED = {
     "_grad_scalers", "_module_optimizers", "_logged",
     "_schedule_tracked_actor_task", "_tracked_actor", "_actor_task_events", "_tracked_futures",
     "_tracked_actors_to_task_futures", "_forward_hooks", "_forward_pre_hooks", "_foreach_copy_",
+    "_FilesystemSyncer", "_sync_up_command",
 }
 THIRD_PARTY_PRIVATE_OK = {"_model"}  # bert_score's scorer (env/rewards/bertscore.py), not Ray's or transformers'
 
@@ -275,3 +276,21 @@ def test_serve_proxy_grpc_switch_used_by_the_policy_server():
                              capture_output=True, text=True, timeout=120).stdout.strip()
         assert out == expected, (value, out)
     assert "_by_reference=not RAY_SERVE_PROXY_USE_GRPC" in inspect.getsource(default_impl.get_proxy_handle)
+
+
+def test_tune_storage_sync_up_command_replaced_for_local_storage_paths():
+    # agents/workarounds.py upload_whole_files_to_local_storage: Tune's background copy of the
+    # experiment to the storage path runs the (function, kwargs) that _sync_up_command returns
+    import pyarrow.fs
+    from ray.train._internal.storage import _FilesystemSyncer
+
+    from agents.workarounds import upload_whole_files, upload_whole_files_to_local_storage
+
+    original = getattr(_FilesystemSyncer._sync_up_command, "original", _FilesystemSyncer._sync_up_command)
+    assert params(original) == ["self", "local_path", "uri", "exclude"]
+    assert "_sync_up_command(" in inspect.getsource(__import__("ray.train._internal.syncer", fromlist=["x"]))
+    upload_whole_files_to_local_storage()
+    syncer = _FilesystemSyncer(storage_filesystem=pyarrow.fs.LocalFileSystem())
+    fn, kwargs = syncer._sync_up_command("/staging/run", "/storage/run", exclude=["*.tmp"])
+    assert fn is upload_whole_files and kwargs == {"local_path": "/staging/run", "fs_path": "/storage/run",
+                                                  "exclude": ["*.tmp"]}

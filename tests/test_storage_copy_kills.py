@@ -1,0 +1,189 @@
+"""A driver killed at any moment of Tune's copy of the experiment to the storage path leaves a run
+that resumes. The copy (agents.workarounds.upload_whole_files, which the driver installs for a
+local storage path) is killed with SIGKILL at every point of it: before each file, halfway through
+writing it, and between writing it and renaming it into place. After each kill every file is
+whole (the version before the copy or the one after it), Tune loads the experiment and finds
+each trial's checkpoint, and one of the kills is resumed with `agents.train --resume` to the end."""
+import filecmp
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import QUICKSTART, ROOT, let_the_storage_copy_finish
+from tests.test_reproducibility import TINY
+
+# Runs the copy from argv[1] to argv[2] in a process that SIGKILLs itself at step argv[3] (a step:
+# before a file's copy, halfway through writing it, before renaming it into place); prints the
+# number of steps when it is not killed.
+KILLED_COPY = r"""
+import os, shutil, signal, sys
+from agents.workarounds import upload_whole_files
+
+source, target, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+steps = 0
+
+def step():
+    global steps
+    if steps == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    steps += 1
+
+replace = os.replace
+
+def copyfile(src, dst):
+    step()
+    with open(src, "rb") as f:
+        data = f.read()
+    with open(dst, "wb") as f:
+        f.write(data[:len(data) // 2])
+        f.flush()
+        step()
+        f.write(data[len(data) // 2:])
+    return dst
+
+def replace_step(src, dst):
+    step()
+    replace(src, dst)
+
+shutil.copyfile, os.replace = copyfile, replace_step
+upload_whole_files(source, target)
+print(steps)
+"""
+
+
+def _cli(*args):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "agents.train", QUICKSTART, *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _copied_files(experiment) -> set[str]:
+    """The files Tune copies from the driver's staging folder: all but the checkpoints (which a
+    trial writes to the storage path itself)."""
+    files = set()
+    for path in glob.glob(os.path.join(experiment, "**"), recursive=True):
+        rel = os.path.relpath(path, experiment)
+        if os.path.isfile(path) and not re.search(r"(^|/)checkpoint_\d+/", rel):
+            files.add(rel)
+    return files
+
+
+@pytest.fixture(scope="module")
+def before_and_after(tmp_path_factory):
+    """A run's experiment folder as the storage path held it before a copy (`before`: killed after
+    iteration 2 of 3, its copy finished) and after it (`after`: resumed to the end), and the
+    driver's staging folder for that copy (`after`'s copied files)."""
+    tmp = tmp_path_factory.mktemp("copy_kills")
+    common = [*[a for o in TINY for a in ("--set", o)], "--set", "stop.training_iteration=3",
+              "--set", "checkpoint.frequency=1", "--set", "generate.num_samples=0", "--set", "tune.dashboard=false",
+              "--set", f"tune.storage_path={tmp / 'storage'}", "--set", "tune.name=run",
+              "--set", "checkpoint.state_every_s=0.2"]
+    killed, seen = _cli(*common), []
+    try:
+        for line in killed.stdout:
+            if re.match(r"iter +2 ", line):
+                let_the_storage_copy_finish(killed.pid, tmp / "storage" / "run")
+                seen.append(2)
+                break
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+    assert seen == [2]
+    shutil.copytree(tmp / "storage" / "run", tmp / "before")
+    resumed = _cli(*common, "--resume")
+    out = resumed.communicate(timeout=900)[0]
+    assert resumed.returncode == 0, out[-3000:]
+    after = tmp / "storage" / "run"
+    staging = tmp / "staging"
+    for rel in _copied_files(after):
+        os.makedirs(os.path.dirname(staging / rel), exist_ok=True)
+        shutil.copy2(after / rel, staging / rel)
+    return tmp / "before", after, staging
+
+
+def _storage_before_the_copy(before, after, target):
+    """The storage path as the copy finds it: the checkpoints already there (the trials wrote them),
+    every copied file as it was before."""
+    shutil.copytree(after, target)
+    for rel in _copied_files(after) - _copied_files(before):
+        os.remove(target / rel)
+    for rel in _copied_files(before):
+        shutil.copy2(before / rel, target / rel)
+
+
+def _copy_killed_at(staging, target, kill_at: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", KILLED_COPY, str(staging), str(target), str(kill_at)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _checkpoints_tune_resumes_from(experiment) -> list[str]:
+    """Each trial's latest checkpoint in the experiment state, as Tune loads it."""
+    from ray.tune import ExperimentAnalysis
+
+    analysis = ExperimentAnalysis(str(experiment))
+    return [t.checkpoint.path if t.checkpoint else None for t in analysis.trials]
+
+
+@pytest.mark.slow
+def test_a_copy_killed_at_any_point_leaves_whole_files_and_a_state_that_resumes(before_and_after, tmp_path):
+    from agents.workarounds import PARTIAL, check_experiment_state
+
+    before, after, staging = before_and_after
+    copied = _copied_files(after)
+    assert any(r.startswith("experiment_state-") for r in copied) and any(r.endswith("result.json") for r in copied)
+    steps = int(_copy_killed_at(staging, tmp_path / "probe", 10 ** 9).stdout)
+    assert steps == 3 * len(copied) >= 20, (steps, sorted(copied))
+
+    for kill_at in range(steps):
+        target = tmp_path / f"killed_at_{kill_at}"
+        _storage_before_the_copy(before, after, target)
+        result = _copy_killed_at(staging, target, kill_at)
+        assert result.returncode == -signal.SIGKILL, (kill_at, result.stderr[-2000:])
+        check_experiment_state(str(target))  # removes the partial file a kill halfway left
+        assert not glob.glob(os.path.join(target, "**", f"*{PARTIAL}*"), recursive=True)
+        for rel in copied | _copied_files(before):
+            got = target / rel
+            versions = [v / rel for v in (before, after) if (v / rel).is_file()]
+            assert got.is_file() or not (before / rel).is_file(), (kill_at, rel, "lost")
+            if got.is_file():
+                assert any(filecmp.cmp(got, v, shallow=False) for v in versions), (kill_at, rel, "cut short")
+        for state in glob.glob(os.path.join(target, "experiment_state-*.json")):
+            with open(state) as f:
+                json.load(f)
+        checkpoints = _checkpoints_tune_resumes_from(target)
+        assert checkpoints and all(c and os.path.isdir(c) and str(target) in c for c in checkpoints), \
+            (kill_at, checkpoints)
+
+
+@pytest.mark.slow
+def test_a_run_whose_copy_was_killed_before_its_new_state_resumes_to_the_end(before_and_after, tmp_path):
+    """The last point before the new experiment state is renamed into place: every trial file is
+    the new one, the state the old one (the trial at its iteration-2 checkpoint, not finished)."""
+    before, after, staging = before_and_after
+    steps = 3 * len(_copied_files(after))
+    target = tmp_path / "storage" / "run"
+    _storage_before_the_copy(before, after, target)
+    assert _copy_killed_at(staging, target, steps - 1).returncode == -signal.SIGKILL
+    newest_state = max(glob.glob(os.path.join(target, "experiment_state-*.json")))
+    rel = os.path.relpath(newest_state, target)
+    assert (before / rel).is_file() and filecmp.cmp(newest_state, before / rel, shallow=False)
+    (trial_result,) = [r for r in _copied_files(after) if r.endswith("result.json")]
+    assert filecmp.cmp(target / trial_result, after / trial_result, shallow=False)
+    common = [*[a for o in TINY for a in ("--set", o)], "--set", "stop.training_iteration=3",
+              "--set", "checkpoint.frequency=1", "--set", "generate.num_samples=0", "--set", "tune.dashboard=false",
+              "--set", f"tune.storage_path={tmp_path / 'storage'}", "--set", "tune.name=run"]
+    resumed = _cli(*common, "--resume")
+    out = resumed.communicate(timeout=900)[0]
+    assert resumed.returncode == 0, out[-3000:]
+    assert re.search(r"^iter +3 ", out, re.M), out[-3000:]
+    (result,) = glob.glob(os.path.join(target, "LMPPO_*", "result.json"))
+    with open(result) as f:
+        iterations = [json.loads(line)["training_iteration"] for line in f if line.strip()]
+    assert iterations == [1, 2, 3], iterations
