@@ -22,9 +22,11 @@ MASK_SIZE = "mask_size"  # number of kept tokens per row, from the training forw
 GUIDE_ROLE = "guide_role"  # per-step column: POLICY, GUIDE or DEVIATION
 
 # State keys beyond RLlib's: an EnvRunner's rollout state (agents/env_runner.py), and in an
-# algorithm's checkpoint the remote EnvRunners' (agents/algorithms/base.py RemoteRunnerStates).
+# algorithm's checkpoint the remote EnvRunners' and every learner's generators (agents/algorithms/
+# base.py RemoteRunnerStates).
 ROLLOUT_STATE = "rollout_state"
 REMOTE_RUNNERS = "remote_env_runners"
+LEARNER_RNGS = "learner_generators"
 
 
 def state_requested(name: str, components, not_components) -> bool:

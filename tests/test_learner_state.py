@@ -73,3 +73,25 @@ def test_ppo_with_two_remote_env_runners_resumes_exactly(ray_local, tmp_path):
         assert sorted(algo.get_state()[REMOTE_RUNNERS]) == [1, 2]
     finally:
         algo.stop()
+
+
+@pytest.mark.slow
+def test_ppo_with_two_learners_resumes_exactly(ray_local, tmp_path):
+    """Checkpoint after iteration 2 of PPO with 2 learners (each shuffles its shard of the batch
+    with its own generator): the restored run's iterations 3-4 equal the uninterrupted run's,
+    because each learner gets back its own generators (RLlib saves learner 0's state only)."""
+    from agents.core import LEARNER_RNGS
+    from tests.test_reproducibility import TINY, resumed, train
+
+    cfg = load(QUICKSTART, [*TINY, "learners.num_learners=2", "learners.num_cpus_per_learner=0.25"])
+    uninterrupted = train(cfg, 4, checkpoint_at=2, path=tmp_path / "ckpt")
+    assert train(cfg, 3) == uninterrupted[:3]  # the runs themselves are reproducible
+    again = resumed(cfg, tmp_path / "ckpt", 2)
+    assert again == uninterrupted[2:]
+    algo = algorithm_config(cfg).build_algo()
+    try:
+        algo.train()
+        saved = algo.get_state()[LEARNER_RNGS]
+        assert sorted(saved) == [0, 1] and saved[0]["minibatch"] != saved[1]["minibatch"]
+    finally:
+        algo.stop()

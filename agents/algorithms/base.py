@@ -96,11 +96,13 @@ class DeclaredParams:
 
 class RemoteRunnerStates:
     """Mixed into an RLlib Algorithm subclass: its checkpoints also hold each remote EnvRunner's
-    rollout state (RLlib saves the local EnvRunner's only), and a restore gives each its own, so a
-    run with `num_env_runners > 0` resumes where every runner stood."""
+    rollout state (RLlib saves the local EnvRunner's only) and, with several learners, each
+    learner's generators by rank (RLlib saves learner 0's state and gives it to all); a restore
+    gives each runner and each learner its own, so a run with `num_env_runners > 0` or
+    `num_learners > 1` resumes where every one of them stood."""
 
     def get_state(self, components=None, *, not_components=None, **kwargs):
-        from agents.core import REMOTE_RUNNERS, ROLLOUT_STATE, state_requested
+        from agents.core import LEARNER_RNGS, REMOTE_RUNNERS, ROLLOUT_STATE, state_requested
 
         state = super().get_state(components, not_components=not_components, **kwargs)
         group = getattr(self, "env_runner_group", None)
@@ -108,10 +110,14 @@ class RemoteRunnerStates:
                                                                                 not_components):
             state[REMOTE_RUNNERS] = dict(group.foreach_env_runner(
                 lambda r: (r.worker_index, r.get_state(components=ROLLOUT_STATE)), local_env_runner=False))
+        learners = getattr(self, "learner_group", None)
+        if learners is not None and learners.is_remote and state_requested(LEARNER_RNGS, components, not_components):
+            saved = [r.get() for r in learners.foreach_learner(_learner_generators)]
+            state[LEARNER_RNGS] = {s["rank"]: s for s in saved if s is not None}
         return state
 
     def set_state(self, state) -> None:
-        from agents.core import REMOTE_RUNNERS
+        from agents.core import LEARNER_RNGS, REMOTE_RUNNERS
 
         super().set_state(state)
         saved, group = state.get(REMOTE_RUNNERS), getattr(self, "env_runner_group", None)
@@ -121,6 +127,25 @@ class RemoteRunnerStates:
                     runner.set_state(saved[runner.worker_index])
 
             group.foreach_env_runner(restore, local_env_runner=False)
+        generators, learners = state.get(LEARNER_RNGS), getattr(self, "learner_group", None)
+        if generators and learners is not None and learners.is_remote:
+            # after RLlib gave every learner learner 0's state (the subcomponents come first)
+            for result in learners.foreach_learner(_restore_learner_generators, generators=generators):
+                result.get()
+
+
+def _learner_generators(learner):
+    """A learner's generators with its rank (`TokenLearner._rng_state`), or None for a learner
+    without them."""
+    get = getattr(learner, "_rng_state", None)
+    return None if get is None else get()
+
+
+def _restore_learner_generators(learner, generators: dict) -> None:
+    """Gives a learner the generators saved for its rank (`TokenLearner.restore_generators`)."""
+    restore = getattr(learner, "restore_generators", None)
+    if restore is not None:
+        restore(generators)
 
 
 def candidates(value) -> list:

@@ -249,6 +249,13 @@ class TokenLearner(PPOTorchLearner):
                 "mle": None if self.mle_pairs is None else self.mle_pairs.rng.bit_generator.state,
                 "global": global_rng_state()}
 
+    def restore_generators(self, by_rank: dict) -> None:
+        """This learner's own generators from a checkpoint's generators of every learner (by
+        rank); a learner with no saved ones (added since) keeps those derived from its rank."""
+        saved = by_rank.get(learner_rank())
+        if saved is not None:
+            self._set_rng_state(saved)
+
     def _set_rng_state(self, saved: dict) -> None:
         """RLlib checkpoints learner 0's state and gives it to every learner: learner 0 takes the
         saved generators back; the others restart theirs from (seed, rank, updates so far)."""
