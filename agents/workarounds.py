@@ -30,6 +30,7 @@ tests/test_reproducibility.py (W&B's run file, the driver's memory, a state cut 
 from __future__ import annotations
 
 import os
+import re
 import time
 
 
@@ -121,38 +122,70 @@ def release_resolved_task_futures() -> None:
 
 def check_experiment_state(experiment: str) -> None:
     """Removes the partial files of a copy that was killed (`upload_whole_files`), and refuses, in
-    one line, an experiment whose saved state is empty or cut short: Tune's own copy to a storage
-    path that is not local (or a run of an older version) may leave one when the driver is killed
-    during it, and Tune would then start the run afresh under the old name or wait forever for a
-    trial that never starts."""
+    one line, an experiment whose saved state is empty or cut short (a run of an older version,
+    whose copy wrote the files in place, killed during it): Tune would start the run afresh under
+    the old name or wait forever for a trial that never starts."""
     import glob
     import json
 
     # what a copy killed midway left beside its target (the target itself is whole: old or new)
-    for partial in glob.glob(os.path.join(glob.escape(experiment), "**", f"*{PARTIAL}*"), recursive=True):
-        os.remove(partial)
-    states = sorted(glob.glob(os.path.join(experiment, "experiment_state-*.json")), key=os.path.getmtime)
+    for path in glob.glob(os.path.join(glob.escape(experiment), "**", "*"), recursive=True, include_hidden=True):
+        if PARTIAL_NAME.search(os.path.basename(path)) and os.path.isfile(path):
+            os.remove(path)
+    states = glob.glob(os.path.join(glob.escape(experiment), "experiment_state-*.json"))
     if not states:
         return
+    newest = max(states)  # as Tune picks it: by name (the run's start time)
     try:
-        with open(states[-1]) as f:
+        with open(newest) as f:
             json.load(f)
     except (OSError, ValueError):
-        raise ValueError(f"--resume: the experiment state {states[-1]} is empty or cut short (the run was killed "
+        raise ValueError(f"--resume: the experiment state {newest} is empty or cut short (the run was killed "
                          "while Tune was copying it to the storage path); there is nothing to resume from") from None
 
 
-PARTIAL = ".partial-"  # a file being copied to the storage path: <name>.partial-<pid>
+PARTIAL = ".partial-"  # a file being copied to the storage path: <name>.partial-<pid>-<thread>
+PARTIAL_NAME = re.compile(r"\.partial-\d+-\d+$")
 
 
 def _excluded(rel: str, exclude) -> bool:
-    """Tune's exclusion rule (`_ExcludingLocalFilesystem._should_exclude`): a pattern matches the
-    file's path relative to the copied folder, or one of its folders' paths with a trailing /."""
+    """Tune's exclusion rule for a file (`_ExcludingLocalFilesystem._should_exclude`): a pattern
+    matches the file's path relative to the copied folder."""
     import fnmatch
 
-    parts = rel.split("/")
-    candidates = [rel] + ["/".join(parts[:i]) + "/" for i in range(1, len(parts))]
-    return any(fnmatch.fnmatch(c, pattern) for pattern in exclude or () for c in candidates)
+    return any(fnmatch.fnmatch(rel, pattern) for pattern in exclude or ())
+
+
+def _whole_copy(source: str, partial: str, rel: str) -> bool:
+    """Copies `source` to `partial` as a file that is whole in itself, or returns False. Tune
+    may be writing the source meanwhile (the driver saves its state and appends results while
+    the copy of the previous save runs): a state file (JSON) must parse, else it is copied again
+    (a few times, then left out of this copy); a log of lines (result.json, progress.csv) is cut
+    after its last whole line."""
+    import json
+    import shutil
+
+    name = os.path.basename(rel)
+    for _ in range(5):
+        try:
+            shutil.copyfile(source, partial)
+        except FileNotFoundError:  # the staging copy went away meanwhile (a trial's folder removed)
+            return False
+        if name in ("result.json", "progress.csv"):
+            with open(partial, "rb+") as f:
+                data = f.read()
+                if data and not data.endswith(b"\n"):
+                    f.truncate(data.rfind(b"\n") + 1)
+            return True
+        if "/" in rel or not name.endswith(".json"):
+            return True
+        try:
+            with open(partial) as f:
+                json.load(f)
+            return True
+        except ValueError:
+            time.sleep(0.05)
+    return False
 
 
 def upload_whole_files(local_path: str, fs_path: str, exclude=None) -> None:
@@ -161,29 +194,31 @@ def upload_whole_files(local_path: str, fs_path: str, exclude=None) -> None:
     any moment leaves every file either as it was or as it is now, never cut short. The trials'
     files go first and the experiment's state (which names each trial's checkpoint) last: when a
     new state is in place, so is everything it points to."""
-    import shutil
+    import threading
 
-    pairs = []  # (source, target)
+    copies = []  # (relative path, source, target)
     if os.path.isfile(local_path):
-        pairs.append((local_path, fs_path))
+        copies.append((os.path.basename(fs_path), local_path, fs_path))
     for root, _, names in os.walk(local_path):
         for name in names:
             rel = os.path.relpath(os.path.join(root, name), local_path).replace(os.sep, "/")
-            if PARTIAL not in name and not _excluded(rel, exclude):
-                pairs.append((os.path.join(local_path, rel), os.path.join(fs_path, rel)))
-    def order(pair):  # subfolders' files first, then the top's, the experiment's state last
-        top = os.path.dirname(pair[1]) == os.path.normpath(fs_path)
-        return top, top and os.path.basename(pair[1]).startswith("experiment_state-"), pair[1]
+            if not PARTIAL_NAME.search(name) and not _excluded(rel, exclude):
+                copies.append((rel, os.path.join(local_path, rel), os.path.join(fs_path, rel)))
 
-    pairs.sort(key=order)
-    for source, target in pairs:
+    def order(copy):  # subfolders' files first, then the top's, the experiment's state last
+        top = "/" not in copy[0]
+        return top, top and copy[0].startswith("experiment_state-"), copy[0]
+
+    for rel, source, target in sorted(copies, key=order):
         os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-        partial = f"{target}{PARTIAL}{os.getpid()}"
+        # a copy of its own per thread: Tune starts another after a copy that ran past its timeout
+        partial = f"{target}{PARTIAL}{os.getpid()}-{threading.get_ident()}"
         try:
-            shutil.copyfile(source, partial)
-        except FileNotFoundError:  # the staging copy went away meanwhile (a trial's folder removed)
-            continue
-        os.replace(partial, target)
+            if _whole_copy(source, partial, rel):
+                os.replace(partial, target)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
 
 
 def upload_whole_files_to_local_storage() -> None:

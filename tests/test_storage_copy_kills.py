@@ -66,11 +66,13 @@ def _cli(*args):
 
 def _copied_files(experiment) -> set[str]:
     """The files Tune copies from the driver's staging folder: all but the checkpoints (which a
-    trial writes to the storage path itself)."""
+    trial writes to the storage path itself) and the partial file a copy killed midway left."""
+    from agents.workarounds import PARTIAL_NAME
+
     files = set()
     for path in glob.glob(os.path.join(experiment, "**"), recursive=True):
         rel = os.path.relpath(path, experiment)
-        if os.path.isfile(path) and not re.search(r"(^|/)checkpoint_\d+/", rel):
+        if os.path.isfile(path) and not re.search(r"(^|/)checkpoint_\d+/", rel) and not PARTIAL_NAME.search(rel):
             files.add(rel)
     return files
 
@@ -187,3 +189,35 @@ def test_a_run_whose_copy_was_killed_before_its_new_state_resumes_to_the_end(bef
     with open(result) as f:
         iterations = [json.loads(line)["training_iteration"] for line in f if line.strip()]
     assert iterations == [1, 2, 3], iterations
+
+
+def test_a_copy_leaves_out_what_tune_is_still_writing(tmp_path):
+    """The driver saves its state and appends results while the copy of the previous save runs:
+    a state that does not parse yet keeps the storage's previous one, a result line being
+    written is left for the next copy, and a killed copy's partial file is removed on --resume."""
+    from agents.workarounds import PARTIAL, check_experiment_state, upload_whole_files
+
+    staging, storage = tmp_path / "staging", tmp_path / "storage"
+    (staging / "trial").mkdir(parents=True)
+    (storage / "trial").mkdir(parents=True)
+    (storage / "experiment_state-1.json").write_text('{"trial_data": [1]}')
+    (staging / "experiment_state-1.json").write_text('{"trial_data": [1, 2')  # being written
+    (staging / "trial" / "result.json").write_text('{"training_iteration": 1}\n{"training_iter')
+    (staging / "trial" / "progress.csv").write_text("training_iteration,reward\n1,0.5\n2,0.")
+    (staging / "trial" / "params.json").write_text('{"lr": 0.001}')
+    upload_whole_files(str(staging), str(storage))
+    assert (storage / "experiment_state-1.json").read_text() == '{"trial_data": [1]}'
+    assert (storage / "trial" / "result.json").read_text() == '{"training_iteration": 1}\n'
+    assert (storage / "trial" / "progress.csv").read_text() == "training_iteration,reward\n1,0.5\n"
+    assert (storage / "trial" / "params.json").read_text() == '{"lr": 0.001}'
+    (staging / "experiment_state-1.json").write_text('{"trial_data": [1, 2]}')  # written by now
+    upload_whole_files(str(staging), str(storage))
+    assert (storage / "experiment_state-1.json").read_text() == '{"trial_data": [1, 2]}'
+    assert not list(storage.rglob(f"*{PARTIAL}*"))
+
+    (storage / "trial" / f"result.json{PARTIAL}123-456").write_text('{"training_iteration": 1}\n{"tr')
+    (storage / ".hidden").mkdir()
+    (storage / ".hidden" / f"x{PARTIAL}123-456").write_text("")
+    check_experiment_state(str(storage))
+    assert not list(storage.rglob(f"*{PARTIAL}*"))
+    assert (storage / "trial" / "result.json").read_text() == '{"training_iteration": 1}\n'

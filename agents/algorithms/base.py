@@ -112,7 +112,7 @@ class RemoteRunnerStates:
                 lambda r: (r.worker_index, r.get_state(components=ROLLOUT_STATE)), local_env_runner=False))
         learners = getattr(self, "learner_group", None)
         if learners is not None and learners.is_remote and state_requested(LEARNER_RNGS, components, not_components):
-            saved = [r.get() for r in learners.foreach_learner(_learner_generators)]
+            saved = [_value(r) for r in learners.foreach_learner(_learner_generators)]
             state[LEARNER_RNGS] = {s["rank"]: s for s in saved if s is not None}
         return state
 
@@ -131,7 +131,14 @@ class RemoteRunnerStates:
         if generators and learners is not None and learners.is_remote:
             # after RLlib gave every learner learner 0's state (the subcomponents come first)
             for result in learners.foreach_learner(_restore_learner_generators, generators=generators):
-                result.get()
+                _value(result)
+
+
+def _value(result):
+    """A learner call's value; its error raised (RLlib's `CallResult.get` returns it)."""
+    if not result.ok:
+        raise result.get()
+    return result.get()
 
 
 def _learner_generators(learner):

@@ -178,6 +178,9 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
             # its CPU with the batch (docs/results/serving.md). The private instance's processes
             # inherit this environment; a user's own setting wins.
             os.environ.setdefault(SERVE_PROXY_GRPC, "1")
+            # Serve's proxy binds its port with SO_REUSEPORT by default: a second server given the
+            # same port would share it silently instead of failing (the check above runs earlier)
+            os.environ.setdefault("SERVE_SOCKET_REUSE_PORT_ENABLED", "0")
             context = ray.init(address="local", logging_level="ERROR", log_to_driver=False,
                                runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}}, **dashboard)
             if context.dashboard_url:
@@ -221,7 +224,7 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
         return 0
     except Exception as e:  # Ray/Serve failed to start or to deploy: one line, not a Ray traceback
         cause = _root_cause(e)
-        if any(m in cause.lower() for m in ("address already in use", "failed to bind")):
+        if f":{args.port}" in cause and any(m in cause.lower() for m in ("address already in use", "failed to bind")):
             # the port was taken between the check above and Serve's bind
             print(f"error: --port: cannot listen on {args.host}:{args.port} (Address already in use)",
                   file=sys.stderr)
