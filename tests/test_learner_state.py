@@ -1,5 +1,8 @@
-"""What a learner's checkpoint carries beyond RLlib's: here fp16's loss scaler, so a resumed fp16
-run goes on at the scale it had reached instead of restarting at 65536."""
+"""What a checkpoint carries beyond RLlib's: fp16's loss scaler (a resumed fp16 run goes on at
+the scale it had reached instead of restarting at 65536), DQN's replay buffer, the remote
+EnvRunners' rollout states and every learner's generators: each makes a resumed run exact."""
+import pickle
+
 import pytest
 
 from agents.config import algorithm_config, load
@@ -85,13 +88,8 @@ def test_ppo_with_two_learners_resumes_exactly(ray_local, tmp_path):
 
     cfg = load(QUICKSTART, [*TINY, "learners.num_learners=2", "learners.num_cpus_per_learner=0.25"])
     uninterrupted = train(cfg, 4, checkpoint_at=2, path=tmp_path / "ckpt")
-    assert train(cfg, 3) == uninterrupted[:3]  # the runs themselves are reproducible
     again = resumed(cfg, tmp_path / "ckpt", 2)
     assert again == uninterrupted[2:]
-    algo = algorithm_config(cfg).build_algo()
-    try:
-        algo.train()
-        saved = algo.get_state()[LEARNER_RNGS]
-        assert sorted(saved) == [0, 1] and saved[0]["minibatch"] != saved[1]["minibatch"]
-    finally:
-        algo.stop()
+    with open(tmp_path / "ckpt" / "algorithm_state.pkl", "rb") as f:
+        saved = pickle.load(f)[LEARNER_RNGS]
+    assert sorted(saved) == [0, 1] and saved[0]["minibatch"] != saved[1]["minibatch"]
