@@ -324,6 +324,21 @@ def trial_seed(trial_dir: str) -> int | None:
     return trial_param(trial_dir, "seed", int)
 
 
+class StoppedShort(RuntimeError):
+    """A run ended before its env-step budget (the suite was interrupted): its row would be a
+    figure of a shorter run than the one reported."""
+
+
+def full_runs(rows: list[dict], budget: int, pair: str) -> list[dict]:
+    """The rows, or StoppedShort naming the runs that ended before `budget` env steps."""
+    short = [r["env_steps"] for r in rows if r["env_steps"] < budget]
+    if short:
+        at = ", ".join(f"{steps:,}" for steps in short)
+        raise StoppedShort(f"[{pair}] {len(short)} of {len(rows)} runs stopped before the budget of {budget:,} env "
+                           f"steps (at {at}): the suite was interrupted; their rows are not written")
+    return rows
+
+
 def run_row(task: str, algorithm: str, trial_dir: str, budget: int, lr: float | None) -> dict:
     curve = trial_curve(trial_dir)
     # Tune stops after the iteration that crosses the budget: the curve up to that iteration.
@@ -561,7 +576,8 @@ def tune_pair(task: str, algorithm: str, budget: int, prepared: dict, out: str, 
                             runs=os.path.join(out, "tuning"), name=f"{task}-{algorithm}", concurrent=concurrent)
     raw["training"]["lr"] = {"grid_search": lrs}
     trials = run_experiment(raw, os.path.join(out, "configs", "tuning"))
-    rows = [run_row(task, algorithm, d, budget, trial_param(d, "lr")) for d in trials]
+    rows = full_runs([run_row(task, algorithm, d, budget, trial_param(d, "lr")) for d in trials], budget,
+                     f"{task}/{algorithm}")
     path = os.path.join(out, "tuning.csv")
     old = [r for r in read_rows(path) if not (r["task"] == task and r["algorithm"] == algorithm)] \
         if os.path.isfile(path) else []
@@ -639,7 +655,8 @@ def main(argv=None) -> int:
                 lr = raw["training"]["lr"]
                 t0 = time.time()
                 trials = run_experiment(raw, os.path.join(out, "configs"))
-                new = [run_row(task, algorithm, d, budget, lr) for d in trials]
+                new = full_runs([run_row(task, algorithm, d, budget, lr) for d in trials], budget,
+                                f"{task}/{algorithm}")
                 if t.quality:
                     measure_quality(task, new, prepared["warm_start"], out)
                 rows = [r for r in rows if not (r["task"] == task and r["algorithm"] == algorithm)] + new
@@ -647,6 +664,9 @@ def main(argv=None) -> int:
                 s = stats(rows, task, algorithm)
                 print(f"[{task}/{algorithm}] {len(new)} runs of {budget:,} env steps in {time.time() - t0:.0f} s: "
                       f"reward at budget {_f(s['mean']) if s else '-'} ± {_f(s['ci']) if s else '-'}", flush=True)
+    except StoppedShort as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         ray.shutdown()
     print(f"suite: {time.time() - start:.0f} s", flush=True)

@@ -157,3 +157,20 @@ def test_language_quality_is_the_policys_perplexity_of_the_references_and_the_wa
     own = suite.language_quality(warm, warm, setup["env_config"], max_examples=8)[0]
     assert own["ref_perplexity"] == pytest.approx(ppl(warm, prompts, refs), rel=1e-4)  # the policy's, not the warm start's
     assert own["ref_perplexity"] != pytest.approx(figures["ref_perplexity"], rel=1e-3)
+
+
+def test_runs_stopped_before_the_budget_are_not_written(tmp_path, monkeypatch, capsys):
+    """An interrupted suite (Ctrl-C: Tune stops the trials and returns) must not record the
+    shortened runs as if they had reached the budget."""
+    fake_tuning(tmp_path, monkeypatch, lambda lr: 0.5)
+    monkeypatch.setattr(suite, "run_row", lambda task, algo, d, budget, lr: {
+        "task": task, "algorithm": algo, "seed": 0, "lr": lr, "env_steps": budget // 2, "start_reward": 0.3,
+        "reward_at_budget": 0.0, "steps_to_threshold": None, "threshold": 0.7, "trial_dir": d})
+    args = ["--quick", "--tasks", "increasing", "--algorithms", "ppo", "--out", str(tmp_path),
+            "--tuned", str(tmp_path / "tuned.json")]
+    assert suite.main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: [increasing/ppo]") and "stopped before the budget" in err
+    assert not (tmp_path / "summary.csv").exists()
+    assert suite.main([*args, "--tune"]) == 1
+    assert not (tmp_path / "tuned.json").exists() and not (tmp_path / "tuning.csv").exists()
