@@ -339,7 +339,8 @@ def test_replica_flags_give_serves_options_and_bad_combinations_are_refused_in_o
                         "--target-ongoing-requests"),
                        (["--batch-rows", "-1"], "--batch-rows"), (["--max-queue", "-1"], "--max-queue"),
                        (["--batch-rows", "4", "--max-queue", "2"], "--max-queue"),  # 16 samples never fit
-                       (["--num-gpus", "-1"], "--num-gpus"), (["--num-gpus", "1.5"], "--num-gpus"),
+                       (["--num-gpus", "-1"], "--num-gpus"), (["--num-gpus", "-0.5"], "--num-gpus"),
+                       (["--num-gpus", "1.5"], "--num-gpus"),
                        (["--route-prefix", "api"], "--route-prefix")]:
         with pytest.raises(SystemExit) as e:
             main(["--checkpoint", checkpoint, *argv])

@@ -130,10 +130,8 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
         parser.error(str(e))
     if not args.num_cpus > 0:
         parser.error("--num-cpus must be > 0 (fractions such as 0.25 are fine)")
-    if not 0 <= args.num_gpus <= 1 and not float(args.num_gpus).is_integer():
+    if args.num_gpus < 0 or (args.num_gpus > 1 and not float(args.num_gpus).is_integer()):
         parser.error(f"--num-gpus must be a fraction in [0, 1] or a whole number, got {args.num_gpus:g}")
-    if args.num_gpus < 0:
-        parser.error(f"--num-gpus must be >= 0, got {args.num_gpus:g}")
     if args.max_samples < 1:
         parser.error("--max-samples must be >= 1")
     if args.dashboard_port is not None and not 1 <= args.dashboard_port <= 65535:
