@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU checks of docs/results/gpu.md in one command, for the GPU machine (../shared/gpu/README.md):
+#   source .gpu/env.sh; benchmarks/gpu_checks.sh [STEP ...]
+# Steps (default: tests rollouts peer weights): tests (the CUDA-only tests and their files),
+# rollouts (rollout_throughput.py at GPT-2-small shape, batch 128), peer (peer_trl.py, 60 s each
+# side), weights (weight_sync.py, colocated and one remote EnvRunner), serve (serve_load.py, one
+# replica on the CPU and one on the GPU). Each step runs under its own time limit and writes its whole
+# output to $OUT/<step>.log (OUT defaults to ./gpu_out), so a step that fails or runs out of time
+# leaves the others' figures. Prints only measured figures; it never passes or fails on a time.
+set -u
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(tests rollouts peer weights)
+
+run() {  # run NAME LIMIT_S CMD...: the command's output into $OUT/NAME.log, its tail and status here
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  echo "== $name: $*"
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -v -i -E "warning|warn\(|deprecat|^\s*$" "$OUT/$name.log" | tail -n 40
+  echo "== $name: exit $rc after $((SECONDS - start)) s$([ $rc -eq 124 ] && echo " (time limit ${limit} s)")"
+}
+
+$PY - <<'EOF'
+import torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, device: "
+      f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}", flush=True)
+EOF
+
+for step in "${steps[@]}"; do
+  case $step in
+    tests) run tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_decode_engine.py tests/test_weight_sync.py \
+             "tests/test_serve_batching.py::test_a_replica_on_a_gpu_writes_what_the_cpu_replica_writes" ;;
+    rollouts) run rollouts 200 $PY benchmarks/rollout_throughput.py --device cuda --batch 128 \
+             --model gpt2-small-shaped --vocab 50257 --reps 3 ;;
+    peer) run peer 260 $PY benchmarks/peer_trl.py --device cuda --model gpt2-small-shaped --seconds 60 \
+             --trl-lr 1e-4 --trl-steps-per-generation 2 --plot "$OUT/peer_trl.png" \
+             --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
+             --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
+             --set training.lr=1e-4 ;;
+    weights) run weights_colocated 90 $PY benchmarks/weight_sync.py --device cuda --reps 5
+             run weights_remote 120 $PY benchmarks/weight_sync.py --device cuda --remote --precision bf16 --reps 5 ;;
+    serve) run serve_cpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
+             --requests 200 --stream off
+           run serve_gpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
+             --requests 200 --stream off --serve-args "--num-gpus 1" ;;
+    *) echo "unknown step: $step (tests rollouts peer weights serve)" >&2; exit 2 ;;
+  esac
+done
