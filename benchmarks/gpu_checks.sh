@@ -7,10 +7,13 @@
 # replica on the CPU and one on the GPU). Each step runs under its own time limit and writes its whole
 # output to $OUT/<step>.log (OUT defaults to ./gpu_out), so a step that fails or runs out of time
 # leaves the others' figures. Prints only measured figures; it never passes or fails on a time.
+# PRECISION=bf16 (default fp32): the rollouts' weights (env_runners.precision) in rollouts and peer.
+# Step captured: only the test that the captured CUDA graph step gives the eager step's tokens.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 PY=${PY:-python3}
+PRECISION=${PRECISION:-fp32}
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(tests rollouts peer weights)
 
@@ -35,18 +38,20 @@ for step in "${steps[@]}"; do
     tests) run tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_decode_engine.py tests/test_weight_sync.py \
              "tests/test_serve_batching.py::test_a_replica_on_a_gpu_writes_what_the_cpu_replica_writes" ;;
     rollouts) run rollouts 200 $PY benchmarks/rollout_throughput.py --device cuda --batch 128 \
-             --model gpt2-small-shaped --vocab 50257 --reps 3 ;;
+             --model gpt2-small-shaped --vocab 50257 --reps ${REPS:-3} --precision "$PRECISION" ;;
     peer) run peer 260 $PY benchmarks/peer_trl.py --device cuda --model gpt2-small-shaped --seconds 60 \
              --trl-lr 1e-4 --trl-steps-per-generation 2 --plot "$OUT/peer_trl.png" \
              --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
              --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
-             --set training.lr=1e-4 ;;
+             --set training.lr=1e-4 --set env_runners.precision="$PRECISION" ;;
+    captured) run captured 60 $PY -m pytest -q -p no:cacheprovider \
+             tests/test_decode_engine.py::test_captured_cuda_graph_step_gives_the_eager_steps_tokens ;;
     weights) run weights_colocated 90 $PY benchmarks/weight_sync.py --device cuda --reps 5
              run weights_remote 120 $PY benchmarks/weight_sync.py --device cuda --remote --precision bf16 --reps 5 ;;
     serve) run serve_cpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
              --requests 200 --stream off
            run serve_gpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
              --requests 200 --stream off --serve-args "--num-gpus 1" ;;
-    *) echo "unknown step: $step (tests rollouts peer weights serve)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (tests captured rollouts peer weights serve)" >&2; exit 2 ;;
   esac
 done

@@ -16,7 +16,7 @@ sampled like any other token and decoded away; an early EOS forfeits the missing
 
 --model (default tiny-gpt2; gpt2-small-shaped for GPT-2-small's shape) and --device (cpu, or cuda:
 both systems on the GPU: TRL without use_cpu, the project with learners.num_gpus_per_learner=1, whose
-rollouts then run on the learner's GPU (agents/weight_sync.py); both fp32) apply to both sides.
+rollouts then run on the learner's GPU (agents/weight_sync.py); both bf16 mixed precision there) apply to both sides.
 
 (a) TRL `GRPOTrainer` (public API only) on the same randomly initialised --model
     (`agents.models.build_causal_lm({"name_or_path": "tiny-gpt2"}, tokenizer, seed=0,
@@ -35,7 +35,8 @@ rollouts then run on the learner's GPU (agents/weight_sync.py); both fp32) apply
         generation through `model.generate()` with its KV cache;
       * AdamW at --trl-lr with a constant schedule (no warm-up, no decay: the run is stopped on a
         wall-clock budget, so a schedule over max_steps would be arbitrary), max_grad_norm=1.0,
-        fp32 (bf16=False; TRL defaults to bf16), gradient_checkpointing=False (TRL defaults to True),
+        fp32 on the CPU, bf16 mixed precision on cuda (TRL's default; the project's learner autocasts
+        in bf16 there too, `training.precision: auto`), gradient_checkpointing=False (TRL defaults to True),
         use_cpu=True unless --device cuda, report_to="none", save_strategy="no", no dropout (the project
         model has none);
       * the dataset is an in-memory `datasets.Dataset` whose rows all hold the task's prompt text
@@ -307,7 +308,7 @@ def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads:
         temperature=1.0, top_k=0, top_p=1.0, min_p=None,
         learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         max_steps=10**6,
-        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=device == "cpu",
+        bf16=device == "cuda", fp16=False, gradient_checkpointing=False, use_cpu=device == "cpu",
         report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, log_level="error",
         dataloader_num_workers=0, seed=0,
     )

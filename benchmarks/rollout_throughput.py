@@ -36,7 +36,7 @@ import tree
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from agents.config import algorithm_config, validate  # noqa: E402
-from agents.models import build_causal_lm, build_tokenizer  # noqa: E402
+from agents.models import DTYPES, build_causal_lm, build_tokenizer  # noqa: E402
 
 
 def make_cfg(args, kv_cache: bool, runner: str = "stock") -> dict:
@@ -44,7 +44,8 @@ def make_cfg(args, kv_cache: bool, runner: str = "stock") -> dict:
         "task": {"name": "increasing_numbers", "num_numbers": args.vocab - 2, "prompt_len": args.prompt},
         "model": {"name_or_path": args.model, "kv_cache": kv_cache},
         "env": {"max_prompt_len": args.prompt, "max_new_tokens": args.new},
-        "env_runners": {"num_env_runners": 0, "num_envs_per_env_runner": args.batch, "runner": runner},
+        "env_runners": {"num_env_runners": 0, "num_envs_per_env_runner": args.batch, "runner": runner,
+                        "precision": args.precision},
         "training": {"train_batch_size": args.batch * args.new, "minibatch_size": args.batch},
         "seed": 0,
     })
@@ -58,7 +59,7 @@ def generate_path(args, *, stop_at_eos: bool):
     tok = build_tokenizer(env_config(cfg))
     model = build_causal_lm(cfg["model"], tok, seed=0, max_positions=args.prompt + args.new).eval()
     device = torch.device(args.device)
-    model.to(device)
+    model.to(device, DTYPES[args.precision])  # the EnvRunners' rollout precision
     prompt = torch.full((args.batch, args.prompt), tok.pad_token_id, device=device)
     mask = torch.ones_like(prompt)
     kw = dict(attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=args.new, use_cache=True,
@@ -231,11 +232,13 @@ def main():
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--uncached", action="store_true", help="also run the stock EnvRunner with the cache off")
     p.add_argument("--device", default="cpu", help="cpu or cuda (model, cache and rollouts on that device)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="every path's weights in it (the EnvRunners' env_runners.precision)")
     p.add_argument("--profile", action="store_true", help="also profile the stock cached path, by area")
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"model={args.model} vocab={args.vocab} batch={args.batch} prompt={args.prompt} new={args.new} "
-          f"threads={torch.get_num_threads()} device={args.device}", flush=True)
+          f"threads={torch.get_num_threads()} device={args.device} precision={args.precision}", flush=True)
     stored_stock, stored_fast, engine_report = [], [], {}
     paths = {  # label -> one-rep callable; reps run round-robin so every path sees the same machine state
         "a": ("(a) generate(), forced to --new tokens", generate_path(args, stop_at_eos=False)),

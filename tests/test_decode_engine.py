@@ -165,7 +165,7 @@ def test_rollout_benchmark_engine_row_samples_every_token_and_counts_the_bytes_a
 
     from benchmarks.rollout_throughput import engine_path, make_env_runner
 
-    args = argparse.Namespace(model="tiny-gpt2", vocab=52, batch=4, prompt=6, new=5, device="cpu")
+    args = argparse.Namespace(model="tiny-gpt2", vocab=52, batch=4, prompt=6, new=5, device="cpu", precision="fp32")
     report = {}
     rep = engine_path(args, report)
     tokens, seconds = rep()

@@ -1,0 +1,109 @@
+"""Where a decode engine step's time goes on a GPU: the step's milliseconds by rollout precision and
+TF32, the trunk alone against the whole step (trunk + logits + draw), captured against eager, and
+the kernels of one captured step (torch.profiler, top by device time).
+
+    python benchmarks/decode_step_profile.py [--model gpt2-small-shaped] [--vocab 50257] [--batch 128] [--device cuda]
+
+Prints measured figures only. The step is the one `rollout_throughput.py` (e) times.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.rollout_throughput import make_env_runner, sync  # noqa: E402
+
+
+def build(args, precision: str, capture: bool):
+    from ray.rllib.core.columns import Columns
+    from agents.modules.decode_engine import DecodeEngine
+
+    args.precision = precision
+    module = make_env_runner(args, True, "fast").module
+    cache, trunk = module.kv_cache, module.lm.base_model
+    device = next(module.parameters()).device
+    L = args.prompt + args.new
+    ids = torch.full((args.batch, L), module.tokenizer.pad_token_id, device=device)
+    mask = torch.zeros_like(ids)
+    mask[:, L - args.prompt:] = 1
+    key = ("explore", module.values_in_rollouts)
+    with torch.no_grad():
+        uniform = torch.rand(args.batch, 1, dtype=torch.float64, device=device)
+        out = cache.hidden_at_last_token(trunk, {"input_ids": ids, "attention_mask": mask}, None,
+                                         tail=module._sample, tail_inputs=(uniform,), key=key)
+    engine = cache.engine
+    engine.capture = capture
+    token = out[Columns.ACTIONS].clone()
+
+    def whole():
+        return engine.step(token, module._sample, (uniform,), key)
+
+    def trunk_only():
+        return engine.step(token)
+
+    return whole, trunk_only, device
+
+
+def time_ms(fn, device, n: int = 40) -> float:
+    with torch.no_grad():
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(5):
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync(device)
+            times.append((time.perf_counter() - start) / n)
+    return 1e3 * float(np.median(times))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt2-small-shaped")
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--new", type=int, default=48)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"model={args.model} vocab={args.vocab} batch={args.batch} window={args.prompt + args.new} device={name}")
+    cuda = args.device == "cuda"
+    for precision, tf32, capture in (("fp32", False, cuda), ("fp32", False, False), ("fp32", True, cuda),
+                                     ("bf16", False, cuda))[:None if cuda else 1]:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        if True:
+            whole, trunk_only, device = build(args, precision, capture)
+            w, t = time_ms(whole, device), time_ms(trunk_only, device)
+            print(f"{precision} tf32={'on ' if tf32 else 'off'} {'captured' if capture else 'eager   '}: "
+                  f"whole step {w:7.3f} ms   trunk alone {t:7.3f} ms   logits + draw {w - t:7.3f} ms", flush=True)
+    if args.device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        for precision in ("fp32",):
+            torch.backends.cuda.matmul.allow_tf32 = precision == "fp32"
+            whole, _, device = build(args, precision, True)
+            with torch.no_grad():
+                for _ in range(3):
+                    whole()
+                sync(device)
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(10):
+                        whole()
+                    sync(device)
+            print(f"\nkernels of 10 captured steps, {precision}{' tf32' if precision == 'fp32' else ''}:")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
