@@ -16,7 +16,7 @@ sampled like any other token and decoded away; an early EOS forfeits the missing
 
 --model (default tiny-gpt2; gpt2-small-shaped for GPT-2-small's shape) and --device (cpu, or cuda:
 both systems on the GPU: TRL without use_cpu, the project with learners.num_gpus_per_learner=1, whose
-rollouts then run on the learner's GPU (agents/weight_sync.py); both bf16 mixed precision there) apply to both sides.
+rollouts then run on the learner's GPU (agents/weight_sync.py)) apply to both sides.
 
 (a) TRL `GRPOTrainer` (public API only) on the same randomly initialised --model
     (`agents.models.build_causal_lm({"name_or_path": "tiny-gpt2"}, tokenizer, seed=0,
@@ -35,8 +35,9 @@ rollouts then run on the learner's GPU (agents/weight_sync.py); both bf16 mixed 
         generation through `model.generate()` with its KV cache;
       * AdamW at --trl-lr with a constant schedule (no warm-up, no decay: the run is stopped on a
         wall-clock budget, so a schedule over max_steps would be arbitrary), max_grad_norm=1.0,
-        fp32 on the CPU, bf16 mixed precision on cuda (TRL's default; the project's learner autocasts
-        in bf16 there too, `training.precision: auto`), gradient_checkpointing=False (TRL defaults to True),
+        fp32 (--trl-precision; TRL defaults to bf16 mixed precision, which on an H100 at GPT-2-small
+        shape made it slower: 8,898 against 10,664 tok/s, docs/results/gpu.md), gradient_checkpointing=False
+        (TRL defaults to True),
         use_cpu=True unless --device cuda, report_to="none", save_strategy="no", no dropout (the project
         model has none);
       * the dataset is an in-memory `datasets.Dataset` whose rows all hold the task's prompt text
@@ -218,7 +219,8 @@ def device_sync(device: str):
 
 
 def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads: int,
-            steps_per_generation: int = 1, model_name: str = "tiny-gpt2", device: str = "cpu") -> dict:
+            steps_per_generation: int = 1, model_name: str = "tiny-gpt2", device: str = "cpu",
+            precision: str = "fp32") -> dict:
     import torch
     import transformers
     from datasets import Dataset
@@ -308,7 +310,7 @@ def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads:
         temperature=1.0, top_k=0, top_p=1.0, min_p=None,
         learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         max_steps=10**6,
-        bf16=device == "cuda", fp16=False, gradient_checkpointing=False, use_cpu=device == "cpu",
+        bf16=precision == "bf16", fp16=False, gradient_checkpointing=False, use_cpu=device == "cpu",
         report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, log_level="error",
         dataloader_num_workers=0, seed=0,
     )
@@ -492,6 +494,8 @@ def main():
     p.add_argument("--target", type=float, default=0.8, help="report the seconds each run took to reach this reward")
     p.add_argument("--model", default="tiny-gpt2", help="both sides' model: a built-in config or a local directory")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="both sides on this device")
+    p.add_argument("--trl-precision", default="fp32", choices=("fp32", "bf16"),
+                   help="TRL's: fp32, or bf16 mixed precision (TRL's default; needs --device cuda)")
     args = p.parse_args()
     if 64 % args.trl_num_generations:
         p.error("--trl-num-generations must divide 64")
@@ -501,6 +505,8 @@ def main():
     torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device")
+    if args.trl_precision == "bf16" and args.device != "cuda":
+        p.error("--trl-precision bf16: needs --device cuda")
     base_cfg = load(args.config)  # TRL: the task as the config file gives it
     both = [f"model.name_or_path={args.model}"] + (["learners.num_gpus_per_learner=1"] if args.device == "cuda" else [])
     cfg = load(args.config, both + args.overrides)  # the project: with --set overrides
@@ -513,11 +519,11 @@ def main():
         import trl
 
         print(f"TRL {trl.__version__}: lr {args.trl_lr}, 64 completions per step, "
-              f"num_generations={args.trl_num_generations}")
+              f"num_generations={args.trl_num_generations}, {args.trl_precision}")
         for spg in args.trl_steps_per_generation:
             for lr in args.trl_lr:
                 res = run_trl(base_cfg, lr, args.seconds, args.trl_num_generations, args.threads, spg,
-                              model_name=args.model, device=args.device)
+                              model_name=args.model, device=args.device, precision=args.trl_precision)
                 report(res, "step", args.target)
                 trl_runs.append(res)
     if not args.trl_only:
