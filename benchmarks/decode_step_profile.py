@@ -1,6 +1,8 @@
 """Where a decode engine step's time goes on a GPU: the step's milliseconds by rollout precision and
-TF32, the trunk alone against the whole step (trunk + logits + draw), captured against eager, and
-the kernels of one captured step (torch.profiler, top by device time).
+TF32, the trunk alone against the whole step (trunk + logits + draw), captured against eager, the
+kernels of one captured step (torch.profiler, top by device time), and the eager ops (each a kernel
+launch on a GPU) a rollout step runs when no row restarts and when 16 of them restart on a stored
+prefill, as the fast EnvRunner calls it (`--restart-ops-only`: just those, on any device).
 
     python benchmarks/decode_step_profile.py [--model gpt2-small-shaped] [--vocab 50257] [--batch 128] [--device cuda]
 
@@ -67,6 +69,43 @@ def time_ms(fn, device, n: int = 40) -> float:
     return 1e3 * float(np.median(times))
 
 
+def restart_ops(args) -> None:
+    """Eager ops and milliseconds of the EnvRunner module's rollout step (`hidden_at_last_token`
+    with the draw) when every row continues and when 1 in 8 rows restarts on the prompt."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    args.precision = "fp32"
+    module = make_env_runner(args, True, "fast").module
+    cache, trunk = module.kv_cache, module.lm.base_model
+    device = next(module.parameters()).device
+    L = args.prompt + args.new
+    obs = {"input_ids": torch.full((args.batch, L), module.tokenizer.pad_token_id, device=device),
+           "attention_mask": torch.zeros((args.batch, L), dtype=torch.long, device=device)}
+    obs["attention_mask"][:, -args.prompt:] = 1
+    key = ("explore", module.values_in_rollouts)
+    uniform = torch.rand(args.batch, 1, dtype=torch.float64, device=device)
+    restart = np.ones(args.batch, bool)
+    restart[::8] = False
+    calls = {"every row continues": np.ones(args.batch, bool), f"{(~restart).sum()} rows restart": restart}
+    with torch.no_grad():
+        cache.hidden_at_last_token(trunk, obs, None, tail=module._sample, tail_inputs=(uniform,), key=key)
+        for label, cont in calls.items():
+            call = lambda: cache.hidden_at_last_token(trunk, obs, cont, tail=module._sample,  # noqa: E731
+                                                      tail_inputs=(uniform,), key=key)
+            call()
+            Count.n = 0
+            with Count():
+                call()
+            print(f"rollout step, {label:20s}: {Count.n:4d} eager ops, {time_ms(call, device, n=10):8.3f} ms", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt2-small-shaped")
@@ -75,7 +114,10 @@ def main():
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=48)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--restart-ops-only", action="store_true", help="only the eager ops of a rollout step")
     args = p.parse_args()
+    if args.restart_ops_only:
+        return restart_ops(args)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"model={args.model} vocab={args.vocab} batch={args.batch} window={args.prompt + args.new} device={name}")
     cuda = args.device == "cuda"
@@ -103,6 +145,7 @@ def main():
                     sync(device)
             print(f"\nkernels of 10 captured steps, {precision}{' tf32' if precision == 'fp32' else ''}:")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    restart_ops(args)
 
 
 if __name__ == "__main__":

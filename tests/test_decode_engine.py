@@ -201,3 +201,68 @@ def test_warm_up_before_capture_leaves_the_ring_as_it_was():
     engine._warm_up(lambda: engine.step_hidden(torch.full((5,), 4)), times=3)
     for a, b in zip(before, engine.keys + engine.values + [engine.real, engine.slot]):
         assert torch.equal(a, b)
+
+
+def _ops(fn) -> int:
+    """How many aten ops `fn()` runs (each one a kernel launch on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+@torch.no_grad()
+def test_restarted_rows_are_written_in_as_many_ops_whatever_the_number_of_layers():
+    """A step that restarts rows writes their prefills into the ring in a few ops (not two per
+    layer), from the stacked keys/values or from per-layer pairs alike."""
+    from transformers import GPT2Config, GPT2Model
+
+    counts = []
+    for n_layer in (2, 6):
+        torch.manual_seed(0)
+        trunk = GPT2Model(GPT2Config(vocab_size=30, n_positions=16, n_layer=n_layer, n_head=2, n_embd=16)).eval()
+        ids = torch.randint(2, 12, (5, 10))
+        mask = torch.zeros(5, 10, dtype=torch.long)
+        mask[:, -3:] = 1
+        stacked, per_layer = DecodeEngine(trunk, 5, 10), DecodeEngine(trunk, 5, 10)
+        _, kv = prefill_pass(trunk, ids, mask, stacked=True)
+        _, layers = prefill_pass(trunk, ids, mask)
+        stacked.load_rows(None, kv, mask)
+        per_layer.load_rows(None, layers, mask)
+        for e in (stacked, per_layer):
+            e.step(torch.full((5,), 3))
+        rows = torch.tensor([1, 3])
+        counts.append(_ops(lambda: stacked.load_rows(rows, kv[:, :, rows], mask[rows])))
+        per_layer.load_rows(rows, [(k[rows], v[rows]) for k, v in layers], mask[rows])
+        assert torch.equal(stacked.kv, per_layer.kv) and torch.equal(stacked.real, per_layer.real)
+        assert stacked.keys[1].data_ptr() == stacked.kv[0, 1].data_ptr()  # the layers' views are the buffer
+    assert counts[0] == counts[1] <= 8
+
+
+@torch.no_grad()
+def test_rows_restarting_on_one_stored_window_share_it_without_a_copy():
+    from agents.modules.kv_cache import WindowKVCache
+
+    _, trunk, ids, mask = _engine_and_window()
+    same_ids, same_mask = ids[:1].expand(4, -1), mask[:1].expand(4, -1)
+    cache = WindowKVCache()
+    hidden, kv = cache._prefill(trunk, same_ids, same_mask)  # computed once, stored
+    want_hidden, want_kv = prefill_pass(trunk, ids[:1], mask[:1], stacked=True)
+    torch.testing.assert_close(hidden, want_hidden.expand(4, -1))
+    torch.testing.assert_close(kv, want_kv.expand(-1, -1, 4, -1, -1, -1))
+    again_hidden, again_kv = cache._prefill(trunk, same_ids, same_mask)  # from the store: a view of its entry
+    (_, entry), = cache.store.entries.values()
+    assert again_kv.data_ptr() == entry.data_ptr() and again_kv.stride(2) == 0
+    assert cache.stats["prefill_computed_rows"] == 1
+    mixed_hidden, mixed_kv = cache._prefill(trunk, ids[:3], mask[:3])  # two new windows join the stored one
+    real = mask[:3][None, None, :, None, :, None]  # a pass leaves padding columns as it finds them
+    torch.testing.assert_close(mixed_kv * real, prefill_pass(trunk, ids[:3], mask[:3], stacked=True)[1] * real)
+    assert cache.stats["prefill_computed_rows"] == 3

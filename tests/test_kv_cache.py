@@ -119,7 +119,7 @@ def test_a_window_prefilled_before_is_reused_and_gives_the_uncached_logits():
 def test_prefill_store_stays_within_its_bytes_dropping_the_least_recently_used():
     from agents.modules.kv_cache import PrefillStore
 
-    entry = lambda: (torch.zeros(4), [(torch.zeros(2, 3), torch.zeros(2, 3))])  # noqa: E731  (16 + 48 bytes)
+    entry = lambda: (torch.zeros(4), torch.zeros(2, 1, 2, 3))  # noqa: E731  (16 + 48 bytes: keys and values of one layer)
     store = PrefillStore(max_bytes=3 * 64)
     for key in (b"a", b"b", b"c"):
         store.put(key, entry())

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from agents.modules.kv_cache import (WindowKVCache, _plain_gpt2_blocks, attention_mask_per_head,
                                      continuing_rows, window_attention)
+from agents.modules.prefill_store import stack_layers
 
 
 class DecodeEngine:
@@ -45,9 +46,11 @@ class DecodeEngine:
         self.device, self.dtype = p.device, p.dtype
         c = trunk.config
         self.heads, self.head_dim = c.n_head, trunk.embed_dim // c.n_head
-        shape = (rows, self.heads, length, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in blocks]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in blocks]
+        # keys and values of every layer in one buffer (2, layers, rows, heads, L, hd): restarted
+        # rows are written in one op (`load_rows`); self.keys/self.values are its per-layer views
+        self.kv = torch.zeros((2, len(blocks), rows, self.heads, length, self.head_dim), dtype=self.dtype,
+                              device=self.device)
+        self.keys, self.values = list(self.kv[0].unbind(0)), list(self.kv[1].unbind(0))
         self.real = torch.zeros(rows, length, dtype=torch.bool, device=self.device)
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # the newest token's slot
         self.slot_host = 0  # the same, on the host (prefills read it; no sync)
@@ -103,6 +106,35 @@ class DecodeEngine:
         cuda_graph.replay()
         return out
 
+    def tail(self, hidden: torch.Tensor, tail=None, tail_inputs: tuple = (), key=None):
+        """`tail(hidden, *tail_inputs)` apart from a step: for a step whose restarted rows' hidden
+        states come from prefills. Where `capture` is on, a CUDA graph of its own (`key` names it),
+        so such a step runs eagerly only the restarted rows' writes, not the head and the draw."""
+        if tail is None:
+            return hidden
+        if not self.capture:
+            return tail(hidden, *tail_inputs)
+        graph = self.graphs.get(("tail", key))
+        if graph is None:
+            static_inputs = [torch.empty((self.rows,) + tuple(hidden.shape[1:]), dtype=hidden.dtype,
+                                         device=self.device).copy_(hidden), *(t.clone() for t in tail_inputs)]
+            run = lambda: tail(*static_inputs)  # noqa: E731
+            stream = torch.cuda.Stream(self.device)  # warm-up on a side stream, as capture wants
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    run()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            cuda_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cuda_graph):
+                out = run()
+            graph = self.graphs[("tail", key)] = (cuda_graph, static_inputs, out)
+        cuda_graph, static_inputs, out = graph
+        for static, given in zip(static_inputs, (hidden, *tail_inputs)):
+            static.copy_(given)
+        cuda_graph.replay()
+        return out
+
     def _capture(self, token, tail, tail_inputs):
         """A CUDA graph of one step (after warm-up steps whose effects on the ring are undone)."""
         static_inputs = [token.clone(), *(t.clone() for t in tail_inputs)]
@@ -143,20 +175,23 @@ class DecodeEngine:
     # -- prefills (eager) -----------------------------------------------------------------
 
     def load_rows(self, rows: torch.Tensor | None, layers, mask: torch.Tensor) -> None:
-        """Writes prefilled windows (per layer (n, heads, L, hd) keys and values in the env's
-        window layout, newest column last) into `rows` (None: every row), rotated so that the
-        newest column sits at the current slot. Loading every row starts the ring over in the
-        window's own layout (newest column at slot L-1), so what follows a full load does not
-        depend on the steps before it (float rounding included)."""
+        """Writes prefilled windows (keys and values stacked (2, layers, n, heads, L, hd), or per
+        layer [(keys, values)], in the env's window layout, newest column last) into `rows` (None:
+        every row), rotated so that the newest column sits at the current slot: a few tensor ops
+        whatever the number of layers. Loading every row starts the ring over in the window's own
+        layout (newest column at slot L-1), so what follows a full load does not depend on the
+        steps before it (float rounding included)."""
         if rows is None:
             self.slot_host = self.length - 1
             self.slot.fill_(self.slot_host)
         shift = (self.slot_host + 1) % self.length
-        index = slice(None) if rows is None else rows
-        for keys, values, (k, v) in zip(self.keys, self.values, layers):
-            keys[index] = torch.roll(k, shift, 2).to(keys.dtype)
-            values[index] = torch.roll(v, shift, 2).to(values.dtype)
-        self.real[index] = torch.roll(mask.bool(), shift, 1)
+        kv = torch.roll(stack_layers(layers), shift, -2).to(self.dtype)
+        if rows is None:
+            self.kv.copy_(kv)
+            self.real.copy_(torch.roll(mask.bool(), shift, 1))
+        else:
+            self.kv.index_copy_(2, rows, kv)
+            self.real[rows] = torch.roll(mask.bool(), shift, 1)
 
 
 class RingKVCache(WindowKVCache):
@@ -215,8 +250,8 @@ class RingKVCache(WindowKVCache):
         if n_step == n:  # the usual step: static, captured where the engine captures
             return engine.step(ids[:, -1], tail, tail_inputs, key)
         if n_step == 0:
-            hidden, layers = self._prefill(trunk, ids, mask)
-            engine.load_rows(None, layers, mask)
+            hidden, kv = self._prefill(trunk, ids, mask)
+            engine.load_rows(None, kv, mask)
             self.loaded = True
         else:  # every row steps (a row that starts computes a throwaway token), then restarts are written over
             hidden = engine.step(ids[:, -1]).clone()
@@ -224,7 +259,7 @@ class RingKVCache(WindowKVCache):
             h_fill, filled = self._prefill(trunk, ids[fill_rows], mask[fill_rows])
             engine.load_rows(fill_rows, filled, mask[fill_rows])
             hidden[fill_rows] = h_fill.to(hidden.dtype)
-        return hidden if tail is None else tail(hidden, *tail_inputs)
+        return engine.tail(hidden, tail, tail_inputs, key)
 
 
 class HostTransfers:

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+
+from agents.modules.prefill_store import (PREFILL_STORE_BYTES, PrefillStore, stack_layers,  # noqa: F401
+                                          stored_prefills, unstack_layers, window_keys)
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -348,58 +350,18 @@ def cache_from_layers(config, layers) -> DynamicCache:
     return past
 
 
-PREFILL_STORE_BYTES = 64 << 20  # per cache; a window larger than this is never stored (only shared within a call)
-
-
-class PrefillStore:
-    """Prefilled windows by content, least recently used first out, at most `max_bytes` of
-    keys/values: window key -> (hidden at the newest token, [(keys, values)] per layer), each
-    tensor one row's (no batch dimension)."""
-
-    def __init__(self, max_bytes: int = PREFILL_STORE_BYTES):
-        self.max_bytes = max_bytes
-        self.entries: OrderedDict = OrderedDict()
-        self.bytes = 0
-
-    @staticmethod
-    def size(entry) -> int:
-        hidden, layers = entry
-        return hidden.nbytes + sum(k.nbytes + v.nbytes for k, v in layers)
-
-    def get(self, key):
-        entry = self.entries.get(key)
-        if entry is not None:
-            self.entries.move_to_end(key)
-        return entry
-
-    def put(self, key, entry) -> None:
-        size = self.size(entry)
-        if size > self.max_bytes or key in self.entries:
-            return
-        while self.bytes + size > self.max_bytes:
-            self.bytes -= self.size(self.entries.popitem(last=False)[1])
-        self.entries[key] = entry
-        self.bytes += size
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.bytes = 0
-
-
-def prefill_pass(trunk, ids: torch.Tensor, mask: torch.Tensor):
+def prefill_pass(trunk, ids: torch.Tensor, mask: torch.Tensor, stacked: bool = False):
     """(hidden at each row's newest token, [(keys, values)] per layer) of whole windows, in one
     pass that skips the leading columns that are padding in every row (a fresh episode's window
     is mostly left padding: prompt 64 + 48 new tokens prefills 64 columns, not 112). Those
-    columns' keys/values come back as zeros; the attention mask hides them either way."""
+    columns' keys/values come back as zeros; the attention mask hides them either way.
+    `stacked`: the keys/values as one (2, layers, rows, heads, L, hd) tensor (`stack_layers`)."""
     start = first_used_column(mask)
     hidden, layers = lean_forward(trunk, ids[:, start:], mask[:, start:], keys_values=True)
+    if stacked:
+        kv = stack_layers(layers)
+        return hidden[:, -1], F.pad(kv, (0, 0, start, 0)) if start else kv
     return hidden[:, -1], pad_front(layers, start)
-
-
-def window_keys(ids: torch.Tensor, mask: torch.Tensor) -> list[bytes]:
-    """One hashable key per row: its window's tokens and mask."""
-    both = torch.cat([ids, mask], dim=-1).cpu().numpy()
-    return [row.tobytes() for row in both]
 
 
 class WindowKVCache:
@@ -442,8 +404,8 @@ class WindowKVCache:
         if n_step == n:  # the usual step: every row appends one token; the cache object carries on
             return self._step(trunk, self.past, ids, mask)
         if n_step == 0:
-            hidden, layers = self._prefill(trunk, ids, mask)
-            self.past = cache_from_layers(trunk.config, layers)
+            hidden, kv = self._prefill(trunk, ids, mask)
+            self.past = cache_from_layers(trunk.config, unstack_layers(kv))
             return hidden
         # Every row takes the cached step (a row that starts computes a throwaway token on its old
         # cache, as idle rows do), then the rows that start get their prefill written over theirs:
@@ -451,7 +413,7 @@ class WindowKVCache:
         hidden = self._step(trunk, self.past, ids, mask)
         fill_rows = torch.nonzero(~cont)[:, 0]
         h_fill, filled = self._prefill(trunk, ids[fill_rows], mask[fill_rows])
-        for layer, (k, v) in zip(self.past.layers, filled):
+        for layer, (k, v) in zip(self.past.layers, unstack_layers(filled)):
             layer.keys[fill_rows], layer.values[fill_rows] = k.to(layer.keys.dtype), v.to(layer.values.dtype)
         hidden[fill_rows] = h_fill.to(hidden.dtype)
         return hidden
@@ -474,28 +436,16 @@ class WindowKVCache:
         return _transformers_step(trunk, past, ids, mask, self.mask_4d)
 
     def _prefill(self, trunk, ids, mask):
-        """(hidden at each row's newest token, [(keys, values)] per layer) of whole windows. Each
-        distinct window not in the store is computed once (one pass for all of them)."""
+        """(hidden at each row's newest token, keys/values stacked (2, layers, rows, heads, L, hd))
+        of whole windows. Each distinct window not in the store is computed once (one pass for
+        all of them); rows of one stored window share its tensors (an expanded view: read only)."""
         if not self.reuse_prefills:
             self.stats["prefill_computed_rows"] += len(ids)
-            return prefill_pass(trunk, ids, mask)
-        keys = window_keys(ids, mask)
-        entries = {key: self.store.get(key) for key in dict.fromkeys(keys)}
-        todo = [key for key, entry in entries.items() if entry is None]
-        if todo:
-            first = {key: row for row, key in reversed(list(enumerate(keys)))}
-            rows = torch.tensor([first[key] for key in todo], device=ids.device)
-            hidden, computed = prefill_pass(trunk, ids[rows], mask[rows])
-            self.stats["prefill_computed_rows"] += len(todo)
-            if len(todo) == len(keys):  # every row computed, in order: nothing to assemble
-                for j, key in enumerate(todo):
-                    self.store.put(key, (hidden[j].clone(), [(k[j].clone(), v[j].clone()) for k, v in computed]))
-                return hidden, computed
-            for j, key in enumerate(todo):
-                entries[key] = (hidden[j].clone(), [(k[j].clone(), v[j].clone()) for k, v in computed])
-                self.store.put(key, entries[key])
-        rows = [entries[key] for key in keys]
-        hidden = torch.stack([h for h, _ in rows])
-        layers = [(torch.stack([layers[i][0] for _, layers in rows]), torch.stack([layers[i][1] for _, layers in rows]))
-                  for i in range(len(rows[0][1]))]
-        return hidden, layers
+            return prefill_pass(trunk, ids, mask, stacked=True)
+
+        def compute(rows):
+            self.stats["prefill_computed_rows"] += len(rows)
+            rows = torch.tensor(rows, device=ids.device)
+            return prefill_pass(trunk, ids[rows], mask[rows], stacked=True)
+
+        return stored_prefills(self.store, window_keys(ids, mask), compute)
