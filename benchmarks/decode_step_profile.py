@@ -21,26 +21,18 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.rollout_throughput import make_env_runner, sync  # noqa: E402
+from benchmarks.rollout_throughput import engine_module, sync  # noqa: E402
 
 
 def build(args, precision: str, capture: bool):
     from ray.rllib.core.columns import Columns
-    from agents.modules.decode_engine import DecodeEngine
 
     args.precision = precision
-    module = make_env_runner(args, True, "fast").module
+    module, device, obs, key = engine_module(args)
     cache, trunk = module.kv_cache, module.lm.base_model
-    device = next(module.parameters()).device
-    L = args.prompt + args.new
-    ids = torch.full((args.batch, L), module.tokenizer.pad_token_id, device=device)
-    mask = torch.zeros_like(ids)
-    mask[:, L - args.prompt:] = 1
-    key = ("explore", module.values_in_rollouts)
     with torch.no_grad():
         uniform = torch.rand(args.batch, 1, dtype=torch.float64, device=device)
-        out = cache.hidden_at_last_token(trunk, {"input_ids": ids, "attention_mask": mask}, None,
-                                         tail=module._sample, tail_inputs=(uniform,), key=key)
+        out = cache.hidden_at_last_token(trunk, obs, None, tail=module._sample, tail_inputs=(uniform,), key=key)
     engine = cache.engine
     engine.capture = capture
     token = out[Columns.ACTIONS].clone()
@@ -69,9 +61,9 @@ def time_ms(fn, device, n: int = 40) -> float:
     return 1e3 * float(np.median(times))
 
 
-def restart_ops(args) -> None:
-    """Eager ops and milliseconds of the EnvRunner module's rollout step (`hidden_at_last_token`
-    with the draw) when every row continues and when 1 in 8 rows restarts on the prompt."""
+def count_ops(fn) -> int:
+    """How many aten ops `fn()` runs eagerly (each a kernel launch on a GPU; a replayed CUDA graph
+    counts none)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -81,15 +73,17 @@ def restart_ops(args) -> None:
             Count.n += 1
             return func(*args, **(kwargs or {}))
 
+    with Count():
+        fn()
+    return Count.n
+
+
+def restart_ops(args) -> None:
+    """Eager ops and milliseconds of the EnvRunner module's rollout step (`hidden_at_last_token`
+    with the draw) when every row continues and when 1 in 8 rows restarts on the prompt."""
     args.precision = "fp32"
-    module = make_env_runner(args, True, "fast").module
+    module, device, obs, key = engine_module(args)
     cache, trunk = module.kv_cache, module.lm.base_model
-    device = next(module.parameters()).device
-    L = args.prompt + args.new
-    obs = {"input_ids": torch.full((args.batch, L), module.tokenizer.pad_token_id, device=device),
-           "attention_mask": torch.zeros((args.batch, L), dtype=torch.long, device=device)}
-    obs["attention_mask"][:, -args.prompt:] = 1
-    key = ("explore", module.values_in_rollouts)
     uniform = torch.rand(args.batch, 1, dtype=torch.float64, device=device)
     restart = np.ones(args.batch, bool)
     restart[::8] = False
@@ -100,10 +94,8 @@ def restart_ops(args) -> None:
             call = lambda: cache.hidden_at_last_token(trunk, obs, cont, tail=module._sample,  # noqa: E731
                                                       tail_inputs=(uniform,), key=key)
             call()
-            Count.n = 0
-            with Count():
-                call()
-            print(f"rollout step, {label:20s}: {Count.n:4d} eager ops, {time_ms(call, device, n=10):8.3f} ms", flush=True)
+            print(f"rollout step, {label:20s}: {count_ops(call):4d} eager ops, {time_ms(call, device, n=10):8.3f} ms",
+                  flush=True)
 
 
 def main():

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import numpy as np
@@ -134,6 +133,18 @@ def env_runner_path(args, *, kv_cache: bool, runner: str, stored: list, reuse_pr
     return rep
 
 
+def engine_module(args):
+    """The fast EnvRunner's module on --device, and a batch of windows holding the prompt (all pad
+    tokens) as its rollouts start: (module, device, obs, key of its static rollout step)."""
+    module = make_env_runner(args, True, "fast").module
+    device = next(module.parameters()).device
+    L = args.prompt + args.new
+    ids = torch.full((args.batch, L), module.tokenizer.pad_token_id, device=device)
+    mask = torch.zeros_like(ids)
+    mask[:, L - args.prompt:] = 1
+    return module, device, {"input_ids": ids, "attention_mask": mask}, ("explore", module.values_in_rollouts)
+
+
 def engine_path(args, report: dict):
     """One rep of the decode engine alone (agents/modules/decode_engine.py), as the fast EnvRunner's
     module runs it: every row prefilled on the prompt, then --new - 1 static steps, each drawing
@@ -141,14 +152,9 @@ def engine_path(args, report: dict):
     the step's milliseconds and the bytes a step must read."""
     from ray.rllib.core.columns import Columns
 
-    module = make_env_runner(args, True, "fast").module
+    module, device, obs, key = engine_module(args)
     cache, trunk = module.kv_cache, module.lm.base_model
-    device = next(module.parameters()).device
     L = args.prompt + args.new
-    ids = torch.full((args.batch, L), module.tokenizer.pad_token_id, device=device)
-    mask = torch.zeros_like(ids)
-    mask[:, L - args.prompt:] = 1
-    key = ("explore", module.values_in_rollouts)
     weights = {t.data_ptr(): t.nbytes for t in module.state_dict().values()}  # tied weights once
     kv = 2 * trunk.config.n_layer * args.batch * L * trunk.embed_dim * next(trunk.parameters()).element_size()
     report["bytes"] = sum(weights.values()) + kv
@@ -159,8 +165,7 @@ def engine_path(args, report: dict):
         sync(device)
         start = time.perf_counter()
         uniform = torch.rand(args.batch, 1, dtype=torch.float64, device=device)
-        out = cache.hidden_at_last_token(trunk, {"input_ids": ids, "attention_mask": mask}, None,
-                                         tail=module._sample, tail_inputs=(uniform,), key=key)
+        out = cache.hidden_at_last_token(trunk, obs, None, tail=module._sample, tail_inputs=(uniform,), key=key)
         sync(device)
         prefilled = time.perf_counter()
         for _ in range(args.new - 1):

@@ -203,27 +203,13 @@ def test_warm_up_before_capture_leaves_the_ring_as_it_was():
         assert torch.equal(a, b)
 
 
-def _ops(fn) -> int:
-    """How many aten ops `fn()` runs (each one a kernel launch on a GPU)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n
-
-
 @torch.no_grad()
 def test_restarted_rows_are_written_in_as_many_ops_whatever_the_number_of_layers():
     """A step that restarts rows writes their prefills into the ring in a few ops (not two per
     layer), from the stacked keys/values or from per-layer pairs alike."""
     from transformers import GPT2Config, GPT2Model
+
+    from benchmarks.decode_step_profile import count_ops
 
     counts = []
     for n_layer in (2, 6):
@@ -240,7 +226,7 @@ def test_restarted_rows_are_written_in_as_many_ops_whatever_the_number_of_layers
         for e in (stacked, per_layer):
             e.step(torch.full((5,), 3))
         rows = torch.tensor([1, 3])
-        counts.append(_ops(lambda: stacked.load_rows(rows, kv[:, :, rows], mask[rows])))
+        counts.append(count_ops(lambda: stacked.load_rows(rows, kv[:, :, rows], mask[rows])))
         per_layer.load_rows(rows, [(k[rows], v[rows]) for k, v in layers], mask[rows])
         assert torch.equal(stacked.kv, per_layer.kv) and torch.equal(stacked.real, per_layer.real)
         assert stacked.keys[1].data_ptr() == stacked.kv[0, 1].data_ptr()  # the layers' views are the buffer
