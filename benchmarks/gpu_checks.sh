@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # The GPU checks of docs/results/gpu.md in one command, for the GPU machine (../shared/gpu/README.md):
 #   source .gpu/env.sh; benchmarks/gpu_checks.sh [STEP ...]
-# Steps (default: tests rollouts peer weights): tests (the CUDA-only tests and their files),
-# rollouts (rollout_throughput.py at GPT-2-small shape, batch 128), peer (peer_trl.py, 60 s each
-# side), weights (weight_sync.py, colocated and one remote EnvRunner), serve (serve_load.py, one
-# replica on the CPU and one on the GPU). Each step runs under its own time limit and writes its whole
-# output to $OUT/<step>.log (OUT defaults to ./gpu_out), so a step that fails or runs out of time
-# leaves the others' figures. Prints only measured figures; it never passes or fails on a time.
-# PRECISION=bf16 (default fp32): the rollouts' weights (env_runners.precision) in rollouts and peer.
-# Step captured: only the test that the captured CUDA graph step gives the eager step's tokens.
+# Steps (default: tests rollouts peer weights), with their wall time on 2026-11-26 (one H100; the
+# machine's start took about 30 s more):
+#   tests      the CUDA-only tests and their files (79 s)
+#   captured   only the test that the captured CUDA graph step gives the eager step's tokens
+#   rollouts   rollout_throughput.py at GPT-2-small shape, batch 128, --reps ${REPS:-3} (97 s)
+#   peer       peer_trl.py on cuda, 60 s each side (150-156 s)
+#   weights    weight_sync.py, colocated and one remote EnvRunner (32 + 44 s)
+#   profile    decode_step_profile.py: the step by precision, its kernels, a restart step's ops (98 s)
+#   serve      serve_load.py, one replica on the CPU and one on the GPU (not yet run)
+# rollouts_bf16 and peer_bf16: the same with the rollouts' weights in bf16 (env_runners.precision).
+# Each step runs under its own time limit and writes its whole output to $OUT/<step>.log (OUT
+# defaults to ./gpu_out), so a step that fails or runs out of time leaves the others' figures.
+# Prints only measured figures; it never passes or fails on a time.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 PY=${PY:-python3}
-PRECISION=${PRECISION:-fp32}
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(tests rollouts peer weights)
 
@@ -37,13 +41,16 @@ for step in "${steps[@]}"; do
   case $step in
     tests) run tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_decode_engine.py tests/test_weight_sync.py \
              "tests/test_serve_batching.py::test_a_replica_on_a_gpu_writes_what_the_cpu_replica_writes" ;;
-    rollouts) run rollouts 200 $PY benchmarks/rollout_throughput.py --device cuda --batch 128 \
-             --model gpt2-small-shaped --vocab 50257 --reps ${REPS:-3} --precision "$PRECISION" ;;
-    peer) run peer 260 $PY benchmarks/peer_trl.py --device cuda --model gpt2-small-shaped --seconds 60 \
-             --trl-lr 1e-4 --trl-steps-per-generation 2 --plot "$OUT/peer_trl.png" \
+    rollouts|rollouts_bf16) precision=$([ "$step" = rollouts ] && echo fp32 || echo bf16)
+             run "$step" 200 $PY benchmarks/rollout_throughput.py --device cuda --batch 128 \
+             --model gpt2-small-shaped --vocab 50257 --reps "${REPS:-3}" --precision "$precision" ;;
+    peer|peer_bf16) precision=$([ "$step" = peer ] && echo fp32 || echo bf16)
+             run "$step" 260 $PY benchmarks/peer_trl.py --device cuda --model gpt2-small-shaped --seconds 60 \
+             --trl-lr 1e-4 --trl-steps-per-generation 2 --plot "$OUT/$step.png" \
              --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
              --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
-             --set training.lr=1e-4 --set env_runners.precision="$PRECISION" ;;
+             --set training.lr=1e-4 --set env_runners.precision="$precision" ;;
+    profile) run profile 170 $PY benchmarks/decode_step_profile.py ;;
     captured) run captured 60 $PY -m pytest -q -p no:cacheprovider \
              tests/test_decode_engine.py::test_captured_cuda_graph_step_gives_the_eager_steps_tokens ;;
     weights) run weights_colocated 90 $PY benchmarks/weight_sync.py --device cuda --reps 5
@@ -52,6 +59,7 @@ for step in "${steps[@]}"; do
              --requests 200 --stream off
            run serve_gpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
              --requests 200 --stream off --serve-args "--num-gpus 1" ;;
-    *) echo "unknown step: $step (tests captured rollouts peer weights serve)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (tests captured rollouts rollouts_bf16 peer peer_bf16 weights profile serve)" >&2
+       exit 2 ;;
   esac
 done
