@@ -36,7 +36,7 @@ rollouts then run on the learner's GPU (agents/weight_sync.py)) apply to both si
       * AdamW at --trl-lr with a constant schedule (no warm-up, no decay: the run is stopped on a
         wall-clock budget, so a schedule over max_steps would be arbitrary), max_grad_norm=1.0,
         fp32 (--trl-precision; TRL defaults to bf16 mixed precision, which on an H100 at GPT-2-small
-        shape made it slower: 8,898 against 10,664 tok/s, docs/results/gpu.md), gradient_checkpointing=False
+        shape made it slower: 8,898 against 10,664 tok/s in two runs, docs/results/gpu.md), gradient_checkpointing=False
         (TRL defaults to True),
         use_cpu=True unless --device cuda, report_to="none", save_strategy="no", no dropout (the project
         model has none);

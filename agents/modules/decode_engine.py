@@ -96,15 +96,18 @@ class DecodeEngine:
             self.slot_host = (self.slot_host + 1) % self.length
             hidden = self.step_hidden(token)
             return hidden if tail is None else tail(hidden, *tail_inputs)
-        graph = self.graphs.get(key if tail is not None else None)
+        name = key if tail is not None else None
+        graph = self.graphs.get(name)
         if graph is None:
-            graph = self.graphs[key if tail is not None else None] = self._capture(token, tail, tail_inputs)
-        cuda_graph, static_inputs, out = graph
-        for static, given in zip(static_inputs, (token, *tail_inputs)):
-            static.copy_(given)
+            static_inputs = [token.clone(), *(t.clone() for t in tail_inputs)]
+
+            def run():
+                hidden = self.step_hidden(static_inputs[0])
+                return hidden if tail is None else tail(hidden, *static_inputs[1:])
+
+            graph = self.graphs[name] = self._capture(static_inputs, run)
         self.slot_host = (self.slot_host + 1) % self.length
-        cuda_graph.replay()
-        return out
+        return self._replay(graph, (token, *tail_inputs))
 
     def tail(self, hidden: torch.Tensor, tail=None, tail_inputs: tuple = (), key=None):
         """`tail(hidden, *tail_inputs)` apart from a step: for a step whose restarted rows' hidden
@@ -116,45 +119,34 @@ class DecodeEngine:
             return tail(hidden, *tail_inputs)
         graph = self.graphs.get(("tail", key))
         if graph is None:
-            static_inputs = [torch.empty((self.rows,) + tuple(hidden.shape[1:]), dtype=hidden.dtype,
-                                         device=self.device).copy_(hidden), *(t.clone() for t in tail_inputs)]
-            run = lambda: tail(*static_inputs)  # noqa: E731
-            stream = torch.cuda.Stream(self.device)  # warm-up on a side stream, as capture wants
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    run()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            cuda_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cuda_graph):
-                out = run()
-            graph = self.graphs[("tail", key)] = (cuda_graph, static_inputs, out)
-        cuda_graph, static_inputs, out = graph
-        for static, given in zip(static_inputs, (hidden, *tail_inputs)):
-            static.copy_(given)
-        cuda_graph.replay()
-        return out
+            static_inputs = [hidden.clone(), *(t.clone() for t in tail_inputs)]
+            graph = self.graphs[("tail", key)] = self._capture(static_inputs, lambda: tail(*static_inputs))
+        return self._replay(graph, (hidden, *tail_inputs))
 
-    def _capture(self, token, tail, tail_inputs):
-        """A CUDA graph of one step (after warm-up steps whose effects on the ring are undone)."""
-        static_inputs = [token.clone(), *(t.clone() for t in tail_inputs)]
-
-        def run():
-            hidden = self.step_hidden(static_inputs[0])
-            return hidden if tail is None else tail(hidden, *static_inputs[1:])
-
+    def _capture(self, static_inputs: list, run):
+        """A CUDA graph of `run` (a function of `static_inputs`), captured after warm-up runs whose
+        effects on the ring are undone: (graph, static inputs, static output)."""
         self._warm_up(run)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = run()
         return graph, static_inputs, out
 
+    @staticmethod
+    def _replay(graph, given: tuple):
+        """Copies `given` into a captured graph's static inputs, replays it, returns its output."""
+        cuda_graph, static_inputs, out = graph
+        for static, value in zip(static_inputs, given):
+            static.copy_(value)
+        cuda_graph.replay()
+        return out
+
     def _warm_up(self, run, times: int = 2) -> None:
-        """Runs the step `times` (on CUDA on a side stream, as capture wants: kernels picked and
+        """Runs `run` `times` (on CUDA on a side stream, as capture wants: kernels picked and
         workspaces allocated outside the graph), then puts the ring back as it was: the slot, the
         real columns and the keys/values at the slots the warm-up steps wrote."""
         touched = (self.slot + torch.arange(1, times + 1, device=self.device)) % self.length
-        saved = [(k.index_select(2, touched), v.index_select(2, touched)) for k, v in zip(self.keys, self.values)]
+        saved = self.kv.index_select(4, touched)
         saved_slot, saved_real = self.slot.clone(), self.real.clone()
         if self.device.type == "cuda":
             stream = torch.cuda.Stream(self.device)
@@ -168,9 +160,7 @@ class DecodeEngine:
                 run()
         self.slot.copy_(saved_slot)
         self.real.copy_(saved_real)
-        for (k, v), (k0, v0) in zip(zip(self.keys, self.values), saved):
-            k.index_copy_(2, touched, k0)
-            v.index_copy_(2, touched, v0)
+        self.kv.index_copy_(4, touched, saved)
 
     # -- prefills (eager) -----------------------------------------------------------------
 
