@@ -67,33 +67,15 @@ import numpy as np
 import torch
 
 from ray.rllib.callbacks.utils import make_callback
-from ray.rllib.core import COMPONENT_RL_MODULE, DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
+from ray.rllib.core import COMPONENT_RL_MODULE
 from ray.rllib.core.columns import Columns
 from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
-from ray.rllib.env.single_agent_episode import SingleAgentEpisode
-from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
 from ray.rllib.utils import force_list
-from ray.rllib.utils.metrics import (
-    EPISODE_DURATION_SEC_MEAN,
-    EPISODE_LEN_MAX,
-    EPISODE_LEN_MEAN,
-    EPISODE_LEN_MIN,
-    EPISODE_RETURN_MAX,
-    EPISODE_RETURN_MEAN,
-    EPISODE_RETURN_MIN,
-    NUM_AGENT_STEPS_SAMPLED,
-    NUM_AGENT_STEPS_SAMPLED_LIFETIME,
-    NUM_ENV_STEPS_SAMPLED,
-    NUM_ENV_STEPS_SAMPLED_LIFETIME,
-    NUM_EPISODES,
-    NUM_EPISODES_LIFETIME,
-    NUM_MODULE_STEPS_SAMPLED,
-    NUM_MODULE_STEPS_SAMPLED_LIFETIME,
-    SAMPLE_TIMER,
-)
+from ray.rllib.utils.metrics import SAMPLE_TIMER
 
 from agents.core import ROLLOUT_STATE, ROW_CONTINUES, global_rng_state, set_global_rng_state, state_requested
 from agents.modules.decode_engine import HostTransfers
+from agents.runner_episodes import EpisodeBuilder, EpisodeMetrics, log_sampled
 from agents.rollout_state import (_module_rollout_states, _seed_module_rollouts, _set_module_rollout_states,
                                   env_state, rollout_seed, sampling_state, set_env_state, set_sampling_state)
 from agents.weight_sync import COLOCATED
@@ -213,6 +195,8 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         self._seen_windows: set[bytes] = set()
         self._restarts_free = False
         self._host = HostTransfers()
+        self._episode_metrics = EpisodeMetrics()
+        self._episode_builder = None  # made at the first finished episode (its extra output keys)
 
     def _note_windows(self, obs: dict, rows: np.ndarray) -> None:
         # A cache told not to reuse prefills (`reuse_prefills = False`, as if every prompt
@@ -274,6 +258,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
             num_timesteps = math.ceil(self.config.total_train_batch_size / max(1, self.config.num_env_runners))
         with self.metrics.log_time(SAMPLE_TIMER):
             episodes, steps = self._sample_episodes(num_timesteps, num_episodes, explore, random_actions)
+            self._episode_metrics.flush(self)
             make_callback("on_sample_end", callbacks_objects=self._episode_callbacks,
                           callbacks_functions=self.config.callbacks_on_sample_end,
                           kwargs=dict(env_runner=self, metrics_logger=self.metrics, samples=episodes))
@@ -373,50 +358,19 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         obs = {k: np.concatenate([b[s:n, i], st.obs[k][i][None]]) for k, b in st.obs_buf.items()}
         actions = st.act_buf[s:n, i].astype(np.int64)  # copies: the buffers are written again
         rewards = st.rew_buf[s:n, i].astype(np.float64)
-        extras = {k: InfiniteLookbackBuffer(data=b[s:n, i].copy(), lookback=0) for k, b in st.extra_buf.items()}
-        episode = SingleAgentEpisode(
-            observations=InfiniteLookbackBuffer(data=obs, lookback=0, space=self.env.single_observation_space),
-            infos=[st.reset_infos[i]] + [{} for _ in range(T - 1)] + [final_info],
-            actions=InfiniteLookbackBuffer(data=actions, lookback=0, space=self.env.single_action_space),
-            rewards=InfiniteLookbackBuffer(data=rewards, lookback=0),
-            extra_model_outputs=extras, terminated=True, len_lookback_buffer=0,
-            observation_space=self.env.single_observation_space, action_space=self.env.single_action_space)
+        extras = {k: b[s:n, i].copy() for k, b in st.extra_buf.items()}
+        if self._episode_builder is None or set(self._episode_builder.extra_keys) != set(extras):
+            self._episode_builder = EpisodeBuilder(self.env.single_observation_space, self.env.single_action_space,
+                                                   tuple(extras))
+        episode = self._episode_builder.build(obs, [st.reset_infos[i]] + [{} for _ in range(T - 1)] + [final_info],
+                                              actions, rewards, extras)
         make_callback("on_episode_end", callbacks_objects=self._episode_callbacks,
                       callbacks_functions=self.config.callbacks_on_episode_end,
                       kwargs=dict(episode=episode, env_runner=self, metrics_logger=self.metrics,
                                   env=self.env.unwrapped, rl_module=self.module, env_index=int(i),
                                   prev_episode_chunks=[]))
-        log_episode(self, T, float(rewards.sum()), time.perf_counter() - st.start_time[i])
+        self._episode_metrics.add(T, float(rewards.sum()), time.perf_counter() - st.start_time[i])
         return episode
-
-
-def log_episode(runner, length: int, ret: float, seconds: float) -> None:
-    """The episode metrics RLlib's EnvRunners report (same keys and windows)."""
-    win = max(1, math.ceil(runner.config.metrics_num_episodes_for_smoothing / (runner.config.num_env_runners or 1)))
-    log = runner.metrics.log_value
-    log(EPISODE_LEN_MEAN, length, window=win)
-    log(EPISODE_RETURN_MEAN, ret, window=win)
-    log(EPISODE_DURATION_SEC_MEAN, seconds, window=win)
-    log(("agent_episode_return_mean", DEFAULT_AGENT_ID), ret, window=win)
-    log(("module_episode_return_mean", DEFAULT_MODULE_ID), ret, window=win)
-    log(EPISODE_LEN_MIN, length, reduce="min", window=win)
-    log(EPISODE_RETURN_MIN, ret, reduce="min", window=win)
-    log(EPISODE_LEN_MAX, length, reduce="max", window=win)
-    log(EPISODE_RETURN_MAX, ret, reduce="max", window=win)
-
-
-def log_sampled(runner, steps: int, episodes: list) -> None:
-    """The sampling counters RLlib's EnvRunners report (same keys and reductions)."""
-    runner.num_env_steps_sampled_lifetime += steps
-    log = runner.metrics.log_value
-    log(NUM_ENV_STEPS_SAMPLED, steps, reduce="sum")
-    log((NUM_AGENT_STEPS_SAMPLED, DEFAULT_AGENT_ID), steps, reduce="sum")
-    log((NUM_MODULE_STEPS_SAMPLED, DEFAULT_MODULE_ID), steps, reduce="sum")
-    log(NUM_EPISODES, len(episodes), reduce="sum")
-    log(NUM_ENV_STEPS_SAMPLED_LIFETIME, steps, reduce="lifetime_sum", with_throughput=True)
-    log((NUM_AGENT_STEPS_SAMPLED_LIFETIME, DEFAULT_AGENT_ID), steps, reduce="lifetime_sum")
-    log((NUM_MODULE_STEPS_SAMPLED_LIFETIME, DEFAULT_MODULE_ID), steps, reduce="lifetime_sum")
-    log(NUM_EPISODES_LIFETIME, len(episodes), reduce="lifetime_sum")
 
 
 def _put(buf, n: int, row: np.ndarray) -> np.ndarray:

@@ -10,6 +10,8 @@
 #   weights    weight_sync.py, colocated and one remote EnvRunner (32 + 44 s)
 #   profile    decode_step_profile.py: the step by precision, its kernels, a restart step's ops (98 s)
 #   serve      serve_load.py, one replica on the CPU and one on the GPU (not yet run)
+#   ppo_profile  ppo_profile.py: a colocated PPO iteration's time by phase, host clock, synced and
+#              under torch.profiler (not yet run; about 1 minute on 2 CPU cores with the tiny model)
 # rollouts_bf16 and peer_bf16: the same with the rollouts' weights in bf16 (env_runners.precision).
 # Each step runs under its own time limit and writes its whole output to $OUT/<step>.log (OUT
 # defaults to ./gpu_out), so a step that fails or runs out of time leaves the others' figures.
@@ -51,6 +53,8 @@ for step in "${steps[@]}"; do
              --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
              --set training.lr=1e-4 --set env_runners.precision="$precision" ;;
     profile) run profile 170 $PY benchmarks/decode_step_profile.py ;;
+    ppo_profile) run ppo_profile 240 $PY benchmarks/ppo_profile.py --device cuda --model gpt2-small-shaped \
+             --iters 6 --trace "$OUT/ppo_trace.json" ;;
     captured) run captured 60 $PY -m pytest -q -p no:cacheprovider \
              tests/test_decode_engine.py::test_captured_cuda_graph_step_gives_the_eager_steps_tokens ;;
     weights) run weights_colocated 90 $PY benchmarks/weight_sync.py --device cuda --reps 5
@@ -59,7 +63,7 @@ for step in "${steps[@]}"; do
              --requests 200 --stream off
            run serve_gpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
              --requests 200 --stream off --serve-args "--num-gpus 1" ;;
-    *) echo "unknown step: $step (tests captured rollouts rollouts_bf16 peer peer_bf16 weights profile serve)" >&2
+    *) echo "unknown step: $step (tests captured rollouts rollouts_bf16 peer peer_bf16 weights profile ppo_profile serve)" >&2
        exit 2 ;;
   esac
 done

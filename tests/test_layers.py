@@ -17,7 +17,7 @@ LAYERS = [
               "agents.modules.prefill_store"]),
     ("modules", ["agents.modules", "agents.guides"]),
     ("algorithms", ["agents.algorithms", "agents.weight_sync"]),
-    ("runner/config", ["agents.env_runner", "agents.rollout_state", "agents.config", "agents.schema",
+    ("runner/config", ["agents.env_runner", "agents.runner_episodes", "agents.rollout_state", "agents.config", "agents.schema",
                        "agents.pbt"]),
     ("tools", ["agents.cli", "agents.train", "agents.workarounds", "agents.evaluate", "agents.generate",
                "agents.serve", "agents.export", "agents.pretrain", "agents.demo", "agents.reaper"]),

@@ -65,3 +65,27 @@ def test_a_short_project_run_splits_its_time_into_the_phases_it_ran():
     assert ph["generation"] > 0 and ph["training passes"] > 0 and ph["reference pass"] > 0  # kl_coef > 0
     assert ph["everything else"] > 0
     assert res["restored"]  # the run's patches are undone
+
+
+def test_ppo_profile_phases_split_nested_time_into_own_time():
+    """benchmarks/ppo_profile.py: a phase's own time is its time outside the phases nested in it,
+    a phase calling itself counts once, and the tree's rows add up."""
+    from benchmarks.ppo_profile import Phases
+
+    class Loop:
+        def sample(self):
+            time.sleep(0.01)
+            return self.act() + self.act()
+
+        def act(self, again=True):
+            time.sleep(0.005)
+            return self.act(False) if again else 1
+
+    phases, loop = Phases(), Loop()
+    phases.wrap(Loop, "sample", "sample")
+    phases.wrap(Loop, "act", "act")
+    assert loop.sample() == 2
+    assert phases.calls["sample"] == 1 and phases.calls["act"] == 2  # the act inside act counts once
+    assert phases.total["act"] >= 0.02 and phases.own["act"] == phases.total["act"]
+    assert abs(phases.own["sample"] - (phases.total["sample"] - phases.total["act"])) < 1e-9
+    assert 0.01 <= phases.own["sample"] < phases.total["sample"]

@@ -3,6 +3,7 @@ fails here, loudly, instead of silently changing behaviour (each test names the 
 workarounds of Ray Tune's, Ray's and W&B's internals are all in agents/workarounds.py."""
 import inspect
 
+import numpy as np
 import torch
 
 from ray import tune
@@ -294,3 +295,88 @@ def test_tune_storage_sync_up_command_replaced_for_local_storage_paths():
     fn, kwargs = syncer._sync_up_command("/staging/run", "/storage/run", exclude=["*.tmp"])
     assert fn is upload_whole_files and kwargs == {"local_path": "/staging/run", "fs_path": "/storage/run",
                                                   "exclude": ["*.tmp"]}
+
+
+def _episode_data(rng, T: int, L: int = 6):
+    obs = {"input_ids": rng.integers(0, 9, (T + 1, L)), "attention_mask": rng.integers(0, 2, (T + 1, L))}
+    infos = [{"prompt": "p"}] + [{} for _ in range(T - 1)] + [{"generation": "g", "num_generated": T}]
+    extras = {"action_logp": rng.standard_normal(T).astype(np.float32),
+              "vf_preds": rng.standard_normal(T).astype(np.float32)}
+    return obs, infos, rng.integers(0, 9, T), rng.standard_normal(T), extras
+
+
+def test_episodes_built_from_a_template_equal_rllibs_constructor():
+    # agents/runner_episodes.py EpisodeBuilder.build copies a constructor-built template episode
+    # (SingleAgentEpisode.__slots__, InfiniteLookbackBuffer's attributes) and sets the per-episode
+    # fields: an RLlib release that adds or derives a field differently fails here.
+    import gymnasium as gym
+
+    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+    from agents.runner_episodes import EpisodeBuilder
+
+    space = gym.spaces.Dict({"input_ids": gym.spaces.Box(0, 9, (6,), np.int64),
+                             "attention_mask": gym.spaces.Box(0, 1, (6,), np.int64)})
+    builder = EpisodeBuilder(space, gym.spaces.Discrete(9), ("action_logp", "vf_preds"))
+    rng = np.random.default_rng(0)
+    for T in (1, 4, 9):
+        data = _episode_data(rng, T)
+        ref, got = builder.construct(*data), builder.build(*data)
+        got.validate()
+        assert len(got) == T and got.is_done and got.get_return() == ref.get_return()
+        ref_state, got_state = ref.get_state(), got.get_state()
+        assert ref_state.pop("id_") != got_state.pop("id_")
+        assert set(ref_state) == set(got_state)
+        for key in ref_state:
+            assert_same(ref_state[key], got_state[key], key)
+        for name in SingleAgentEpisode.__slots__:  # every field, the private ones too
+            if name != "id_":
+                assert_same(_fields_of(getattr(ref, name)), _fields_of(getattr(got, name)), name)
+    again = builder.build(*data)
+    again.custom_data["x"] = 1  # each episode's own custom data
+    assert "x" not in got.custom_data and "x" not in builder.template.custom_data
+
+
+def _fields_of(value):
+    from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
+
+    if isinstance(value, InfiniteLookbackBuffer):
+        return {k: v for k, v in vars(value).items()}
+    if isinstance(value, dict):
+        return {k: _fields_of(v) for k, v in value.items()}
+    return value
+
+
+def assert_same(a, b, where):
+    import tree
+
+    flat_a, flat_b = tree.flatten_with_path(a), tree.flatten_with_path(b)
+    assert [p for p, _ in flat_a] == [p for p, _ in flat_b], where
+    for (path, x), (_, y) in zip(flat_a, flat_b):
+        assert type(x) is type(y) and np.array_equal(np.asarray(x, dtype=object), np.asarray(y, dtype=object)), \
+            (where, path, x, y)
+
+
+def test_episode_metrics_pushed_into_stats_equal_one_log_value_per_episode():
+    # agents/runner_episodes.py EpisodeMetrics.flush logs a call's episodes by pushing into the
+    # Stats objects MetricsLogger.log_value creates (found under MetricsLogger.stats).
+    from types import SimpleNamespace
+
+    from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+
+    from agents.runner_episodes import EPISODE_KEYS, EpisodeMetrics
+
+    rng = np.random.default_rng(1)
+    calls = [[(int(rng.integers(1, 20)), float(rng.standard_normal()), float(rng.random())) for _ in range(n)]
+             for n in (3, 0, 250, 7)]
+    ref, got = MetricsLogger(root=False), MetricsLogger(root=False)  # an EnvRunner's
+    config = SimpleNamespace(metrics_num_episodes_for_smoothing=100, num_env_runners=0)
+    runner, gathered = SimpleNamespace(metrics=got, config=config), EpisodeMetrics()
+    for episodes in calls:
+        for episode in episodes:
+            for key, reduce, index in EPISODE_KEYS:
+                ref.log_value(key, episode[index], reduce=reduce, window=100)
+            gathered.add(*episode)
+        gathered.flush(runner)
+        if episodes:
+            assert ref.reduce(compile=True) == got.reduce(compile=True)
