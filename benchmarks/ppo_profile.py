@@ -163,6 +163,24 @@ def profile_table(prof, cuda: bool) -> None:
                   + f" {device_us[phase] / 1e3:10.2f}")
 
 
+def rollout_path(algo) -> str:
+    """Which decode path the EnvRunner's module took: the cache's class, the engine (captured or
+    eager, its graphs) and the cache's row counts (rows stepped, prefilled, prefills computed)."""
+    module = algo.env_runner_group.local_env_runner.module
+    cache = getattr(module, "kv_cache", None)
+    if cache is None:
+        return "no KV cache (every step recomputes the window)"
+    engine = getattr(cache, "engine", None)
+    where = next(module.parameters())
+    desc = f"{type(cache).__name__} on {where.device} ({where.dtype})"
+    if engine is None:
+        desc += ", no decode engine (the window cache's eager step)"
+    else:
+        desc += (f", decode engine {engine.rows} rows x {engine.length} columns, "
+                 f"{'captured: ' + str(len(engine.graphs)) + ' graph(s)' if engine.capture else 'eager'}")
+    return desc + f"; rows so far: {cache.stats}"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="tune_configs/quickstart.yaml")
@@ -200,6 +218,7 @@ def main():
         wall = time.perf_counter() - t0
         report("host clock", phases, args.iters, tokens)
         print(f"  {tokens / wall:,.0f} sampled tokens/s including learning")
+        print(f"  rollout path: {rollout_path(algo)}", flush=True)
         if cuda:
             phases.reset()
             phases.sync = torch.cuda.synchronize
