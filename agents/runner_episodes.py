@@ -40,21 +40,30 @@ from ray.rllib.utils.metrics import (
 )
 
 
-def _fields(obj) -> tuple:
-    """The names an object's state is stored under: its class's `__slots__` (RLlib's episodes
-    declare them), or its `__dict__`'s keys."""
-    slots = getattr(type(obj), "__slots__", None)
-    return tuple(slots) if slots is not None else tuple(vars(obj))
+class _Copier:
+    """New objects of a template's class with the template's attributes (mutable containers copied,
+    so no two objects share one): its class's `__slots__` (RLlib's episodes declare them), else
+    its `__dict__`."""
 
+    def __init__(self, template):
+        self.cls = type(template)
+        slots = getattr(self.cls, "__slots__", None)
+        names = tuple(slots) if slots is not None else tuple(vars(template))
+        values = [(name, getattr(template, name)) for name in names]
+        self.plain = [(n, v) for n, v in values if not isinstance(v, (dict, list))]
+        self.containers = [(n, v) for n, v in values if isinstance(v, (dict, list))]
+        self.slots = slots is not None
 
-def _shallow_copy(template, fields: tuple):
-    """A new object of the template's class with the template's attributes (mutable containers
-    copied, so no two objects share one)."""
-    obj = object.__new__(type(template))
-    for name in fields:
-        value = getattr(template, name)
-        setattr(obj, name, value.copy() if isinstance(value, (dict, list)) else value)
-    return obj
+    def __call__(self):
+        obj = object.__new__(self.cls)
+        if self.slots:
+            for name, value in self.plain:
+                setattr(obj, name, value)
+        else:
+            obj.__dict__.update(self.plain)
+        for name, value in self.containers:
+            setattr(obj, name, value.copy())
+        return obj
 
 
 class EpisodeBuilder:
@@ -67,10 +76,9 @@ class EpisodeBuilder:
             {k: np.asarray(v)[None].repeat(2, 0) for k, v in obs.items()}, [{}, {}],
             np.zeros(1, dtype=np.int64), np.zeros(1), {k: np.zeros(1, dtype=np.float32) for k in extra_keys})
         t = self.template
-        self.buffers = {"observations": t.observations, "infos": t.infos, "actions": t.actions,
-                        "rewards": t.rewards}
-        self.extra_template = InfiniteLookbackBuffer(data=np.zeros(1, dtype=np.float32), lookback=0)
-        self.episode_fields, self.buffer_fields = _fields(t), _fields(t.rewards)
+        self.new_episode = _Copier(t)
+        self.new_buffer = {name: _Copier(getattr(t, name)) for name in ("observations", "infos", "actions", "rewards")}
+        self.new_extra = _Copier(InfiniteLookbackBuffer(data=np.zeros(1, dtype=np.float32), lookback=0))
 
     def construct(self, obs: dict, infos: list, actions, rewards, extras: dict) -> SingleAgentEpisode:
         """The episode through RLlib's constructor (the reference `build` is equal to)."""
@@ -82,18 +90,19 @@ class EpisodeBuilder:
             terminated=True, len_lookback_buffer=0,
             observation_space=self.observation_space, action_space=self.action_space)
 
-    def _buffer(self, template, data):
-        buf = _shallow_copy(template, self.buffer_fields)
+    @staticmethod
+    def _buffer(new, data):
+        buf = new()
         buf.data = data
         return buf
 
     def build(self, obs: dict, infos: list, actions, rewards, extras: dict) -> SingleAgentEpisode:
         """`construct`'s episode: T = len(actions) steps, T + 1 observations and infos."""
-        episode = _shallow_copy(self.template, self.episode_fields)
+        episode = self.new_episode()
         episode.id_ = uuid.uuid4().hex
         for name, data in (("observations", obs), ("infos", infos), ("actions", actions), ("rewards", rewards)):
-            setattr(episode, name, self._buffer(self.buffers[name], data))
-        episode.extra_model_outputs = {k: self._buffer(self.extra_template, v) for k, v in extras.items()}
+            setattr(episode, name, self._buffer(self.new_buffer[name], data))
+        episode.extra_model_outputs = {k: self._buffer(self.new_extra, v) for k, v in extras.items()}
         episode.t = len(rewards)
         return episode
 
