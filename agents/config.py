@@ -157,7 +157,7 @@ def algorithm_config(cfg: dict):
     from ray.tune.registry import register_env
 
     from agents.algorithms.base import module_seed
-    from agents.env_runner import CARRY_EPISODES, TOKEN_ENV, FastTokenEnvRunner, StockTokenEnvRunner, make_token_env
+    from agents.env_runner import CARRY_EPISODES, DECODE_BLOCK, TOKEN_ENV, FastTokenEnvRunner, StockTokenEnvRunner, make_token_env
     from agents.weight_sync import COLOCATED
 
     cfg = with_absolute_paths(cfg)
@@ -176,7 +176,8 @@ def algorithm_config(cfg: dict):
     register_env(TOKEN_ENV, make_token_env)  # RLlib builds one row, or the vector env through its entry point
     fast = env_runner_kind(cfg) == "fast"
     if fast:  # the vector env, built through RLlib's vector entry point; the runner resets its rows
-        runner_env_cfg = {**runner_env_cfg, "autoreset_mode": "Disabled", CARRY_EPISODES: er["carry_episodes"]}
+        runner_env_cfg = {**runner_env_cfg, "autoreset_mode": "Disabled", CARRY_EPISODES: er["carry_episodes"],
+                          DECODE_BLOCK: er["decode_block"]}
     runner_env_cfg = {**runner_env_cfg, COLOCATED: er["colocated"]}
     config = (
         spec.config_class()()

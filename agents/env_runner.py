@@ -15,7 +15,10 @@ module call and one batched env step:
     module's cache holds their prefill (`agents.modules.kv_cache`), a restart
     costs no pass, and finished rows restart at once;
   * an RLlib `SingleAgentEpisode` is built once per finished episode, from
-    arrays, in the format RLlib's learner connectors consume.
+    arrays, in the format RLlib's learner connectors consume;
+  * with `env_runners.decode_block` k > 1 an exploring module runs k steps per
+    call (`act_steps`: each row appends the token it drew, on the module's
+    device) and the env then steps through them: one host round trip per k tokens.
 
 A training call (`sample()` with no arguments, or `num_timesteps`) samples
 at least the EnvRunner's share of the train batch (`train_batch_size /
@@ -85,6 +88,7 @@ from env.vector_env import TokenGenerationVectorEnv, row_info
 SEED_STRIDE = 1_000_003  # far apart from the per-sub-env (+i) and per-EnvRunner (+index) offsets
 TOKEN_ENV = "token_generation"  # the name `make_token_env` is registered under (ray.tune.register_env)
 CARRY_EPISODES = "carry_episodes"  # env_config key: env_runners.carry_episodes (FastTokenEnvRunner)
+DECODE_BLOCK = "decode_block"  # env_config key: env_runners.decode_block (FastTokenEnvRunner)
 SEEN_WINDOWS_MAX = 100_000  # windows remembered per weight version (for the restart schedule only)
 
 
@@ -170,7 +174,8 @@ def make_token_env(config):
     row_cls = TokenGenerationEnv
     if "repeat_prompt" in cfg:
         row_cls = RepeatedPromptEnv
-    cfg.pop(CARRY_EPISODES, None)  # the fast EnvRunner's setting, not the env's
+    cfg.pop(CARRY_EPISODES, None)  # the fast EnvRunner's settings, not the env's
+    cfg.pop(DECODE_BLOCK, None)
     cfg.pop(COLOCATED, None)  # the algorithm's (agents.weight_sync)
     if "num_envs" in cfg:
         return TokenGenerationVectorEnv(cfg, row_env_cls=row_cls)
@@ -185,6 +190,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         self._env_seeded = False
         self._rollout = None  # unfinished episodes carried from one sample() call to the next
         self._carry = bool(self.config.env_config.get(CARRY_EPISODES, True))
+        self._block = int(self.config.env_config.get(DECODE_BLOCK, 1))
         # Windows rows started on since the last weight sync, and whether the last rows that
         # started all began on one of them: a module whose cache keeps prefills by window
         # (agents.modules.kv_cache) then restarts them with no pass, so finished rows restart at
@@ -317,40 +323,44 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         # iteration (about 1.5x the configured train batch on average, 2x at worst).
         while ((steps < num_timesteps or st.active.any()) if draining
                else (min(returned, steps) < num_timesteps) if by_steps else st.active.any()):
-            obs = st.obs
-            if random_actions or module is None:
-                out = {Columns.ACTIONS: torch.randint(0, env.vocab_size, (B,)),
-                       Columns.ACTION_LOGP: torch.full((B,), -math.log(env.vocab_size))}
-            else:
-                if not st.ever_started.all():  # rows that never started run along on a one-token window
-                    obs = {**obs, "attention_mask": obs["attention_mask"].copy()}
-                    obs["attention_mask"][~st.ever_started, -1] = 1
-                # ROW_CONTINUES stays on the CPU: the caches branch on it with no device sync
-                batch = {Columns.OBS: {k: self._host.to_device(k, v, device) for k, v in obs.items()},
-                         ROW_CONTINUES: torch.from_numpy(st.cont.copy())}
-                if explore:
-                    out = module.act(batch, t=t_global + steps)
-                else:
-                    logits = module.act(batch, explore=False)[Columns.ACTION_DIST_INPUTS]
-                    actions = logits.argmax(-1)
-                    out = {Columns.ACTIONS: actions,
-                           Columns.ACTION_LOGP: torch.log_softmax(logits.float(), -1).gather(-1, actions[:, None])[:, 0]}
-            out = self._host.to_host({k: v for k, v in out.items() if k != Columns.ACTION_DIST_INPUTS})
-            actions = out.pop(Columns.ACTIONS)
-            before = st.obs
-            st.obs, rewards, terminated, _, infos = env.step(actions)
-            st.record(before, actions, rewards, out)
-            steps += int(st.active.sum())
-            for i in np.flatnonzero(terminated & st.active):
-                episode = self._episode(i, int(st.row_start[i]), st, row_info(infos, i))
-                episodes.append(episode)
-                returned += len(episode)
-                st.active[i] = False
-            st.cont[:] = True  # idle rows run along (their outputs are ignored) until they restart
+            for out in self._module_steps(st, module, env, explore, random_actions, device, t_global + steps):
+                actions = out.pop(Columns.ACTIONS)
+                before = st.obs
+                st.obs, rewards, terminated, _, infos = env.step(actions)
+                st.record(before, actions, rewards, out)
+                steps += int(st.active.sum())
+                for i in np.flatnonzero(terminated & st.active):
+                    episode = self._episode(i, int(st.row_start[i]), st, row_info(infos, i))
+                    episodes.append(episode)
+                    returned += len(episode)
+                    st.active[i] = False
+                st.cont[:] = True  # idle rows run along (their outputs are ignored) until they restart
+                if not st.active.any():  # the rest of a block: no row runs an episode any more
+                    break
             refill(1 if self._restarts_free or not st.active.any() else refill_at)
         if by_steps and not random_actions:
             self._rollout = st  # with carry_episodes off it holds no running episode, only buffers
         return episodes, steps
+
+    def _module_steps(self, st, module, env, explore, random_actions, device, t) -> list[dict]:
+        """The module's outputs for the next env steps, on the host: one step, or with
+        `decode_block` k > 1 (exploring, a module that acts in blocks) k steps computed on the
+        device with each row appending the token it drew, as the env then does for every row
+        still running (rows that finished mid-block ignore the rest: they restart with a prefill)."""
+        if random_actions or module is None:
+            return [self._host.to_host(random_step(env))]
+        obs = st.obs
+        if not st.ever_started.all():  # rows that never started run along on a one-token window
+            obs = {**obs, "attention_mask": obs["attention_mask"].copy()}
+            obs["attention_mask"][~st.ever_started, -1] = 1
+        # ROW_CONTINUES stays on the CPU: the caches branch on it with no device sync
+        batch = {Columns.OBS: {k: self._host.to_device(k, v, device) for k, v in obs.items()},
+                 ROW_CONTINUES: torch.from_numpy(st.cont.copy())}
+        if explore and self._block > 1 and getattr(module, "can_act_in_blocks", lambda: False)():
+            out = self._host.to_host(module.act_steps(batch, self._block))
+            return [{k: v[j] for k, v in out.items()} for j in range(self._block)]
+        out = module.act(batch, t=t) if explore else greedy_step(module, batch)
+        return [self._host.to_host({k: v for k, v in out.items() if k != Columns.ACTION_DIST_INPUTS})]
 
     def _episode(self, i, s, st, final_info):
         """Row i's episode from step s to the last step as an RLlib episode, built from arrays."""
@@ -371,6 +381,21 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
                                   prev_episode_chunks=[]))
         self._episode_metrics.add(T, float(rewards.sum()), time.perf_counter() - st.start_time[i])
         return episode
+
+
+def random_step(env) -> dict:
+    """Uniformly random actions for every row (`sample(random_actions=True)`)."""
+    B = env.num_envs
+    return {Columns.ACTIONS: torch.randint(0, env.vocab_size, (B,)),
+            Columns.ACTION_LOGP: torch.full((B,), -math.log(env.vocab_size))}
+
+
+def greedy_step(module, batch) -> dict:
+    """The most likely token of every row and its log-prob (`explore=False`)."""
+    logits = module.act(batch, explore=False)[Columns.ACTION_DIST_INPUTS]
+    actions = logits.argmax(-1)
+    return {Columns.ACTIONS: actions,
+            Columns.ACTION_LOGP: torch.log_softmax(logits.float(), -1).gather(-1, actions[:, None])[:, 0]}
 
 
 def _put(buf, n: int, row: np.ndarray) -> np.ndarray:

@@ -105,6 +105,12 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         # by one set of weights, as the stock runner's complete episodes always are (the stock
         # runner ignores this key)
         "carry_episodes": F(bool, True),
+        # fast runner: module steps per env round trip while exploring. Above 1, the module runs
+        # that many steps on its device, each row appending the token it drew (the env's
+        # transition), before the outputs come to the host and the env steps through them: fewer
+        # host round trips (on a GPU, one device sync per block instead of per token), at the cost
+        # of rows that finish mid-block waiting for the block's end before they restart
+        "decode_block": F(int, 1, **POS_INT),
         # rollouts in the learner's process and on its device, each weight sync one in-place device
         # copy (agents/weight_sync.py): unset, wherever it applies (num_env_runners 0 and
         # learners.num_learners 0); true to require it; false for RLlib's sync through the host
@@ -389,6 +395,11 @@ def _check_cross_fields(cfg: dict, spec):
         raise ConfigError(f"env_runners.runner: 'fast' samples whole episodes; {cfg['algorithm']!r} samples n-step "
                           "fragments (batch_mode truncate_episodes) for its replay buffer: use 'stock' or 'auto'")
     er = cfg["env_runners"]
+    stock = er["runner"] == "stock" or (er["runner"] == "auto" and not spec.whole_episodes)
+    if er["decode_block"] > 1 and stock:
+        raise ConfigError(f"env_runners.decode_block: only the fast runner steps in blocks (this config's runner is "
+                          f"{'stock' if er['runner'] == 'stock' else 'auto, stock for ' + repr(cfg['algorithm'])}); "
+                          "leave it at 1")
     if er["colocated"]:
         from agents.weight_sync import colocation_refusal
 

@@ -91,6 +91,8 @@ def instrument(algo, phases: Phases) -> None:
     phases.wrap(algo, "training_step", "iteration")
     phases.wrap(runner, "sample", "sample")
     phases.wrap(type(runner.module), "act", "act")
+    if hasattr(type(runner.module), "act_steps"):  # env_runners.decode_block > 1
+        phases.wrap(type(runner.module), "act_steps", "act")
     phases.wrap(TokenGenerationVectorEnv, "step", "env")
     phases.wrap(TokenGenerationVectorEnv, "reset", "env")
     phases.wrap(type(runner), "_episode", "episodes")

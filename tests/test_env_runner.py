@@ -190,3 +190,80 @@ def test_a_separate_value_trunk_stays_on_the_learner():
     episodes = runner.sample(num_timesteps=20)
     assert "vf_preds" not in episodes[0].extra_model_outputs
     runner.stop()
+
+
+def full_pass_logp(module, episode) -> np.ndarray:
+    """Each action's log-prob from an uncached forward over the episode's recorded windows."""
+    obs = {k: torch.as_tensor(v[:-1]) for k, v in episode.get_observations().items()}
+    with torch.no_grad():
+        logits = module._logits(module.lm, module._hidden(module._trunk(module.lm), obs))
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.as_tensor(episode.get_actions())[:, None])[:, 0].numpy()
+
+
+@pytest.mark.parametrize("sampler", [None, {"name": "top_k", "k": 5}, {"name": "mirostat", "tau": 2.0}])
+def test_decode_blocks_sample_what_the_env_steps_through(sampler):
+    """env_runners.decode_block 4: the module runs 4 steps per env round trip, appending its own
+    tokens to the windows on its device. Every episode is still the env's (each window the last
+    shifted by the action), and its log-probs are a full pass's over the windows the env recorded,
+    also for rows restarted between blocks, across calls and after a weight sync; with a stateful
+    sampler (mirostat) too."""
+    raw = {**CAUSAL, "env_runners": {**CAUSAL["env_runners"], "decode_block": 4}}
+    if sampler:
+        raw["sampler"] = sampler
+    runner = FastTokenEnvRunner(config=algorithm_config(validate(raw)))
+    module, blocks = runner.module, []
+    act_steps = module.act_steps
+    module.act_steps = lambda batch, steps: blocks.append(steps) or act_steps(batch, steps)
+    for call in range(3):
+        episodes = runner.sample()
+        assert sum(len(e) for e in episodes) >= 96
+        for e in episodes:
+            ids, actions = e.get_observations()["input_ids"], e.get_actions()
+            assert (ids[1:, -1] == actions).all() and (ids[1:, :-1] == ids[:-1, 1:]).all()
+            if not sampler:  # a truncation sampler renormalises: the stored log-prob is the masked one
+                assert np.allclose(full_pass_logp(module, e), e.get_extra_model_outputs("action_logp"), atol=1e-5)
+        runner.set_state(runner.get_state())  # a weight sync
+    assert blocks and set(blocks) == {4}
+    assert module.kv_cache.stats["incremental_rows"] > 0
+    runner.stop()
+
+
+def test_act_steps_equals_act_called_on_the_windows_the_env_would_give():
+    """A block of module steps draws the same tokens, log-probs and values as one `act` per step on
+    the windows shifted on the host (same generator state), for a causal and a seq2seq policy and
+    a stateful sampler (mirostat: its per-row state carries on through the block)."""
+    from ray.rllib.core.columns import Columns
+
+    from agents.core import ROW_CONTINUES
+
+    for raw in (CAUSAL, SEQ2SEQ, {**CAUSAL, "sampler": {"name": "mirostat", "tau": 2.0}}):
+        runner = FastTokenEnvRunner(config=algorithm_config(validate(raw)))
+        module = runner.module
+        env = runner.env.unwrapped
+        obs, _ = env.reset(seed=3)
+        batch = {Columns.OBS: {k: torch.as_tensor(v) for k, v in obs.items()},
+                 ROW_CONTINUES: torch.zeros(env.num_envs, dtype=torch.bool)}
+        generator = module.rollout_generator(torch.device("cpu"))
+        start = generator.get_state()
+        module.weights_changed()
+        block = module.act_steps(batch, 3)
+        generator.set_state(start)
+        module.weights_changed()
+        window = {k: torch.as_tensor(v) for k, v in obs.items()}
+        for j in range(3):
+            out = module.act({Columns.OBS: window, ROW_CONTINUES: torch.full((env.num_envs,), j > 0)})
+            for key, value in out.items():
+                assert torch.allclose(block[key][j].float(), value.float(), atol=1e-6), (raw["model"], j, key)
+            token = out[Columns.ACTIONS][:, None]
+            window = {**window, "input_ids": torch.cat([window["input_ids"][:, 1:], token], 1),
+                      "attention_mask": torch.cat([window["attention_mask"][:, 1:],
+                                                   torch.ones_like(token)], 1)}
+        runner.stop()
+
+
+def test_decode_block_with_the_stock_runner_is_refused_in_one_line():
+    from agents.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        validate({**CAUSAL, "env_runners": {**CAUSAL["env_runners"], "runner": "stock", "decode_block": 2}})
+    assert str(err.value).startswith("env_runners.decode_block: only the fast runner steps in blocks")

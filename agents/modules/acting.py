@@ -22,6 +22,15 @@ from agents.samplers import MASKED, Sampler, sample_rows
 from env.text_env import env_setting
 
 
+def shift_windows(obs: dict, tokens: torch.Tensor) -> dict:
+    """The env's transition on the device: each row's window shifted left by one, `tokens` (rows,)
+    appended as real columns. With the decode engine a step reads only the newest column, so these
+    two ops are all a block adds outside the captured step."""
+    ids, mask = obs["input_ids"], obs["attention_mask"]
+    return {**obs, "input_ids": torch.cat([ids[:, 1:], tokens.to(ids.dtype)[:, None]], 1),
+            "attention_mask": torch.cat([mask[:, 1:], torch.ones_like(mask[:, :1])], 1)}
+
+
 class RowSamplerState:
     """A stateful sampler's state per vector-env row, carried while the row's episode continues."""
 
@@ -107,6 +116,23 @@ class Acting:
         if self.training:
             self.eval()
         return self._forward_exploration(batch, **kwargs) if explore else self._forward(batch, **kwargs)
+
+    def can_act_in_blocks(self) -> bool:
+        return self.guided is None  # a guide's roll-in plays on the host
+
+    @torch.no_grad()
+    def act_steps(self, batch, steps: int) -> dict:
+        """`steps` exploration steps with no host round trip between them: after `act`'s, each row
+        continues on its window shifted by the token it drew (`shift_windows`, on the device, as
+        the env's transition). Each output stacked (steps, rows)."""
+        if self.training:
+            self.eval()
+        obs, outs = batch[Columns.OBS], [self._forward_exploration(batch)]
+        every_row = torch.ones(obs["input_ids"].shape[0], dtype=torch.bool)
+        for _ in range(steps - 1):
+            obs = shift_windows(obs, outs[-1][Columns.ACTIONS])
+            outs.append(self._forward_exploration({Columns.OBS: obs, ROW_CONTINUES: every_row}))
+        return {k: torch.stack([o[k] for o in outs]) for k in outs[0]}
 
     @torch.no_grad()
     def _forward_exploration(self, batch, **kwargs):
