@@ -83,7 +83,6 @@ class Phases:
 
 
 def instrument(algo, phases: Phases) -> None:
-    from agents.runner_episodes import EpisodeMetrics
     from env.vector_env import TokenGenerationVectorEnv
 
     runner = algo.env_runner_group.local_env_runner
@@ -96,7 +95,12 @@ def instrument(algo, phases: Phases) -> None:
     phases.wrap(TokenGenerationVectorEnv, "step", "env")
     phases.wrap(TokenGenerationVectorEnv, "reset", "env")
     phases.wrap(type(runner), "_episode", "episodes")
-    phases.wrap(EpisodeMetrics, "flush", "episodes")
+    try:  # the call's episode metrics (before 1abc3bb they were logged inside _episode)
+        from agents.runner_episodes import EpisodeMetrics
+
+        phases.wrap(EpisodeMetrics, "flush", "episodes")
+    except ImportError:
+        pass
     phases.wrap(algo.learner_group, "update", "update")
     phases.wrap(learner, "_make_batch_if_necessary", "learner connector")
     for name in ("_update",):
