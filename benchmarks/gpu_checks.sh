@@ -61,7 +61,8 @@ for step in "${steps[@]}"; do
     ppo_profile) run "ppo_profile$tag" 240 $PY benchmarks/ppo_profile.py --device cuda --model gpt2-small-shaped \
              --iters 6 --trace "$OUT/ppo_trace$tag.json" --set env_runners.decode_block="$BLOCK" ;;
     captured) run captured 60 $PY -m pytest -q -p no:cacheprovider \
-             tests/test_decode_engine.py::test_captured_cuda_graph_step_gives_the_eager_steps_tokens ;;
+             tests/test_decode_engine.py::test_captured_cuda_graph_step_gives_the_eager_steps_tokens \
+             "tests/test_decode_engine.py::test_a_block_of_steps_on_the_device_gives_one_act_per_step[cuda]" ;;
     weights) run weights_colocated 90 $PY benchmarks/weight_sync.py --device cuda --reps 5
              run weights_remote 120 $PY benchmarks/weight_sync.py --device cuda --remote --precision bf16 --reps 5 ;;
     serve) run serve_cpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \

@@ -252,3 +252,33 @@ def test_rows_restarting_on_one_stored_window_share_it_without_a_copy():
     real = mask[:3][None, None, :, None, :, None]  # a pass leaves padding columns as it finds them
     torch.testing.assert_close(mixed_kv * real, prefill_pass(trunk, ids[:3], mask[:3], stacked=True)[1] * real)
     assert cache.stats["prefill_computed_rows"] == 3
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_block_of_steps_on_the_device_gives_one_act_per_step(device):
+    """`act_steps` (env_runners.decode_block): 5 steps with the windows shifted on the device (on
+    CUDA: the captured step, replayed back to back with no host sync) give the tokens, log-probs
+    and values of 5 `act` calls on the same windows shifted on the host."""
+    from agents.modules.acting import shift_windows
+
+    module = make_module().to(device)
+    envs = [TokenGenerationEnv(ENV_CFG) for _ in PROMPTS]
+    obs = [e.reset(seed=i, options={"prompt": p})[0] for i, (e, p) in enumerate(zip(envs, PROMPTS))]
+    window = {k: torch.as_tensor(np.stack([o[k] for o in obs])).to(device) for k in obs[0]}
+    first = {Columns.OBS: window, ROW_CONTINUES: torch.zeros(len(PROMPTS), dtype=torch.bool)}
+    generator = module.rollout_generator(torch.device(device))
+    start = generator.get_state()
+    block = module.act_steps(first, 5)
+    generator.set_state(start)
+    module.weights_changed()
+    for j in range(5):
+        out = module.act({Columns.OBS: window, ROW_CONTINUES: torch.full((len(PROMPTS),), j > 0)})
+        for key, value in out.items():
+            np.testing.assert_allclose(block[key][j].float().cpu().numpy(), value.float().cpu().numpy(), atol=1e-5)
+        host = shift_windows({k: v.cpu() for k, v in window.items()}, out[Columns.ACTIONS].cpu())  # on the host
+        window = {k: v.to(device) for k, v in host.items()}
+    assert block[Columns.ACTIONS].shape == (5, len(PROMPTS))
+    if device == "cuda":
+        assert module.kv_cache.engine.graphs

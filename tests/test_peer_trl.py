@@ -2,6 +2,8 @@
 call, the patches are undone, and a short project run reports every phase it went through."""
 import time
 
+import pytest
+
 from benchmarks.peer_trl import PHASES, PhaseTimer, phase_split
 
 
@@ -89,3 +91,29 @@ def test_ppo_profile_phases_split_nested_time_into_own_time():
     assert phases.total["act"] >= 0.02 and phases.own["act"] == phases.total["act"]
     assert abs(phases.own["sample"] - (phases.total["sample"] - phases.total["act"])) < 1e-9
     assert 0.01 <= phases.own["sample"] < phases.total["sample"]
+
+
+@pytest.mark.slow
+def test_ppo_profile_times_every_phase_of_a_short_run_and_names_the_decode_path():
+    """benchmarks/ppo_profile.py end to end on the CPU (as `gpu_checks.sh ppo_profile` runs it on a
+    GPU), with decode blocks: every phase ran and took time, the own times add up to the
+    iteration's, the profiler saw the torch ops of `act`, and the decode path is named."""
+    import re
+
+    from tests.conftest import run_module
+
+    out = run_module("benchmarks.ppo_profile", "--iters", "2", "--profile-iters", "1",
+                     "--set", "training.train_batch_size=512", "--set", "training.minibatch_size=512",
+                     "--set", "env_runners.decode_block=2", timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    host = out.stdout.split("== host clock", 1)[1].split("sampled tokens/s", 1)[0]
+    rows = {m[1]: (float(m[2]), float(m[3]), float(m[6]))
+            for m in re.finditer(r"^ +([a-z ]+?) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)$", host, re.M)}
+    assert set(rows) == {"iteration", "sample", "act", "env", "episodes", "update", "learner connector",
+                         "training passes", "weight sync"}, host
+    assert all(total > 0 and calls > 0 for total, _, calls in rows.values()), host
+    own = sum(o for _, o, _ in rows.values())
+    assert abs(own - rows["iteration"][0]) < 0.02 * rows["iteration"][0] + 0.05, host  # own times add up
+    assert re.search(r"rollout path: RingKVCache on cpu .*decode engine 128 rows", out.stdout), out.stdout
+    act = re.search(r"^  act +(\d+) +(\d+) ", out.stdout.split("== torch.profiler", 1)[1], re.M)
+    assert act and int(act[1]) > 0 and int(act[2]) > 0, out.stdout
