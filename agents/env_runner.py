@@ -262,6 +262,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         explore = self.config.explore if explore is None else explore
         if num_timesteps is None and num_episodes is None:
             num_timesteps = math.ceil(self.config.total_train_batch_size / max(1, self.config.num_env_runners))
+        self._episode_metrics = EpisodeMetrics()  # nothing left from a call that raised
         with self.metrics.log_time(SAMPLE_TIMER):
             episodes, steps = self._sample_episodes(num_timesteps, num_episodes, explore, random_actions)
             self._episode_metrics.flush(self)

@@ -203,10 +203,10 @@ def full_pass_logp(module, episode) -> np.ndarray:
 @pytest.mark.parametrize("sampler", [None, {"name": "top_k", "k": 5}, {"name": "mirostat", "tau": 2.0}])
 def test_decode_blocks_sample_what_the_env_steps_through(sampler):
     """env_runners.decode_block 4: the module runs 4 steps per env round trip, appending its own
-    tokens to the windows on its device. Every episode is still the env's (each window the last
-    shifted by the action), and its log-probs are a full pass's over the windows the env recorded,
-    also for rows restarted between blocks, across calls and after a weight sync; with a stateful
-    sampler (mirostat) too."""
+    tokens to the windows on its device. Each episode's stored log-probs are still those of the
+    windows the env recorded (a full pass's, masked by the sampler where it is stateless), also for
+    rows restarted between blocks and rows carried from one call to the next on their cache, and
+    after a weight sync; a stateful sampler (mirostat) runs through blocks too."""
     raw = {**CAUSAL, "env_runners": {**CAUSAL["env_runners"], "decode_block": 4}}
     if sampler:
         raw["sampler"] = sampler
@@ -214,16 +214,21 @@ def test_decode_blocks_sample_what_the_env_steps_through(sampler):
     module, blocks = runner.module, []
     act_steps = module.act_steps
     module.act_steps = lambda batch, steps: blocks.append(steps) or act_steps(batch, steps)
-    for call in range(3):
+    carried = 0
+    for call in range(4):
         episodes = runner.sample()
         assert sum(len(e) for e in episodes) >= 96
         for e in episodes:
-            ids, actions = e.get_observations()["input_ids"], e.get_actions()
-            assert (ids[1:, -1] == actions).all() and (ids[1:, :-1] == ids[:-1, 1:]).all()
-            if not sampler:  # a truncation sampler renormalises: the stored log-prob is the masked one
-                assert np.allclose(full_pass_logp(module, e), e.get_extra_model_outputs("action_logp"), atol=1e-5)
-        runner.set_state(runner.get_state())  # a weight sync
-    assert blocks and set(blocks) == {4}
+            if sampler is None or sampler["name"] == "top_k":
+                obs = {k: torch.as_tensor(v[:-1]) for k, v in e.get_observations().items()}
+                with torch.no_grad():
+                    logits, _ = module._masked_logits(module._hidden(module._trunk(module.lm), obs))
+                logp = torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(e.get_actions())[:, None])[:, 0]
+                assert np.allclose(logp.numpy(), e.get_extra_model_outputs("action_logp"), atol=1e-5)
+        carried += int(runner._rollout.active.sum())
+        if call == 2:
+            runner.set_state(runner.get_state())  # a weight sync: the carried rows are prefilled anew
+    assert blocks and set(blocks) == {4} and carried > 0
     assert module.kv_cache.stats["incremental_rows"] > 0
     runner.stop()
 

@@ -127,11 +127,14 @@ class Acting:
         the env's transition). Each output stacked (steps, rows)."""
         if self.training:
             self.eval()
-        obs, outs = batch[Columns.OBS], [self._forward_exploration(batch)]
+        # each step's outputs copied out: a replayed CUDA graph returns its static output tensors,
+        # which the next replay overwrites
+        obs, outs = batch[Columns.OBS], [{k: v.clone() for k, v in self._forward_exploration(batch).items()}]
         every_row = torch.ones(obs["input_ids"].shape[0], dtype=torch.bool)
         for _ in range(steps - 1):
             obs = shift_windows(obs, outs[-1][Columns.ACTIONS])
-            outs.append(self._forward_exploration({Columns.OBS: obs, ROW_CONTINUES: every_row}))
+            out = self._forward_exploration({Columns.OBS: obs, ROW_CONTINUES: every_row})
+            outs.append({k: v.clone() for k, v in out.items()})
         return {k: torch.stack([o[k] for o in outs]) for k in outs[0]}
 
     @torch.no_grad()
