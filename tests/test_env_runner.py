@@ -50,6 +50,15 @@ def test_default_runner_is_fast_except_dqn():
     assert algorithm_config(dqn).env_runner_cls is StockTokenEnvRunner
 
 
+def full_pass_logp(module, episode) -> np.ndarray:
+    """Each action's log-prob from an uncached forward over the episode's recorded windows (masked
+    by the module's sampler where it is stateless, as the rollout's were)."""
+    obs = {k: torch.as_tensor(v[:-1]) for k, v in episode.get_observations().items()}
+    with torch.no_grad():
+        logits, _ = module._masked_logits(module._hidden(module._trunk(module.lm), obs))
+    return torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(episode.get_actions())[:, None])[:, 0].numpy()
+
+
 def test_fast_runner_episodes_are_complete_and_consistent():
     config = algorithm_config(validate(CAUSAL))
     runner = FastTokenEnvRunner(config=config)
@@ -109,13 +118,8 @@ def test_without_carry_every_training_call_returns_only_episodes_it_sampled_whol
         runner.set_state(runner.get_state())  # a weight sync, as after an update
         more = runner.sample()
         assert float(runner.get_metrics()["num_env_steps_sampled"]) == sum(len(e) for e in more)
-        module = runner.module
         for e in more:
-            obs = {k: torch.as_tensor(v[:-1]) for k, v in e.get_observations().items()}
-            with torch.no_grad():
-                logits = module._logits(module.lm, module._hidden(module._trunk(module.lm), obs))
-            logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.as_tensor(e.get_actions())[:, None])[:, 0]
-            assert np.allclose(logp.numpy(), e.get_extra_model_outputs("action_logp"), atol=1e-5)
+            assert np.allclose(full_pass_logp(runner.module, e), e.get_extra_model_outputs("action_logp"), atol=1e-5)
     runner.stop()
 
 
@@ -131,11 +135,7 @@ def test_fast_runner_prefills_only_rows_that_start_and_logp_matches_a_full_pass(
     assert stats["prefill_rows"] == len(episodes) + (st.active & st.cont).sum()
     # the stored log-prob of each action equals an uncached forward over the window
     e = episodes[0]
-    obs = {k: torch.as_tensor(v[:-1]) for k, v in e.get_observations().items()}
-    with torch.no_grad():
-        logits = module._logits(module.lm, module._hidden(module._trunk(module.lm), obs))
-    logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.as_tensor(e.get_actions())[:, None])[:, 0]
-    assert np.allclose(logp.numpy(), e.get_extra_model_outputs("action_logp"), atol=1e-5)
+    assert np.allclose(full_pass_logp(module, e), e.get_extra_model_outputs("action_logp"), atol=1e-5)
     # a weight sync drops the cache: the next call starts from prefills again
     runner.set_state(runner.get_state())
     assert module.kv_cache.layers is None
@@ -192,14 +192,6 @@ def test_a_separate_value_trunk_stays_on_the_learner():
     runner.stop()
 
 
-def full_pass_logp(module, episode) -> np.ndarray:
-    """Each action's log-prob from an uncached forward over the episode's recorded windows."""
-    obs = {k: torch.as_tensor(v[:-1]) for k, v in episode.get_observations().items()}
-    with torch.no_grad():
-        logits = module._logits(module.lm, module._hidden(module._trunk(module.lm), obs))
-    return torch.log_softmax(logits.float(), -1).gather(-1, torch.as_tensor(episode.get_actions())[:, None])[:, 0].numpy()
-
-
 @pytest.mark.parametrize("sampler", [None, {"name": "top_k", "k": 5}, {"name": "mirostat", "tau": 2.0}])
 def test_decode_blocks_sample_what_the_env_steps_through(sampler):
     """env_runners.decode_block 4: the module runs 4 steps per env round trip, appending its own
@@ -220,11 +212,7 @@ def test_decode_blocks_sample_what_the_env_steps_through(sampler):
         assert sum(len(e) for e in episodes) >= 96
         for e in episodes:
             if sampler is None or sampler["name"] == "top_k":
-                obs = {k: torch.as_tensor(v[:-1]) for k, v in e.get_observations().items()}
-                with torch.no_grad():
-                    logits, _ = module._masked_logits(module._hidden(module._trunk(module.lm), obs))
-                logp = torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(e.get_actions())[:, None])[:, 0]
-                assert np.allclose(logp.numpy(), e.get_extra_model_outputs("action_logp"), atol=1e-5)
+                assert np.allclose(full_pass_logp(module, e), e.get_extra_model_outputs("action_logp"), atol=1e-5)
         carried += int(runner._rollout.active.sum())
         if call == 2:
             runner.set_state(runner.get_state())  # a weight sync: the carried rows are prefilled anew
