@@ -15,8 +15,8 @@ import yaml
 
 from agents.algorithms.base import plain as _plain
 from agents.pbt import PBT_MUTABLE, pbt_mutations
-from agents.schema import (SAMPLER_PARAMS, ConfigError, Field, algorithm_spec, check_model_kind, population,
-                           schema, searchable_sections, validate)
+from agents.schema import (SAMPLER_PARAMS, ConfigError, Field, algorithm_spec, check_model_kind, env_runner_kind,
+                           population, schema, searchable_sections, validate)
 from env.validation import is_search_space as _is_search_space
 
 __all__ = ["ConfigError", "Field", "PBT_MUTABLE", "SAMPLER_PARAMS", "algorithm_config", "algorithm_spec",
@@ -139,15 +139,6 @@ def with_absolute_paths(cfg: dict) -> dict:
     elif data is not None:
         task["dataset"] = _absolute_if_local(data)
     return {**cfg, "model": model, "task": task}
-
-
-def env_runner_kind(cfg: dict) -> str:
-    """'fast' or 'stock' (agents/env_runner.py): `env_runners.runner`, where auto is fast for the
-    algorithms that sample whole episodes."""
-    kind = cfg["env_runners"]["runner"]
-    if kind == "auto":
-        return "fast" if algorithm_spec(cfg).whole_episodes else "stock"
-    return kind
 
 
 def algorithm_config(cfg: dict):

@@ -370,7 +370,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         actions = st.act_buf[s:n, i].astype(np.int64)  # copies: the buffers are written again
         rewards = st.rew_buf[s:n, i].astype(np.float64)
         extras = {k: b[s:n, i].copy() for k, b in st.extra_buf.items()}
-        if self._episode_builder is None or set(self._episode_builder.extra_keys) != set(extras):
+        if self._episode_builder is None or self._episode_builder.extra_keys != tuple(extras):
             self._episode_builder = EpisodeBuilder(self.env.single_observation_space, self.env.single_action_space,
                                                    tuple(extras))
         episode = self._episode_builder.build(obs, [st.reset_infos[i]] + [{} for _ in range(T - 1)] + [final_info],

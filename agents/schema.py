@@ -378,6 +378,15 @@ def _check_algorithm_fields(raw: dict, cfg: dict, spec) -> None:
         raise ConfigError(f"reward.kl_adaptive: {algo!r}'s per-token reference term has a fixed coefficient")
 
 
+def env_runner_kind(cfg: dict) -> str:
+    """'fast' or 'stock' (agents/env_runner.py): `env_runners.runner`, where auto is fast for the
+    algorithms that sample whole episodes."""
+    kind = cfg["env_runners"]["runner"]
+    if kind == "auto":
+        return "fast" if algorithm_spec(cfg).whole_episodes else "stock"
+    return kind
+
+
 def _check_cross_fields(cfg: dict, spec):
     t = cfg["training"]
     if (t["lr_end"] is None) != (t["lr_decay_steps"] is None):
@@ -395,8 +404,7 @@ def _check_cross_fields(cfg: dict, spec):
         raise ConfigError(f"env_runners.runner: 'fast' samples whole episodes; {cfg['algorithm']!r} samples n-step "
                           "fragments (batch_mode truncate_episodes) for its replay buffer: use 'stock' or 'auto'")
     er = cfg["env_runners"]
-    stock = er["runner"] == "stock" or (er["runner"] == "auto" and not spec.whole_episodes)
-    if er["decode_block"] > 1 and stock:
+    if er["decode_block"] > 1 and env_runner_kind(cfg) == "stock":
         raise ConfigError(f"env_runners.decode_block: only the fast runner steps in blocks (this config's runner is "
                           f"{'stock' if er['runner'] == 'stock' else 'auto, stock for ' + repr(cfg['algorithm'])}); "
                           "leave it at 1")

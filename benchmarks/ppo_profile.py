@@ -32,6 +32,8 @@ from contextlib import nullcontext
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
+
 from agents.config import algorithm_config, load  # noqa: E402
 
 PEER_SETTINGS = ["env_runners.num_envs_per_env_runner=128", "training.train_batch_size=2560",
@@ -60,7 +62,7 @@ class Phases:
                 return orig(*args, **kwargs)
             phases.sync()
             phases.stack.append([phase, time.perf_counter(), 0.0])
-            label = __import__("torch").profiler.record_function(phase) if phases.profiling else nullcontext()
+            label = torch.profiler.record_function(phase) if phases.profiling else nullcontext()
             try:
                 with label:
                     return orig(*args, **kwargs)
@@ -199,7 +201,6 @@ def main():
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args()
     import ray
-    import torch
 
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():

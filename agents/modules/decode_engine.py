@@ -91,7 +91,8 @@ class DecodeEngine:
     def step(self, token: torch.Tensor, tail=None, tail_inputs: tuple = (), key=None):
         """One decode step: the hidden state at the new token, or `tail(hidden, *tail_inputs)`
         (a function of tensors of fixed shapes; `key` names it among captured graphs). Replays a
-        captured CUDA graph where `capture` is on."""
+        captured CUDA graph where `capture` is on: the outputs are then the graph's own tensors,
+        overwritten by its next replay (a caller that keeps them across steps copies them)."""
         if not self.capture:
             self.slot_host = (self.slot_host + 1) % self.length
             hidden = self.step_hidden(token)
