@@ -89,6 +89,10 @@ SEED_STRIDE = 1_000_003  # far apart from the per-sub-env (+i) and per-EnvRunner
 TOKEN_ENV = "token_generation"  # the name `make_token_env` is registered under (ray.tune.register_env)
 CARRY_EPISODES = "carry_episodes"  # env_config key: env_runners.carry_episodes (FastTokenEnvRunner)
 DECODE_BLOCK = "decode_block"  # env_config key: env_runners.decode_block (FastTokenEnvRunner)
+# env_runners.decode_block unset: module steps per env round trip where the module is on a GPU
+# (PPO at GPT-2-small shape on an H100, 20-token episodes: 1, 4, 8, 16 gave 10.2k, 15.3k, 12.6k,
+# 10.4k tokens/s, docs/results/gpu.md), one elsewhere (the CPU's sampled curves unchanged)
+GPU_DECODE_BLOCK = 4
 SEEN_WINDOWS_MAX = 100_000  # windows remembered per weight version (for the restart schedule only)
 
 
@@ -190,7 +194,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         self._env_seeded = False
         self._rollout = None  # unfinished episodes carried from one sample() call to the next
         self._carry = bool(self.config.env_config.get(CARRY_EPISODES, True))
-        self._block = int(self.config.env_config.get(DECODE_BLOCK, 1))
+        self._block = self.config.env_config.get(DECODE_BLOCK)  # None: by the module's device
         # Windows rows started on since the last weight sync, and whether the last rows that
         # started all began on one of them: a module whose cache keeps prefills by window
         # (agents.modules.kv_cache) then restarts them with no pass, so finished rows restart at
@@ -357,9 +361,10 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         # ROW_CONTINUES stays on the CPU: the caches branch on it with no device sync
         batch = {Columns.OBS: {k: self._host.to_device(k, v, device) for k, v in obs.items()},
                  ROW_CONTINUES: torch.from_numpy(st.cont.copy())}
-        if explore and self._block > 1 and getattr(module, "can_act_in_blocks", lambda: False)():
-            out = self._host.to_host(module.act_steps(batch, self._block))
-            return [{k: v[j] for k, v in out.items()} for j in range(self._block)]
+        block = self._block or (GPU_DECODE_BLOCK if torch.device(device).type == "cuda" else 1)
+        if explore and block > 1 and getattr(module, "can_act_in_blocks", lambda: False)():
+            out = self._host.to_host(module.act_steps(batch, block))
+            return [{k: v[j] for k, v in out.items()} for j in range(block)]
         out = module.act(batch, t=t) if explore else greedy_step(module, batch)
         return [self._host.to_host({k: v for k, v in out.items() if k != Columns.ACTION_DIST_INPUTS})]
 

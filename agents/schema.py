@@ -109,8 +109,9 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         # that many steps on its device, each row appending the token it drew (the env's
         # transition), before the outputs come to the host and the env steps through them: fewer
         # host round trips (on a GPU, one device sync per block instead of per token), at the cost
-        # of rows that finish mid-block waiting for the block's end before they restart
-        "decode_block": F(int, 1, **POS_INT),
+        # of rows that finish mid-block waiting for the block's end before they restart. Unset:
+        # 4 where the rollouts run on a GPU, 1 on a CPU (agents/env_runner.py GPU_DECODE_BLOCK)
+        "decode_block": F(int, None, optional=True, **POS_INT),
         # rollouts in the learner's process and on its device, each weight sync one in-place device
         # copy (agents/weight_sync.py): unset, wherever it applies (num_env_runners 0 and
         # learners.num_learners 0); true to require it; false for RLlib's sync through the host
@@ -404,7 +405,7 @@ def _check_cross_fields(cfg: dict, spec):
         raise ConfigError(f"env_runners.runner: 'fast' samples whole episodes; {cfg['algorithm']!r} samples n-step "
                           "fragments (batch_mode truncate_episodes) for its replay buffer: use 'stock' or 'auto'")
     er = cfg["env_runners"]
-    if er["decode_block"] > 1 and env_runner_kind(cfg) == "stock":
+    if (er["decode_block"] or 1) > 1 and env_runner_kind(cfg) == "stock":
         raise ConfigError(f"env_runners.decode_block: only the fast runner steps in blocks (this config's runner is "
                           f"{'stock' if er['runner'] == 'stock' else 'auto, stock for ' + repr(cfg['algorithm'])}); "
                           "leave it at 1")

@@ -13,8 +13,8 @@
 #   ppo_profile  ppo_profile.py: a colocated PPO iteration's time by phase, host clock, synced and
 #              under torch.profiler (not yet run; about 1 minute on 2 CPU cores with the tiny model)
 # rollouts_bf16 and peer_bf16: the same with the rollouts' weights in bf16 (env_runners.precision).
-# BLOCK=k (default 1) runs rollouts, peer and ppo_profile with env_runners.decode_block k (k module
-# steps per env round trip); their logs are then named <step>_block<k>.
+# BLOCK=k runs rollouts, peer and ppo_profile with env_runners.decode_block k (k module steps per
+# env round trip; unset, the config's default: 4 on a GPU); their logs are then named <step>_block<k>.
 # Each step runs under its own time limit and writes its whole output to $OUT/<step>.log (OUT
 # defaults to ./gpu_out), so a step that fails or runs out of time leaves the others' figures.
 # Prints only measured figures; it never passes or fails on a time.
@@ -23,8 +23,10 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 steps=("$@")
-BLOCK=${BLOCK:-1}
-tag=$([ "$BLOCK" -gt 1 ] && echo "_block$BLOCK" || true)
+BLOCK=${BLOCK:-}
+tag=${BLOCK:+_block$BLOCK}
+block_arg=(${BLOCK:+--decode-block "$BLOCK"})
+block_set=(${BLOCK:+--set env_runners.decode_block="$BLOCK"})
 [ ${#steps[@]} -gt 0 ] || steps=(tests rollouts peer weights)
 
 run() {  # run NAME LIMIT_S CMD...: the command's output into $OUT/NAME.log, its tail and status here
@@ -50,16 +52,16 @@ for step in "${steps[@]}"; do
     rollouts|rollouts_bf16) precision=$([ "$step" = rollouts ] && echo fp32 || echo bf16)
              run "$step$tag" 200 $PY benchmarks/rollout_throughput.py --device cuda --batch 128 \
              --model gpt2-small-shaped --vocab 50257 --reps "${REPS:-3}" --precision "$precision" \
-             --decode-block "$BLOCK" ;;
+             "${block_arg[@]}" ;;
     peer|peer_bf16) precision=$([ "$step" = peer ] && echo fp32 || echo bf16)
              run "$step$tag" 260 $PY benchmarks/peer_trl.py --device cuda --model gpt2-small-shaped --seconds 60 \
              --trl-lr 1e-4 --trl-steps-per-generation 2 --plot "$OUT/$step$tag.png" \
              --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
              --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
-             --set training.lr=1e-4 --set env_runners.precision="$precision" --set env_runners.decode_block="$BLOCK" ;;
+             --set training.lr=1e-4 --set env_runners.precision="$precision" "${block_set[@]}" ;;
     profile) run profile 170 $PY benchmarks/decode_step_profile.py ;;
     ppo_profile) run "ppo_profile$tag" 240 $PY benchmarks/ppo_profile.py --device cuda --model gpt2-small-shaped \
-             --iters 6 --trace "$OUT/ppo_trace$tag.json" --set env_runners.decode_block="$BLOCK" ;;
+             --iters 6 --trace "$OUT/ppo_trace$tag.json" "${block_set[@]}" ;;
     captured) run captured 60 $PY -m pytest -q -p no:cacheprovider \
              tests/test_decode_engine.py::test_captured_cuda_graph_step_gives_the_eager_steps_tokens \
              "tests/test_decode_engine.py::test_a_block_of_steps_on_the_device_gives_one_act_per_step[cuda]" ;;

@@ -373,12 +373,14 @@ def run_project(cfg: dict, seconds: float, threads: int, device: str = "cpu") ->
         algo = algorithm_config(cfg).build_algo()
         torch.set_num_threads(threads)
         # Where the project's time goes: its sampling (the module's `act`, one call per vector
-        # step), its training passes (the loss's forward pass, the losses, backward, optimizer
-        # step) and the reference pass of the KL penalty. Patched on the classes, so the
-        # EnvRunner's and the learner's instances are both timed.
+        # step, or `act_steps` per block of steps), its training passes (the loss's forward pass,
+        # the losses, backward, optimizer step) and the reference pass of the KL penalty. Patched
+        # on the classes, so the EnvRunner's and the learner's instances are both timed.
         phases = PhaseTimer(device_sync(device))
         module_cls, learner_cls = type(algo.env_runner_group.local_env_runner.module), algo.config.learner_class
         phases.wrap(module_cls, "act", "generation")
+        if hasattr(module_cls, "act_steps"):  # env_runners.decode_block > 1: k steps per call
+            phases.wrap(module_cls, "act_steps", "generation")
         for name in ("forward_train",):
             phases.wrap(module_cls, name, "training passes")
         for name in ("compute_losses", "compute_gradients", "apply_gradients"):

@@ -45,7 +45,7 @@ def make_cfg(args, kv_cache: bool, runner: str = "stock") -> dict:
         "env": {"max_prompt_len": args.prompt, "max_new_tokens": args.new},
         "env_runners": {"num_env_runners": 0, "num_envs_per_env_runner": args.batch, "runner": runner,
                         "precision": args.precision,
-                        **({"decode_block": getattr(args, "decode_block", 1)} if runner == "fast" else {})},
+                        **({"decode_block": getattr(args, "decode_block", None)} if runner == "fast" else {})},
         "training": {"train_batch_size": args.batch * args.new, "minibatch_size": args.batch},
         "seed": 0,
     })
@@ -240,8 +240,9 @@ def main():
     p.add_argument("--device", default="cpu", help="cpu or cuda (model, cache and rollouts on that device)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="every path's weights in it (the EnvRunners' env_runners.precision)")
-    p.add_argument("--decode-block", type=int, default=1,
-                   help="the fast EnvRunner rows' env_runners.decode_block (module steps per env round trip)")
+    p.add_argument("--decode-block", type=int, default=None,
+                   help="the fast EnvRunner rows' env_runners.decode_block (module steps per env round trip; "
+                        "default: the config's, 4 on a GPU and 1 on the CPU)")
     p.add_argument("--profile", action="store_true", help="also profile the stock cached path, by area")
     args = p.parse_args()
     torch.manual_seed(0)

@@ -115,6 +115,28 @@ def test_sync_weights_and_fused_copy_used_by_the_colocated_weight_sync():
     assert dst[0].dtype == torch.bfloat16 and dst[0].tolist() == [1.0] * 3 and dst[1].tolist() == [2.0] * 2
 
 
+def test_clip_function_and_apply_gradients_hooks_used_by_the_fused_gradients():
+    # agents/algorithms/gradients.py FusedGradients overrides TorchLearner._get_clip_function
+    # (RLlib's postprocess_gradients_for_module clips through it) and apply_gradients, whose fast
+    # path sets self._params[pid].grad and steps the optimizers only where RLlib's would do no more
+    # (no self._grad_scalers, no self._lr_scheduler_classes); the clip fuses its per-tensor ops
+    # with torch._foreach_norm and torch._foreach_mul_ (a 0-d tensor factor).
+    from ray.rllib.core.learner.torch.torch_learner import TorchLearner
+
+    assert "self._get_clip_function()(" in inspect.getsource(Learner.postprocess_gradients_for_module)
+    assert params(TorchLearner._get_clip_function) == []
+    apply = inspect.getsource(TorchLearner.apply_gradients)
+    for name in ("self._params[pid].grad", "self._lr_scheduler_classes", "self._grad_scalers",
+                 "self.config.torch_skip_nan_gradients", "optim.step()"):
+        assert name in apply, name
+    init = inspect.getsource(TorchLearner.__init__) + inspect.getsource(Learner.__init__)
+    assert "self._lr_scheduler_classes" in init and "self._params" in init
+    grads = [torch.full((2,), 3.0), torch.full((3,), float("inf"))]
+    assert [n.item() for n in torch._foreach_norm(grads, 2.0)] == [torch.full((2,), 3.0).norm().item(), float("inf")]
+    torch._foreach_mul_(grads, torch.tensor(0.5))
+    assert grads[0].tolist() == [1.5, 1.5]
+
+
 # Every private Ray/RLlib/Tune/Gymnasium/transformers name the project overrides or reads, each
 # pinned by a test above. RLlib's documented extension points (methods it marks
 # @OverrideToImplementCustomLogic, e.g. RLModule._forward_train) are not private in that sense.
@@ -125,7 +147,8 @@ PINNED = {
     "_grad_scalers", "_module_optimizers", "_logged",
     "_schedule_tracked_actor_task", "_tracked_actor", "_actor_task_events", "_tracked_futures",
     "_tracked_actors_to_task_futures", "_forward_hooks", "_forward_pre_hooks", "_foreach_copy_",
-    "_FilesystemSyncer", "_sync_up_command",
+    "_FilesystemSyncer", "_sync_up_command", "_get_clip_function", "_lr_scheduler_classes", "_params",
+    "_foreach_norm", "_foreach_mul_",
 }
 THIRD_PARTY_PRIVATE_OK = {"_model"}  # bert_score's scorer (env/rewards/bertscore.py), not Ray's or transformers'
 

@@ -36,6 +36,7 @@ from ray.rllib.core.columns import Columns
 
 from agents.algorithms.base import (REFERENCE_KL, AlgorithmSpec, DeclaredParams, RemoteRunnerStates, adam, candidates,
                                    pick, plain, rllib_fields, use_configured_lr)
+from agents.algorithms.gradients import FusedGradients
 from agents.algorithms.replay import WholeEpisodeReplayBuffer
 from agents.core import state_requested
 from agents.modules.actor_critic import reference_logp
@@ -46,7 +47,7 @@ REF_LOGP_MEAN = "ref_logp_mean"
 REPLAY_BUFFER = "replay_buffer"  # algorithm state key (dqn.checkpoint_buffer)
 
 
-class LMDQNTorchLearner(DQNTorchLearner):
+class LMDQNTorchLearner(FusedGradients, DQNTorchLearner):
     def build(self) -> None:
         super().build()
         self.ref_coef = float(self.config.ref_kl_coef)

@@ -28,6 +28,7 @@ from ray.rllib.core.columns import Columns
 
 from agents.algorithms.base import (REFERENCE_KL, DeclaredParams, Param, RemoteRunnerStates, adam, rllib_fields,
                                    use_configured_lr)
+from agents.algorithms.gradients import FusedGradients
 from agents.algorithms.kl_control import AdaptiveKLController, ReferenceKLPenalty
 from agents.algorithms.mle import ReferencePairs, reference_nll
 from agents.algorithms.sequence_batching import (
@@ -111,7 +112,7 @@ class LossScaler(torch.amp.GradScaler):
         super().__init__("cuda" if torch.cuda.is_available() else "cpu")
 
 
-class TokenLearner(PPOTorchLearner):
+class TokenLearner(FusedGradients, PPOTorchLearner):
     """RLlib's PPO learner with what every token-level loss here shares: the learner pipeline's
     edits (no bootstrap step for finished episodes, sequence ids, the reference-KL penalty before
     GAE), whole-sequence minibatches, the optimizer over trainable parameters, fp16's unscaling
