@@ -4,8 +4,8 @@ RLlib's TorchLearner handles gradients one tensor at a time: clipping by global 
 norm, a `nan_to_num` and a multiply per tensor, and `apply_gradients` asks
 `torch.isfinite(grad).all()` of every tensor twice (before setting it, and again before the
 optimizer steps). Each of those questions is a device-to-host sync, so on a GPU a GPT-2-small
-update (148 tensors) waited for the device about 300 times and spent about 50 of its 122 ms of
-host time in these loops (`benchmarks/ppo_profile.py --device cuda`, docs/results/gpu.md).
+update (150 tensors) waited for the device 313 times and spent 49.5 of its 122 ms of host
+time in these loops (`benchmarks/ppo_profile.py --device cuda`, docs/results/gpu.md).
 
 `FusedGradients` gives a learner the same arithmetic with foreach ops and one sync per update:
   * clipping by global norm: one `_foreach_norm`, the same `nan_to_num`s on the norms, one
