@@ -90,9 +90,15 @@ TOKEN_ENV = "token_generation"  # the name `make_token_env` is registered under 
 CARRY_EPISODES = "carry_episodes"  # env_config key: env_runners.carry_episodes (FastTokenEnvRunner)
 DECODE_BLOCK = "decode_block"  # env_config key: env_runners.decode_block (FastTokenEnvRunner)
 # env_runners.decode_block unset: module steps per env round trip where the module is on a GPU
-# (PPO at GPT-2-small shape on an H100, 20-token episodes: 1, 4, 8, 16 gave 10.2k, 15.3k, 12.6k,
-# 10.4k tokens/s, docs/results/gpu.md), one elsewhere (the CPU's sampled curves unchanged)
+# (PPO at GPT-2-small shape on an H100, 20-token episodes, one run each: sampling took 128, 93,
+# 99 and 142 ms per iteration at 1, 4, 8 and 16; docs/results/gpu.md), one elsewhere (the CPU's
+# sampled curves unchanged)
 GPU_DECODE_BLOCK = 4
+
+
+def decode_block_for(configured: int | None, device: torch.device) -> int:
+    """Module steps per env round trip: `env_runners.decode_block` where set, else by device."""
+    return configured or (GPU_DECODE_BLOCK if device.type == "cuda" else 1)
 SEEN_WINDOWS_MAX = 100_000  # windows remembered per weight version (for the restart schedule only)
 
 
@@ -361,7 +367,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         # ROW_CONTINUES stays on the CPU: the caches branch on it with no device sync
         batch = {Columns.OBS: {k: self._host.to_device(k, v, device) for k, v in obs.items()},
                  ROW_CONTINUES: torch.from_numpy(st.cont.copy())}
-        block = self._block or (GPU_DECODE_BLOCK if torch.device(device).type == "cuda" else 1)
+        block = decode_block_for(self._block, device)
         if explore and block > 1 and getattr(module, "can_act_in_blocks", lambda: False)():
             out = self._host.to_host(module.act_steps(batch, block))
             return [{k: v[j] for k, v in out.items()} for j in range(block)]

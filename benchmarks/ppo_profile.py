@@ -174,13 +174,17 @@ def profile_table(prof, cuda: bool) -> None:
 def rollout_path(algo) -> str:
     """Which decode path the EnvRunner's module took: the cache's class, the engine (captured or
     eager, its graphs) and the cache's row counts (rows stepped, prefilled, prefills computed)."""
-    module = algo.env_runner_group.local_env_runner.module
+    from agents.env_runner import decode_block_for
+
+    runner = algo.env_runner_group.local_env_runner
+    module = runner.module
+    block = f"decode block {decode_block_for(getattr(runner, '_block', 1), next(module.parameters()).device)}; "
     cache = getattr(module, "kv_cache", None)
     if cache is None:
-        return "no KV cache (every step recomputes the window)"
+        return block + "no KV cache (every step recomputes the window)"
     engine = getattr(cache, "engine", None)
     where = next(module.parameters())
-    desc = f"{type(cache).__name__} on {where.device} ({where.dtype})"
+    desc = block + f"{type(cache).__name__} on {where.device} ({where.dtype})"
     if engine is None:
         desc += ", no decode engine (the window cache's eager step)"
     else:

@@ -35,6 +35,7 @@ import tree
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from agents.config import algorithm_config, validate  # noqa: E402
+from agents.env_runner import decode_block_for  # noqa: E402
 from agents.models import DTYPES, build_causal_lm, build_tokenizer  # noqa: E402
 
 
@@ -247,7 +248,9 @@ def main():
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"model={args.model} vocab={args.vocab} batch={args.batch} prompt={args.prompt} new={args.new} "
-          f"threads={torch.get_num_threads()} device={args.device} precision={args.precision}", flush=True)
+          f"threads={torch.get_num_threads()} device={args.device} precision={args.precision} "
+          f"decode_block={decode_block_for(args.decode_block, torch.device(args.device))} (fast EnvRunner rows)",
+          flush=True)
     stored_stock, stored_fast, engine_report = [], [], {}
     paths = {  # label -> one-rep callable; reps run round-robin so every path sees the same machine state
         "a": ("(a) generate(), forced to --new tokens", generate_path(args, stop_at_eos=False)),

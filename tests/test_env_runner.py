@@ -254,6 +254,15 @@ def test_act_steps_equals_act_called_on_the_windows_the_env_would_give():
         runner.stop()
 
 
+def test_decode_block_unset_is_four_on_a_gpu_and_one_on_the_cpu():
+    from agents.env_runner import decode_block_for
+
+    assert validate(CAUSAL)["env_runners"]["decode_block"] is None
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert (decode_block_for(None, cuda), decode_block_for(None, cpu)) == (4, 1)
+    assert (decode_block_for(1, cuda), decode_block_for(2, cpu), decode_block_for(8, cuda)) == (1, 2, 8)
+
+
 def test_decode_block_with_the_stock_runner_is_refused_in_one_line():
     from agents.config import ConfigError
 

@@ -1,6 +1,6 @@
 """Gradient clipping and the finite-gradient check in fused ops (agents/algorithms/gradients.py):
-the same parameters as RLlib's per-tensor code, with one host read per update instead of two
-per tensor."""
+the same parameters as RLlib's per-tensor code, with one host read in `apply_gradients` instead
+of two per tensor."""
 import copy
 import math
 
@@ -14,7 +14,7 @@ from agents.algorithms.gradients import FusedGradients, all_finite, clip_gradien
 from agents.config import algorithm_config, load
 from tests.conftest import QUICKSTART
 
-HOST_READS = {"__bool__", "__float__", "__int__", "item", "tolist"}
+HOST_READS = {"__bool__", "__float__", "__int__", "__index__", "item", "tolist", "cpu", "numpy"}
 
 
 class HostReads(TorchFunctionMode):
@@ -57,6 +57,18 @@ def test_non_finite_gradients_clip_as_rllibs_and_fail_the_screen():
     assert all(torch.equal(ours[k].nan_to_num(), theirs[k].nan_to_num()) for k in ours)
     assert not all_finite(list(ours.values()))
     assert all_finite(list(_grads(2, 1.0).values())) and all_finite([])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_global_norm_clip_on_cuda_equals_rllibs_up_to_the_norms_summation_order():
+    ours = {k: g.cuda() for k, g in _grads(4, 50.0).items()}
+    theirs = {k: g.cuda() for k, g in _grads(4, 50.0).items()}
+    norm = clip_gradients(ours, grad_clip=1.0, grad_clip_by="global_norm")
+    ref = rllib_clip_gradients(theirs, grad_clip=1.0, grad_clip_by="global_norm")
+    torch.testing.assert_close(norm, ref, rtol=1e-5, atol=0)
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], rtol=1e-5, atol=1e-8)
+    assert all_finite(list(ours.values()))
 
 
 @pytest.mark.parametrize("mode", ["value", "norm"])

@@ -129,6 +129,13 @@ def test_clip_function_and_apply_gradients_hooks_used_by_the_fused_gradients():
     for name in ("self._params[pid].grad", "self._lr_scheduler_classes", "self._grad_scalers",
                  "self.config.torch_skip_nan_gradients", "optim.step()"):
         assert name in apply, name
+    # The fast path restates what RLlib's method does with finite gradients: any change to it (a
+    # metric, a hook) must be looked at, so its source is pinned whole.
+    import hashlib
+
+    assert hashlib.sha256(apply.encode()).hexdigest()[:16] == "5613837a71ab844f", (
+        "RLlib's TorchLearner.apply_gradients changed: re-check FusedGradients.apply_gradients "
+        "(agents/algorithms/gradients.py) against it, then update this hash")
     init = inspect.getsource(TorchLearner.__init__) + inspect.getsource(Learner.__init__)
     assert "self._lr_scheduler_classes" in init and "self._params" in init
     grads = [torch.full((2,), 3.0), torch.full((3,), float("inf"))]

@@ -7,14 +7,18 @@ optimizer steps). Each of those questions is a device-to-host sync, so on a GPU 
 update (150 tensors) waited for the device 313 times and spent 49.5 of its 122 ms of host
 time in these loops (`benchmarks/ppo_profile.py --device cuda`, docs/results/gpu.md).
 
-`FusedGradients` gives a learner the same arithmetic with foreach ops and one sync per update:
+`FusedGradients` gives a learner the same arithmetic with foreach ops and one host read in
+`apply_gradients` (RLlib's: two per tensor):
   * clipping by global norm: one `_foreach_norm`, the same `nan_to_num`s on the norms, one
-    `_foreach_mul_` (RLlib's other clip modes are RLlib's);
-  * `apply_gradients`: one screen of every gradient (the per-tensor norms are all finite exactly
-    when every element is, or a norm overflowed); when it passes, the gradients are set and the
-    optimizers step, which is what RLlib does with finite gradients. When it fails, and wherever
-    RLlib's method does more (a loss scaler, torch lr schedulers, `torch_skip_nan_gradients`),
-    RLlib's own `apply_gradients` runs, per tensor, warnings and `nan_to_num` included.
+    `_foreach_mul_` (RLlib's other clip modes are RLlib's). On the CPU the results equal RLlib's
+    bit for bit; on CUDA the fused norm kernel sums in another order, so the global norm (and
+    the clip factor) may differ in the last bits;
+  * `apply_gradients`: one screen of every gradient: every per-tensor norm is finite only if every
+    element is (a finite tensor whose norm overflows fails the screen too). When it passes, the
+    gradients are set and the optimizers step, which is what RLlib does with finite gradients.
+    When it fails, and wherever RLlib's method does more (a loss scaler, torch lr schedulers,
+    `torch_skip_nan_gradients`), RLlib's own `apply_gradients` decides, per tensor, warnings and
+    `nan_to_num` included.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ OVERFLOW = 10e8  # RLlib's `compute_global_norm` replaces +-inf norms by +-this
 
 def clip_gradients(gradients_dict: dict, *, grad_clip=None, grad_clip_by: str = "value"):
     """RLlib's `clip_gradients` (in place; returns the global norm for `global_norm`), with
-    `global_norm` computed and applied by foreach ops: the same values, no per-tensor loop."""
+    `global_norm` computed and applied by foreach ops, no per-tensor loop (RLlib's values on the
+    CPU; on CUDA up to the norm's summation order)."""
     if grad_clip is None or grad_clip_by != "global_norm":
         return rllib_clip_gradients(gradients_dict, grad_clip=grad_clip, grad_clip_by=grad_clip_by)
     grads = [g.detach() for g in gradients_dict.values() if g is not None]
