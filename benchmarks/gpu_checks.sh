@@ -12,7 +12,8 @@
 #   serve      serve_load.py, one replica on the CPU and one on the GPU (not yet run)
 #   ppo_profile  ppo_profile.py: a colocated PPO iteration's time by phase, host clock, synced and
 #              under torch.profiler (not yet run; about 1 minute on 2 CPU cores with the tiny model)
-# rollouts_bf16 and peer_bf16: the same with the rollouts' weights in bf16 (env_runners.precision).
+# rollouts_bf16 and peer_bf16: the same with the rollouts' weights in bf16 (env_runners.precision);
+# rollouts_tf32: fp32 weights with TF32 matmuls on every path (as a training run's process has them).
 # BLOCK=k runs rollouts, peer and ppo_profile with env_runners.decode_block k (k module steps per
 # env round trip; unset, the config's default: 4 on a GPU); their logs are then named <step>_block<k>.
 # Each step runs under its own time limit and writes its whole output to $OUT/<step>.log (OUT
@@ -49,10 +50,11 @@ for step in "${steps[@]}"; do
   case $step in
     tests) run tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_decode_engine.py tests/test_weight_sync.py \
              "tests/test_serve_batching.py::test_a_replica_on_a_gpu_writes_what_the_cpu_replica_writes" ;;
-    rollouts|rollouts_bf16) precision=$([ "$step" = rollouts ] && echo fp32 || echo bf16)
+    rollouts|rollouts_bf16|rollouts_tf32) precision=$([ "$step" = rollouts_bf16 ] && echo bf16 || echo fp32)
+             tf32=$([ "$step" = rollouts_tf32 ] && echo --tf32 || true)
              run "$step$tag" 200 $PY benchmarks/rollout_throughput.py --device cuda --batch 128 \
              --model gpt2-small-shaped --vocab 50257 --reps "${REPS:-3}" --precision "$precision" \
-             "${block_arg[@]}" ;;
+             $tf32 "${block_arg[@]}" ;;
     peer|peer_bf16) precision=$([ "$step" = peer ] && echo fp32 || echo bf16)
              run "$step$tag" 260 $PY benchmarks/peer_trl.py --device cuda --model gpt2-small-shaped --seconds 60 \
              --trl-lr 1e-4 --trl-steps-per-generation 2 --plot "$OUT/$step$tag.png" \
@@ -71,7 +73,7 @@ for step in "${steps[@]}"; do
              --requests 200 --stream off
            run serve_gpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
              --requests 200 --stream off --serve-args "--num-gpus 1" ;;
-    *) echo "unknown step: $step (tests captured rollouts rollouts_bf16 peer peer_bf16 weights profile ppo_profile serve)" >&2
+    *) echo "unknown step: $step (tests captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 weights profile ppo_profile serve)" >&2
        exit 2 ;;
   esac
 done

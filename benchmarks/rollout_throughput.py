@@ -244,11 +244,14 @@ def main():
     p.add_argument("--decode-block", type=int, default=None,
                    help="the fast EnvRunner rows' env_runners.decode_block (module steps per env round trip; "
                         "default: the config's, 4 on a GPU and 1 on the CPU)")
+    p.add_argument("--tf32", action="store_true",
+                   help="TF32 matmuls for every path (what training.precision auto turns on for a GPU run's process)")
     p.add_argument("--profile", action="store_true", help="also profile the stock cached path, by area")
     args = p.parse_args()
     torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
     print(f"model={args.model} vocab={args.vocab} batch={args.batch} prompt={args.prompt} new={args.new} "
-          f"threads={torch.get_num_threads()} device={args.device} precision={args.precision} "
+          f"threads={torch.get_num_threads()} device={args.device} precision={args.precision} tf32={args.tf32} "
           f"decode_block={decode_block_for(args.decode_block, torch.device(args.device))} (fast EnvRunner rows)",
           flush=True)
     stored_stock, stored_fast, engine_report = [], [], {}
