@@ -114,6 +114,7 @@ def test_ppo_profile_times_every_phase_of_a_short_run_and_names_the_decode_path(
     assert all(total > 0 and calls > 0 for total, _, calls in rows.values()), host
     own = sum(o for _, o, _ in rows.values())
     assert abs(own - rows["iteration"][0]) < 0.02 * rows["iteration"][0] + 0.05, host  # own times add up
-    assert re.search(r"rollout path: RingKVCache on cpu .*decode engine 128 rows", out.stdout), out.stdout
+    assert re.search(r"rollout path: decode block 2; RingKVCache on cpu .*decode engine 128 rows", out.stdout), \
+        out.stdout
     act = re.search(r"^  act +(\d+) +(\d+) ", out.stdout.split("== torch.profiler", 1)[1], re.M)
     assert act and int(act[1]) > 0 and int(act[2]) > 0, out.stdout
