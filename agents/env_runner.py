@@ -89,6 +89,7 @@ SEED_STRIDE = 1_000_003  # far apart from the per-sub-env (+i) and per-EnvRunner
 TOKEN_ENV = "token_generation"  # the name `make_token_env` is registered under (ray.tune.register_env)
 CARRY_EPISODES = "carry_episodes"  # env_config key: env_runners.carry_episodes (FastTokenEnvRunner)
 DECODE_BLOCK = "decode_block"  # env_config key: env_runners.decode_block (FastTokenEnvRunner)
+SEEN_WINDOWS_MAX = 100_000  # windows remembered per weight version (for the restart schedule only)
 # env_runners.decode_block unset: module steps per env round trip where the module is on a GPU
 # (PPO at GPT-2-small shape on an H100, 20-token episodes, one run each: sampling took 128, 93,
 # 99 and 142 ms per iteration at 1, 4, 8 and 16; docs/results/gpu.md), one elsewhere (the CPU's
@@ -99,7 +100,6 @@ GPU_DECODE_BLOCK = 4
 def decode_block_for(configured: int | None, device: torch.device) -> int:
     """Module steps per env round trip: `env_runners.decode_block` where set, else by device."""
     return configured or (GPU_DECODE_BLOCK if device.type == "cuda" else 1)
-SEEN_WINDOWS_MAX = 100_000  # windows remembered per weight version (for the restart schedule only)
 
 
 class _SeededRunnerMixin:
