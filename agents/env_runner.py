@@ -102,6 +102,13 @@ def decode_block_for(configured: int | None, device: torch.device) -> int:
     return configured or (GPU_DECODE_BLOCK if device.type == "cuda" else 1)
 
 
+def runner_decode_block(runner) -> int:
+    """The module steps per env round trip an EnvRunner takes while exploring (the stock one: 1)."""
+    if not isinstance(runner, FastTokenEnvRunner) or runner.module is None:
+        return 1
+    return decode_block_for(runner._block, next(runner.module.parameters()).device)
+
+
 class _SeededRunnerMixin:
     """Module building that leaves the process's generators alone, per-EnvRunner rollout
     seeds, and the generators' and env's states in `get_state`/`set_state`."""

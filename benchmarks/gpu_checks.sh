@@ -4,14 +4,16 @@
 # Steps (default: tests rollouts peer weights), with their wall time on 2026-11-26 (one H100; the
 # machine's start took about 30 s more):
 #   tests      the CUDA-only tests and their files (79 s)
-#   captured   only the test that the captured CUDA graph step gives the eager step's tokens
-#   rollouts   rollout_throughput.py at GPT-2-small shape, batch 128, --reps ${REPS:-3} (97 s)
-#   peer       peer_trl.py on cuda, 60 s each side (150-156 s)
+#   captured   the tests that the captured CUDA graph step and a block of steps give the eager
+#              steps' tokens (23 s)
+#   rollouts   rollout_throughput.py at GPT-2-small shape, batch 128, --reps ${REPS:-3} (97 s; 100 s
+#              at --reps 2)
+#   peer       peer_trl.py on cuda, 60 s each side (150-158 s)
 #   weights    weight_sync.py, colocated and one remote EnvRunner (32 + 44 s)
 #   profile    decode_step_profile.py: the step by precision, its kernels, a restart step's ops (98 s)
 #   serve      serve_load.py, one replica on the CPU and one on the GPU (not yet run)
 #   ppo_profile  ppo_profile.py: a colocated PPO iteration's time by phase, host clock, synced and
-#              under torch.profiler (not yet run; about 1 minute on 2 CPU cores with the tiny model)
+#              under torch.profiler (36-45 s)
 # rollouts_bf16 and peer_bf16: the same with the rollouts' weights in bf16 (env_runners.precision);
 # rollouts_tf32: fp32 weights with TF32 matmuls on every path (as a training run's process has them).
 # BLOCK=k runs rollouts, peer and ppo_profile with env_runners.decode_block k (k module steps per

@@ -99,7 +99,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from agents.config import algorithm_config, env_config, load  # noqa: E402
-from agents.env_runner import decode_block_for  # noqa: E402
+from agents.env_runner import runner_decode_block  # noqa: E402
 
 # transformers 5.23 renames gradient_checkpointing; TRL 1.16 still passes the old name.
 warnings.filterwarnings("ignore", message=".*deprecated and will be removed in v6.*", category=FutureWarning)
@@ -381,7 +381,7 @@ def run_project(cfg: dict, seconds: float, threads: int, device: str = "cpu") ->
         runner = algo.env_runner_group.local_env_runner
         module_cls, learner_cls = type(runner.module), algo.config.learner_class
         print(f"  [project] rollouts on {next(runner.module.parameters()).device}, decode block "
-              f"{decode_block_for(getattr(runner, '_block', 1), next(runner.module.parameters()).device)}", flush=True)
+              f"{runner_decode_block(runner)}", flush=True)
         phases.wrap(module_cls, "act", "generation")
         if hasattr(module_cls, "act_steps"):  # env_runners.decode_block > 1: k steps per call
             phases.wrap(module_cls, "act_steps", "generation")

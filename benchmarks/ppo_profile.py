@@ -174,11 +174,11 @@ def profile_table(prof, cuda: bool) -> None:
 def rollout_path(algo) -> str:
     """Which decode path the EnvRunner's module took: the cache's class, the engine (captured or
     eager, its graphs) and the cache's row counts (rows stepped, prefilled, prefills computed)."""
-    from agents.env_runner import decode_block_for
+    from agents.env_runner import runner_decode_block
 
     runner = algo.env_runner_group.local_env_runner
     module = runner.module
-    block = f"decode block {decode_block_for(getattr(runner, '_block', 1), next(module.parameters()).device)}; "
+    block = f"decode block {runner_decode_block(runner)}; "
     cache = getattr(module, "kv_cache", None)
     if cache is None:
         return block + "no KV cache (every step recomputes the window)"
