@@ -4,7 +4,7 @@ the one-request-at-a-time path and continuous batching side by side.
     .venv/bin/python benchmarks/serve_load.py [--replicas 1 2] [--batch-rows 0 16] [--clients 1 4 16 64]
         [--requests 200] [--route completions|generate] [--stream auto|on|off] [--max-tokens 20] [--n 1]
         [--bad-every K] [--checkpoint PATH | --url URL] [--num-cpus 0.5] [--serve-args "--max-queue 64"]
-        [--kill-replica-after S [--recovery-timeout 180]]
+        [--kill-replica-after S [--recovery-timeout 180]] [--ingress proxy direct]
 
 Servers. Without --url it starts `python -m agents.serve` once per pair of a --replicas value and a
 --batch-rows value (`--num-replicas R --batch-rows B`, then --serve-args; a private Ray instance on
@@ -20,6 +20,13 @@ sends to a running server (its /generate URL or the base URL) and starts nothing
 --checkpoint, --serve-args and --kill-replica-after cannot be given with it (--replicas is
 ignored), and its runs are labelled "external" (with the batch rows its GET /generate reports).
 --serve-args must not set --batch-rows or --num-replicas (use this script's flags).
+
+Ingress. `--ingress proxy` (the default) sends every request to the server's --port, Serve's
+proxy, which spreads them over the replicas. `--ingress direct` starts the server with
+`--direct-port` and sends to the replicas' own ports instead (Serve's direct ingress: no proxy
+hop); with several replicas, client k talks to replica k mod R. Both values: each server once per
+ingress, so the two are measured in one invocation. A kill (--kill-replica-after) goes with
+`proxy` only: a direct port has no failover to measure.
 
 Requests. Each of --clients threads keeps one HTTP/1.1 connection (http.client, loopback) and
 takes the next request until --requests have been sent: POST /v1/completions (prompt "3 7 12",
@@ -90,7 +97,7 @@ import threading
 import time
 import urllib.parse
 
-from agents.serve.launch import ServeProcess, untrained_checkpoint
+from agents.serve.launch import ServeProcess, free_port, untrained_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "3 7 12"
@@ -242,16 +249,18 @@ def describe(base: str, timeout: float) -> dict | None:
         conn.close()
 
 
-def run_load(base: str, args, clients: int, stream: bool, server_pid: int | None = None) -> dict:
+def run_load(base: str | list[str], args, clients: int, stream: bool, server_pid: int | None = None) -> dict:
     """Sends --requests requests from `clients` threads (with --kill-replica-after, kills a
-    replica of the server `server_pid` on the way); the figures of the run."""
-    url = urllib.parse.urlsplit(base)
+    replica of the server `server_pid` on the way); the figures of the run. With several base
+    URLs (the replicas' own ports), client k sends to the k-th of them (round robin)."""
+    bases = [base] if isinstance(base, str) else base
+    url = urllib.parse.urlsplit(bases[0])
     prefix = url.path.rstrip("/")
     counter, lock = iter(range(10**9)), threading.Lock()
     records: list[dict] = []
     kill: dict = {}  # at (s into the timed part), pid, replicas (that answered before it)
 
-    def client(numbers):
+    def client(numbers, base):
         conn = connect(base, args.timeout)
         for i in numbers:
             bad = args.bad_every and (i + 1) % args.bad_every == 0
@@ -308,7 +317,7 @@ def run_load(base: str, args, clients: int, stream: bool, server_pid: int | None
         print(f"  killed replica process {pids[0]} at {kill['at']:.1f} s ({len(pids)} replica processes)", flush=True)
 
     load_before = os.getloadavg()
-    threads = [threading.Thread(target=client, args=(numbers(),)) for _ in range(clients)]
+    threads = [threading.Thread(target=client, args=(numbers(), bases[k % len(bases)])) for k in range(clients)]
     t0 = start = time.perf_counter()
     killer = None
     if args.kill_replica_after is not None:
@@ -382,16 +391,17 @@ def table(columns, rows: list[str]) -> str:
 
 
 def ratios(runs: list[dict]) -> list[str]:
-    """Per replicas and clients value and batch rows B > 0: req/s and p95 latency of B over 0."""
-    base = {(r["replicas"], r["clients"]): r["result"] for r in runs if r["batch_rows"] == 0}
+    """Per replicas, ingress and clients value and batch rows B > 0: req/s and p95 latency of B over 0."""
+    base = {(r["replicas"], r["ingress"], r["clients"]): r["result"] for r in runs if r["batch_rows"] == 0}
     out = []
     for r in runs:
-        zero = base.get((r["replicas"], r["clients"]))
+        zero = base.get((r["replicas"], r["ingress"], r["clients"]))
         if not r["batch_rows"] or zero is None:
             continue
         rps = r["result"]["req_per_s"] / zero["req_per_s"] if zero["req_per_s"] else float("nan")
         p95 = r["result"]["p95_ms"] / zero["p95_ms"] if zero["p95_ms"] else float("nan")
-        out.append(f"| {r['replicas']} | {r['batch_rows']} vs 0 | {r['clients']} | {rps:.2f} | {p95:.2f} |")
+        out.append(f"| {r['replicas']} | {r['ingress']} | {r['batch_rows']} vs 0 | {r['clients']} | {rps:.2f} "
+                   f"| {p95:.2f} |")
     return out
 
 
@@ -421,6 +431,9 @@ def main(argv=None) -> int:
                         help="seconds a request may take, a streamed one to its end (default 120)")
     parser.add_argument("--kill-replica-after", type=float, default=None, metavar="S",
                         help="kill one replica's process S seconds into each timed run (default: no kill)")
+    parser.add_argument("--ingress", choices=("proxy", "direct"), nargs="+", default=["proxy"],
+                        help="send to Serve's proxy (--port; default) or to the replicas' own ports "
+                             "(agents.serve --direct-port); both: each server once per value")
     parser.add_argument("--recovery-timeout", type=float, default=180,
                         help="with a kill: seconds to keep sending for the replacement replica (default 180)")
     args = parser.parse_args(argv)
@@ -433,7 +446,11 @@ def main(argv=None) -> int:
         parser.error("--bad-every and --warmup must be >= 0, --replicas >= 1")
     if not args.timeout > 0:
         parser.error("--timeout must be > 0")
+    if args.kill_replica_after is not None and "direct" in args.ingress:
+        parser.error("--kill-replica-after measures Serve's failover through its proxy: give --ingress proxy")
     if args.url:
+        if args.ingress != ["proxy"]:
+            parser.error("--url sends to a running server; --ingress is for servers this script starts")
         given = [flag for flag, value in (("--batch-rows", args.batch_rows), ("--checkpoint", args.checkpoint),
                                           ("--serve-args", args.serve_args),
                                           ("--kill-replica-after", args.kill_replica_after)) if value]
@@ -447,7 +464,8 @@ def main(argv=None) -> int:
         if min(args.batch_rows) < 0:
             parser.error("--batch-rows must be >= 0 (0: one request at a time)")
         served = shlex.split(args.serve_args)
-        for flag, ours in (("--batch-rows", "--batch-rows"), ("--num-replicas", "--replicas")):
+        for flag, ours in (("--batch-rows", "--batch-rows"), ("--num-replicas", "--replicas"),
+                           ("--direct-port", "--ingress direct")):
             if any(a == flag or a.startswith(flag + "=") for a in served):
                 parser.error(f"--serve-args must not set {flag}: give this script's {ours} instead")
     if args.kill_replica_after is not None and args.kill_replica_after < 0:
@@ -465,14 +483,14 @@ def main(argv=None) -> int:
     rows, runs, notes, failed = [], [], [], False
     with tempfile.TemporaryDirectory() as tmp:
         if args.url:
-            targets = [(None, None)]
+            targets = [(None, None, "proxy")]
         else:
-            targets = [(n, b) for n in args.replicas for b in args.batch_rows]
+            targets = [(n, b, i) for n in args.replicas for i in args.ingress for b in args.batch_rows]
         quickstart = os.path.join(ROOT, "tune_configs", "quickstart.yaml")
         # the tiny policy's env.max_new_tokens: the quickstart's 20, or --max-tokens where that is more
         checkpoint = None if args.url else (args.checkpoint or untrained_checkpoint(
             quickstart, os.path.join(tmp, "tiny"), [f"env.max_new_tokens={max(20, args.max_tokens)}"]))
-        for replicas, batch_rows in targets:
+        for replicas, batch_rows, ingress in targets:
             server = None
             try:
                 if args.url:
@@ -481,18 +499,24 @@ def main(argv=None) -> int:
                     batch_rows = info.get("batch_rows")
                     label = "external" + (f", {batch_rows} rows" if batch_rows is not None else "")
                 else:
+                    direct = ("--direct-port", str(free_port(replicas))) if ingress == "direct" else ()
                     server = ServeProcess(checkpoint, "--num-replicas", str(replicas), "--batch-rows", str(batch_rows),
                                           "--num-cpus", str(args.num_cpus), "--max-samples", str(max(16, args.n)),
-                                          *shlex.split(args.serve_args), cwd=ROOT)
+                                          *direct, *shlex.split(args.serve_args), cwd=ROOT)
                     base = server.base
-                    label = f"{replicas} repl., {batch_rows} rows"
+                    label = f"{replicas} repl., {batch_rows} rows" + (", direct" if direct else "")
+                    if direct and len(server.direct) != replicas:
+                        raise RuntimeError(f"{len(server.direct)} of {replicas} replicas' own ports answered:\n"
+                                           f"{server.output()}")
                 stream = args.route == "completions" and (args.stream == "on"
                                                           or (args.stream == "auto" and bool(batch_rows)))
-                warm_up(base, args, stream)
+                sent_to = server.direct if server and server.direct else [base]
+                for url in sent_to:
+                    warm_up(url, args, stream)
                 for clients in args.clients:
-                    result = run_load(base, args, clients, stream, server.proc.pid if server else None)
-                    runs.append({"replicas": replicas, "batch_rows": batch_rows, "clients": clients,
-                                 "result": result})
+                    result = run_load(sent_to, args, clients, stream, server.proc.pid if server else None)
+                    runs.append({"replicas": replicas, "batch_rows": batch_rows, "ingress": ingress,
+                                 "clients": clients, "result": result})
                     rows.append(row(label, stream, clients, result, args.route))
                     print(rows[-1], flush=True)
                     if batch_rows:
@@ -543,9 +567,9 @@ def main(argv=None) -> int:
         print("\n" + "\n".join(f"- {note}" for note in notes))
     compared = ratios(runs)
     if compared:
-        print("\nbatching vs one request at a time (same replicas and clients): req/s ratio (above 1: more "
-              "throughput), p95 latency ratio (below 1: faster)\n"
-              + table(("replicas", "batch rows", "clients", "req/s ratio", "p95 ratio"), compared))
+        print("\nbatching vs one request at a time (same replicas, ingress and clients): req/s ratio (above 1: "
+              "more throughput), p95 latency ratio (below 1: faster)\n"
+              + table(("replicas", "ingress", "batch rows", "clients", "req/s ratio", "p95 ratio"), compared))
     return 1 if failed else 0
 
 

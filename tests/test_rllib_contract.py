@@ -309,6 +309,29 @@ def test_serve_proxy_grpc_switch_used_by_the_policy_server():
     assert "_by_reference=not RAY_SERVE_PROXY_USE_GRPC" in inspect.getsource(default_impl.get_proxy_handle)
 
 
+def test_serve_direct_ingress_settings_used_by_the_policy_server():
+    # agents/serve/cli.py --direct-port: the environment `direct_ingress_env` gives the private Ray
+    # instance is what Serve's constants read (a port range whose end is exclusive, no quarantine,
+    # no minimum drain)
+    import os
+    import subprocess
+    import sys
+
+    from agents.serve.cli import direct_ingress_env
+    from ray.serve._private import node_port_manager
+
+    env = direct_ingress_env(31234, 2)
+    names = ["RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "RAY_SERVE_PORT_QUARANTINE_S",
+             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"]
+    assert sorted(env) == sorted(names)
+    read = f"import ray.serve._private.constants as c; print([getattr(c, n) for n in {names!r}])"
+    out = subprocess.run([sys.executable, "-c", read], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=120).stdout.strip()
+    assert out == "[True, 31234, 31236, 0.0, 0.0]", out
+    assert "list(range(min_port, max_port))" in inspect.getsource(node_port_manager.PortAllocator.__init__)
+
+
 def test_tune_storage_sync_up_command_replaced_for_local_storage_paths():
     # agents/workarounds.py upload_whole_files_to_local_storage: Tune's background copy of the
     # experiment to the storage path runs the (function, kwargs) that _sync_up_command returns

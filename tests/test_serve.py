@@ -341,12 +341,21 @@ def test_replica_flags_give_serves_options_and_bad_combinations_are_refused_in_o
                        (["--batch-rows", "4", "--max-queue", "2"], "--max-queue"),  # 16 samples never fit
                        (["--num-gpus", "-1"], "--num-gpus"), (["--num-gpus", "-0.5"], "--num-gpus"),
                        (["--num-gpus", "1.5"], "--num-gpus"),
-                       (["--route-prefix", "api"], "--route-prefix")]:
+                       (["--route-prefix", "api"], "--route-prefix"),
+                       (["--direct-port", "8000"], "--direct-port"),  # --port's default
+                       (["--direct-port", "65535", "--num-replicas", "2"], "--direct-port")]:
         with pytest.raises(SystemExit) as e:
             main(["--checkpoint", checkpoint, *argv])
         assert e.value.code == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith(f"python -m agents.serve: error: {flag}"), (argv, last)
+    os.environ["RAY_ADDRESS"] = "127.0.0.1:6379"  # Serve's direct ports are set where Ray starts
+    try:
+        with pytest.raises(SystemExit):
+            main(["--checkpoint", checkpoint, "--direct-port", "30000"])
+    finally:
+        del os.environ["RAY_ADDRESS"]
+    assert "--direct-port needs the private local Ray instance" in capsys.readouterr().err
 
 
 # -- serving --------------------------------------------------------------------------------
@@ -509,12 +518,16 @@ def test_serve_cli_refuses_a_taken_port_and_a_path_without_a_policy(checkpoint, 
              "sys.exit(c.main(sys.argv[1:]))", "--checkpoint", checkpoint, "--port", str(port),
              "--num-replicas", "1", "--num-cpus", "0.5"],
             cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
+        direct = run("agents.serve", "--checkpoint", checkpoint, "--port", str(free_port()),
+                     "--direct-port", str(port), timeout=120)
     for refused in (taken, raced):
         assert refused.returncode == 2, refused.stderr[-2000:]
         error = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
         assert error == [f"error: --port: cannot listen on 127.0.0.1:{port} (Address already in use)"], \
             refused.stderr[-2000:]
     assert len(taken.stderr.strip().splitlines()) == 1
+    assert direct.returncode == 2
+    assert direct.stderr.strip() == f"error: --direct-port: cannot listen on 127.0.0.1:{port} (Address already in use)"
     missing = run("agents.serve", "--checkpoint", str(tmp_path), "--port", str(free_port()), timeout=120)
     assert missing.returncode == 2
     assert missing.stderr.strip().startswith("error: --checkpoint:")

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from agents.serve.launch import free_port
 from tests.conftest import write_jsonl
 from tests.test_serve import start_server as start
 
@@ -50,13 +51,38 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(checkpoint, tmp_path_factory):
-    server = start(checkpoint, tmp_path_factory.mktemp("serve"))
+def server(checkpoint, tmp_path_factory):
+    """One replica, reached through Serve's proxy (--port) and on its own port (--direct-port)."""
+    server = start(checkpoint, tmp_path_factory.mktemp("serve"), "--direct-port", str(free_port()))
     try:
-        base = server.url.rsplit("/generate", 1)[0]
-        yield openai.OpenAI(base_url=f"{base}/v1", api_key="-", max_retries=0, timeout=60)
+        yield server
     finally:
         server.kill()
+
+
+@pytest.fixture(scope="module", params=["proxy", "direct"])
+def client(server, request):
+    """The OpenAI client pointed at Serve's proxy, or at the replica's own port: the same routes."""
+    if request.param == "direct":
+        assert len(server.direct) == 1 and server.direct[0] != server.base, server.output()
+    base = server.direct[0] if request.param == "direct" else server.base
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="-", max_retries=0, timeout=60)
+
+
+@pytest.mark.slow
+def test_the_replicas_own_port_answers_as_the_proxy_does(server):
+    """The same request by both ways in: the same completion, from the same replica."""
+    import json
+    import urllib.request
+
+    def post(base):
+        body = json.dumps({"prompt": "3 4", "max_tokens": 8, "seed": 5, "n": 2}).encode()
+        with urllib.request.urlopen(urllib.request.Request(f"{base}/v1/completions", data=body, headers={
+                "Content-Type": "application/json"}), timeout=60) as r:
+            return r.headers["X-Replica"], [c["text"] for c in json.loads(r.read())["choices"]]
+
+    via_proxy, direct = post(server.base), post(server.direct[0])
+    assert via_proxy == direct and via_proxy[0]
 
 
 @pytest.mark.slow

@@ -50,6 +50,15 @@ def untrained_checkpoint(config: str, path: str, overrides=()) -> str:
 _HANDED_OUT: set[int] = set()
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def _ephemeral_range() -> tuple[int, int]:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
@@ -59,9 +68,9 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now, not handed out before by this process.
-    It is drawn from 20000 up to the system's ephemeral range, which is where nothing else picks
+def free_port(count: int = 1) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, not handed out before by this process
+    (with `count` > 1: the first of `count` such ports in a row, as `--direct-port` takes). It is drawn from 20000 up to the system's ephemeral range, which is where nothing else picks
     ports at random: the system's own picks (a `bind` to port 0, as Ray's processes do for their
     agents and metrics as they start) come from the ephemeral range, and Ray's workers take
     10002-19999. A port from the ephemeral range could be taken by a starting Ray instance between
@@ -70,15 +79,13 @@ def free_port() -> int:
     candidates = list(range(low, high + 1)) if high > low else []
     random.SystemRandom().shuffle(candidates)  # not the seeded global generator
     for port in candidates[:200]:
-        if port in _HANDED_OUT:
+        run = range(port, port + count)
+        if run[-1] > high or any(p in _HANDED_OUT or not _bindable(p) for p in run):
             continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
+        _HANDED_OUT.update(run)
         return port
+    if count > 1:
+        raise RuntimeError(f"no {count} free ports in a row found in {low}-{high}")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the ephemeral range
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -120,8 +127,9 @@ class ServeProcess:
     """`python -m agents.serve --checkpoint CHECKPOINT --host HOST --port PORT ARGS...` in its own
     process group (with the Ray processes it starts) and a private local Ray instance (RAY_ADDRESS
     is not passed on); `port` defaults to a free one. Waits up to `start_timeout` seconds for the
-    line with its URL: `url` is the /generate URL, `base` the URL without a route. A server that has
-    not started by then is stopped, and RuntimeError carries its output. Its stdout is read into
+    line with its URL: `url` is the /generate URL, `base` the URL without a route; with
+    `--direct-port` in `args`, `direct` lists the base URLs of the replicas' own ports (else it is
+    empty). A server that has not started by then is stopped, and RuntimeError carries its output. Its stdout is read into
     `lines` (an `OutputLines`), its stderr written to `stderr_path` (default: a temporary file)."""
 
     def __init__(self, checkpoint: str, *args: str, host: str = "127.0.0.1", port: int | None = None,
@@ -133,6 +141,8 @@ class ServeProcess:
             self._start(checkpoint, args, host, cwd)
             try:
                 self.base = self.wait_for(r"at (http://\S+)/generate", start_timeout).group(1)
+                self.direct = (re.findall(r"http://\S+", self.wait_for(r"replicas' own ports.*", 90).group(0))
+                               if "--direct-port" in args else [])
                 break
             except RuntimeError:
                 taken = "--port: cannot listen" in self.output()
