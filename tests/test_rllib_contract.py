@@ -311,14 +311,15 @@ def test_serve_proxy_grpc_switch_used_by_the_policy_server():
 
 def test_serve_direct_ingress_settings_used_by_the_policy_server():
     # agents/serve/cli.py --direct-port: the environment `direct_ingress_env` gives the private Ray
-    # instance is what Serve's constants read (a port range whose end is exclusive, no quarantine,
-    # no minimum drain)
+    # instance is what Serve's constants read (a port range whose end is exclusive, a freed port's
+    # rest, no minimum drain), and Serve still binds a replica's port without SO_REUSEADDR (why
+    # the rest is longer than TCP's TIME_WAIT)
     import os
     import subprocess
     import sys
 
     from agents.serve.cli import direct_ingress_env
-    from ray.serve._private import node_port_manager
+    from ray.serve._private import node_port_manager, replica
 
     env = direct_ingress_env(31234, 2)
     names = ["RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
@@ -328,8 +329,9 @@ def test_serve_direct_ingress_settings_used_by_the_policy_server():
     read = f"import ray.serve._private.constants as c; print([getattr(c, n) for n in {names!r}])"
     out = subprocess.run([sys.executable, "-c", read], env={**os.environ, **env}, capture_output=True, text=True,
                          timeout=120).stdout.strip()
-    assert out == "[True, 31234, 31236, 0.0, 0.0]", out
+    assert out == "[True, 31234, 31236, 65.0, 0.0]", out
     assert "list(range(min_port, max_port))" in inspect.getsource(node_port_manager.PortAllocator.__init__)
+    assert "enable_so_reuseport=False" in inspect.getsource(replica.Replica._maybe_start_direct_ingress_servers)
 
 
 def test_tune_storage_sync_up_command_replaced_for_local_storage_paths():

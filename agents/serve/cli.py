@@ -25,15 +25,17 @@ Serve controller and HTTP proxy none; on a local instance, replicas to start
 that need more CPUs than it has are refused before deploying.
 
 Direct ports: `--direct-port P` has each replica serve the same routes itself on its own
-port as well, P, P+1, ... (one per replica; with autoscaling, up to --max-replicas), through
+port as well, P, P+1, ... (one per replica, printed when they answer), through
 Serve's direct ingress: the request goes straight to the replica's HTTP server, with no hop
 through Serve's proxy and no Ray call per request for its body. That is the fast path for a
-client that talks to one replica (on 2 CPU cores, 1.7x the req/s through the proxy with 16
+client that talks to one replica (on 2 CPU cores, 1.4-1.7x the req/s through the proxy with 16
 clients: docs/results/serving.md), or for a load balancer of the user's own in front of the
 replicas. `--port` stays the load-balanced front door: it spreads requests over the replicas and
-routes around a replica that died, which a direct port cannot (a killed replica's port refuses
-connections until Serve's replacement takes it over). Local Ray only: these ports are set when
-the private Ray instance starts.
+routes around a replica that died, which a direct port cannot: a killed replica's port refuses
+connections, and Serve's replacement comes up on another port of the range held for them,
+P to P + 2R - 1 for R replicas (R = --max-replicas with autoscaling), a freed port resting 65 s
+before it is handed out again. Local Ray only: these ports are set when the private Ray instance
+starts.
 
 Ports: Serve's HTTP proxy listens on `--port` and the dashboard on
 `--dashboard-port`; both are checked before Ray starts (an address in use is a
@@ -63,22 +65,26 @@ APP_NAME = "policy"
 SERVE_PROXY_GRPC = "RAY_SERVE_PROXY_USE_GRPC"  # read by Serve's proxy: gRPC to the replicas ("1")
 
 
-def direct_ingress_env(first_port: int, replicas: int) -> dict:
+PORT_REST_S = 65  # a replica's freed port rests this long before another replica may take it
+
+
+def direct_ingress_env(first_port: int, ports: int) -> dict:
     """The environment Serve reads (in its controller and replicas, when they start) to have each
-    ingress replica serve HTTP itself on one of `replicas` ports from `first_port` on. A freed
-    port goes back to the pool at once (no quarantine: no load balancer here holds it), so a
-    replica's replacement takes the port it had; a replica stopping drains for no minimum time
-    (Serve's default waits 30 s for an external load balancer to deregister it)."""
+    ingress replica serve HTTP itself on one of `ports` ports from `first_port` on (Serve hands
+    out the lowest free one). A replica's freed port rests `PORT_REST_S` seconds first: Serve
+    binds without SO_REUSEADDR, so the port's connections in TCP's TIME_WAIT (60 s) would make a
+    replacement's bind fail, and Serve would then block the port for good. A replica stopping
+    drains for no minimum time (Serve's default waits 30 s for an outside load balancer)."""
     return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first_port),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first_port + replicas),  # exclusive
-            "RAY_SERVE_PORT_QUARANTINE_S": "0",
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first_port + ports),  # exclusive
+            "RAY_SERVE_PORT_QUARANTINE_S": str(PORT_REST_S),
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
 
 
-def listening_ports(host: str, ports, timeout: float) -> list[int]:
+def listening_ports(host: str, ports, want: int, timeout: float) -> list[int]:
     """Those of `ports` that accept a TCP connection on `host`, waiting up to `timeout` seconds
-    for at least one (a replica starts its own server as it finishes starting)."""
+    for `want` of them (a replica starts its own server as it finishes starting)."""
     deadline = time.time() + timeout
     while True:
         found = []
@@ -88,7 +94,7 @@ def listening_ports(host: str, ports, timeout: float) -> list[int]:
                 found.append(port)
             except OSError:
                 pass
-        if found or time.time() > deadline:
+        if len(found) >= want or time.time() > deadline:
             return found
         time.sleep(0.2)
 
@@ -185,14 +191,14 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
     start = autoscaling["initial_replicas"] if autoscaling else replicas["num_replicas"]
     direct_ports = []
     if args.direct_port is not None:
-        direct_ports = list(range(args.direct_port, args.direct_port + (
+        # two ports per replica: a replacement starts on a spare one while its predecessor's rests
+        direct_ports = list(range(args.direct_port, args.direct_port + 2 * (
             autoscaling["max_replicas"] if autoscaling else start)))
+        held = f"ports {args.direct_port}-{direct_ports[-1]} (two per replica, for replacements)"
         if not (1 <= args.direct_port and direct_ports[-1] <= 65535):
-            parser.error(f"--direct-port: ports {args.direct_port}-{direct_ports[-1]} (one per replica) must be "
-                         f"in [1, 65535]")
+            parser.error(f"--direct-port: {held} must be in [1, 65535]")
         if args.port in direct_ports or args.dashboard_port in direct_ports:
-            parser.error(f"--direct-port: ports {args.direct_port}-{direct_ports[-1]} (one per replica) overlap "
-                         f"--port or --dashboard-port")
+            parser.error(f"--direct-port: {held} overlap --port or --dashboard-port")
         if os.environ.get("RAY_ADDRESS"):
             parser.error("--direct-port needs the private local Ray instance (without RAY_ADDRESS): Serve reads "
                          "its direct ports when Ray starts; on a cluster, start Ray with "
@@ -279,9 +285,10 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
         print(f"  OpenAI completions: {base}/v1/completions (chat: {base}/v1/chat/completions); "
               f"API docs: {base}/docs; {scaling}; {batching}", flush=True)
         if direct_ports:
-            up = listening_ports(args.host, direct_ports, timeout=60)
+            up = listening_ports(args.host, direct_ports, want=start, timeout=60)
             print("  replicas' own ports (no proxy hop, no load balancing): "
-                  + (" ".join(f"http://{args.host}:{p}{prefix}" for p in up) or "none answered within 60 s"),
+                  + (" ".join(f"http://{args.host}:{p}{prefix}" for p in up) or "none answered within 60 s")
+                  + f" (a replaced replica comes back on another of {direct_ports[0]}-{direct_ports[-1]})",
                   flush=True)
         while True:
             time.sleep(3600)
