@@ -11,7 +11,11 @@
 #   peer       peer_trl.py on cuda, 60 s each side (150-158 s)
 #   weights    weight_sync.py, colocated and one remote EnvRunner (32 + 44 s)
 #   profile    decode_step_profile.py: the step by precision, its kernels, a restart step's ops (98 s)
-#   serve      serve_load.py, one replica on the CPU and one on the GPU (not yet run)
+#   serve      serve_load.py, one replica on the CPU and one on the GPU, on the replica's own port
+#              (agents.serve --direct-port; not yet run)
+#   seeds      the project side of peer_trl.py alone (its peer settings, 60 s each) with fp32 and
+#              bf16 rollouts, for each seed in SEEDS (default "1 2"): whether bf16 rollouts reach
+#              fp32's reward (about 75 s a run; not yet run)
 #   ppo_profile  ppo_profile.py: a colocated PPO iteration's time by phase, host clock, synced and
 #              under torch.profiler (36-45 s)
 # rollouts_bf16 and peer_bf16: the same with the rollouts' weights in bf16 (env_runners.precision);
@@ -57,6 +61,13 @@ for step in "${steps[@]}"; do
              run "$step$tag" 200 $PY benchmarks/rollout_throughput.py --device cuda --batch 128 \
              --model gpt2-small-shaped --vocab 50257 --reps "${REPS:-3}" --precision "$precision" \
              $tf32 "${block_arg[@]}" ;;
+    seeds) for seed in ${SEEDS:-1 2}; do for precision in fp32 bf16; do
+             run "seeds_${precision}_seed$seed$tag" 150 $PY benchmarks/peer_trl.py --device cuda \
+             --model gpt2-small-shaped --seconds 60 --project-only \
+             --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
+             --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
+             --set training.lr=1e-4 --set env_runners.precision="$precision" --set seed="$seed" "${block_set[@]}"
+           done; done ;;
     peer|peer_bf16) precision=$([ "$step" = peer ] && echo fp32 || echo bf16)
              run "$step$tag" 260 $PY benchmarks/peer_trl.py --device cuda --model gpt2-small-shaped --seconds 60 \
              --trl-lr 1e-4 --trl-steps-per-generation 2 --plot "$OUT/$step$tag.png" \
@@ -72,10 +83,10 @@ for step in "${steps[@]}"; do
     weights) run weights_colocated 90 $PY benchmarks/weight_sync.py --device cuda --reps 5
              run weights_remote 120 $PY benchmarks/weight_sync.py --device cuda --remote --precision bf16 --reps 5 ;;
     serve) run serve_cpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
-             --requests 200 --stream off
+             --requests 200 --stream off --ingress direct
            run serve_gpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
-             --requests 200 --stream off --serve-args "--num-gpus 1" ;;
-    *) echo "unknown step: $step (tests captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 weights profile ppo_profile serve)" >&2
+             --requests 200 --stream off --ingress direct --serve-args "--num-gpus 1" ;;
+    *) echo "unknown step: $step (tests captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 seeds weights profile ppo_profile serve)" >&2
        exit 2 ;;
   esac
 done
