@@ -446,6 +446,7 @@ def main(argv=None) -> int:
         parser.error("--bad-every and --warmup must be >= 0, --replicas >= 1")
     if not args.timeout > 0:
         parser.error("--timeout must be > 0")
+    args.ingress = list(dict.fromkeys(args.ingress))  # each way in once
     if args.kill_replica_after is not None and "direct" in args.ingress:
         parser.error("--kill-replica-after measures Serve's failover through its proxy: give --ingress proxy")
     if args.url:
@@ -499,7 +500,7 @@ def main(argv=None) -> int:
                     batch_rows = info.get("batch_rows")
                     label = "external" + (f", {batch_rows} rows" if batch_rows is not None else "")
                 else:
-                    direct = ("--direct-port", str(free_port(replicas))) if ingress == "direct" else ()
+                    direct = ("--direct-port", str(free_port(2 * replicas))) if ingress == "direct" else ()
                     server = ServeProcess(checkpoint, "--num-replicas", str(replicas), "--batch-rows", str(batch_rows),
                                           "--num-cpus", str(args.num_cpus), "--max-samples", str(max(16, args.n)),
                                           *direct, *shlex.split(args.serve_args), cwd=ROOT)

@@ -311,9 +311,9 @@ def test_serve_proxy_grpc_switch_used_by_the_policy_server():
 
 def test_serve_direct_ingress_settings_used_by_the_policy_server():
     # agents/serve/cli.py --direct-port: the environment `direct_ingress_env` gives the private Ray
-    # instance is what Serve's constants read (a port range whose end is exclusive, a freed port's
-    # rest, no minimum drain), and Serve still binds a replica's port without SO_REUSEADDR (why
-    # the rest is longer than TCP's TIME_WAIT)
+    # instance is what Serve's constants read (a port range whose end is exclusive, no minimum
+    # drain), Serve still binds a replica's port without SO_REUSEADDR, and a freed port's default
+    # quarantine outlasts TCP's TIME_WAIT (60 s; else a replacement's bind could fail and block it)
     import os
     import subprocess
     import sys
@@ -323,13 +323,13 @@ def test_serve_direct_ingress_settings_used_by_the_policy_server():
 
     env = direct_ingress_env(31234, 2)
     names = ["RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
-             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "RAY_SERVE_PORT_QUARANTINE_S",
-             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"]
+             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"]
     assert sorted(env) == sorted(names)
-    read = f"import ray.serve._private.constants as c; print([getattr(c, n) for n in {names!r}])"
+    read = ("import ray.serve._private.constants as c; "
+            f"print([getattr(c, n) for n in {names!r}] + [c.RAY_SERVE_PORT_QUARANTINE_S >= 65])")
     out = subprocess.run([sys.executable, "-c", read], env={**os.environ, **env}, capture_output=True, text=True,
                          timeout=120).stdout.strip()
-    assert out == "[True, 31234, 31236, 65.0, 0.0]", out
+    assert out == "[True, 31234, 31236, 0.0, True]", out
     assert "list(range(min_port, max_port))" in inspect.getsource(node_port_manager.PortAllocator.__init__)
     assert "enable_so_reuseport=False" in inspect.getsource(replica.Replica._maybe_start_direct_ingress_servers)
 

@@ -315,7 +315,8 @@ def test_openapi_docs_list_the_routes(client):
     assert client.get("/v1/models").json()["data"][0]["id"] == info["model"]
 
 
-def test_replica_flags_give_serves_options_and_bad_combinations_are_refused_in_one_line(checkpoint, capsys):
+def test_replica_flags_give_serves_options_and_bad_combinations_are_refused_in_one_line(checkpoint, capsys,
+                                                                                       monkeypatch):
     from agents.serve import main, make_app, replica_options
 
     assert replica_options() == {"num_replicas": 1}
@@ -343,18 +344,16 @@ def test_replica_flags_give_serves_options_and_bad_combinations_are_refused_in_o
                        (["--num-gpus", "1.5"], "--num-gpus"),
                        (["--route-prefix", "api"], "--route-prefix"),
                        (["--direct-port", "8000"], "--direct-port"),  # --port's default
-                       (["--direct-port", "65535", "--num-replicas", "2"], "--direct-port")]:
+                       (["--direct-port", "65535", "--num-replicas", "2"], "--direct-port"),
+                       (["--direct-port", "19990", "--max-replicas", "8"], "--direct-port")]:  # Ray's workers
         with pytest.raises(SystemExit) as e:
             main(["--checkpoint", checkpoint, *argv])
         assert e.value.code == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith(f"python -m agents.serve: error: {flag}"), (argv, last)
-    os.environ["RAY_ADDRESS"] = "127.0.0.1:6379"  # Serve's direct ports are set where Ray starts
-    try:
-        with pytest.raises(SystemExit):
-            main(["--checkpoint", checkpoint, "--direct-port", "30000"])
-    finally:
-        del os.environ["RAY_ADDRESS"]
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # Serve's direct ports are set where Ray starts
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", checkpoint, "--direct-port", "30000"])
     assert "--direct-port needs the private local Ray instance" in capsys.readouterr().err
 
 

@@ -53,7 +53,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     """One replica, reached through Serve's proxy (--port) and on its own port (--direct-port)."""
-    server = start(checkpoint, tmp_path_factory.mktemp("serve"), "--direct-port", str(free_port()))
+    server = start(checkpoint, tmp_path_factory.mktemp("serve"), "--direct-port", str(free_port(2)))  # two per replica
     try:
         yield server
     finally:

@@ -28,14 +28,14 @@ Direct ports: `--direct-port P` has each replica serve the same routes itself on
 port as well, P, P+1, ... (one per replica, printed when they answer), through
 Serve's direct ingress: the request goes straight to the replica's HTTP server, with no hop
 through Serve's proxy and no Ray call per request for its body. That is the fast path for a
-client that talks to one replica (on 2 CPU cores, 1.4-1.7x the req/s through the proxy with 16
-clients: docs/results/serving.md), or for a load balancer of the user's own in front of the
+client that talks to one replica (on 2 CPU cores, a 16-row batching replica answered 1.4-1.7x
+the req/s it answered through the proxy with 16 clients: docs/results/serving.md), or for a load balancer of the user's own in front of the
 replicas. `--port` stays the load-balanced front door: it spreads requests over the replicas and
 routes around a replica that died, which a direct port cannot: a killed replica's port refuses
 connections, and Serve's replacement comes up on another port of the range held for them,
-P to P + 2R - 1 for R replicas (R = --max-replicas with autoscaling), a freed port resting 65 s
-before it is handed out again. Local Ray only: these ports are set when the private Ray instance
-starts.
+P to P + 2R - 1 for R replicas (R = --max-replicas with autoscaling), a freed port resting 150 s
+(Serve's quarantine) before it is handed out again. The range must stay clear of Ray's worker
+ports (10002-19999). Local Ray only: these ports are set when the private Ray instance starts.
 
 Ports: Serve's HTTP proxy listens on `--port` and the dashboard on
 `--dashboard-port`; both are checked before Ray starts (an address in use is a
@@ -63,22 +63,20 @@ from agents.serve.replica import BATCH_ROWS, MAX_QUEUE
 
 APP_NAME = "policy"
 SERVE_PROXY_GRPC = "RAY_SERVE_PROXY_USE_GRPC"  # read by Serve's proxy: gRPC to the replicas ("1")
-
-
-PORT_REST_S = 65  # a replica's freed port rests this long before another replica may take it
+RAY_WORKER_PORTS = (10002, 19999)  # ray.init's default min_worker_port and max_worker_port
 
 
 def direct_ingress_env(first_port: int, ports: int) -> dict:
     """The environment Serve reads (in its controller and replicas, when they start) to have each
     ingress replica serve HTTP itself on one of `ports` ports from `first_port` on (Serve hands
-    out the lowest free one). A replica's freed port rests `PORT_REST_S` seconds first: Serve
-    binds without SO_REUSEADDR, so the port's connections in TCP's TIME_WAIT (60 s) would make a
-    replacement's bind fail, and Serve would then block the port for good. A replica stopping
-    drains for no minimum time (Serve's default waits 30 s for an outside load balancer)."""
+    out the lowest free one). A replica's freed port keeps Serve's quarantine (150 s) before it is
+    handed out again: Serve binds without SO_REUSEADDR, so the port's connections in TCP's
+    TIME_WAIT (60 s) would make a replacement's bind fail, and Serve would then block the port
+    for good; a replacement takes a spare port of the range instead. A replica stopping drains
+    for no minimum time (Serve's default waits 30 s for an outside load balancer)."""
     return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first_port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first_port + ports),  # exclusive
-            "RAY_SERVE_PORT_QUARANTINE_S": str(PORT_REST_S),
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
 
 
@@ -109,10 +107,11 @@ def _root_cause(e: BaseException) -> str:
     return last if len(lines) > 1 or last.startswith(type(e).__name__) else f"{type(e).__name__}: {last}"
 
 
-def _check_port_free(flag: str, host: str, port: int) -> None:
+def _check_port_free(flag: str, host: str, port: int, reuse_address: bool = True) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and aiohttp do
+        if reuse_address:  # as uvicorn and aiohttp do (Serve's direct ingress binds without it)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
@@ -199,6 +198,9 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
             parser.error(f"--direct-port: {held} must be in [1, 65535]")
         if args.port in direct_ports or args.dashboard_port in direct_ports:
             parser.error(f"--direct-port: {held} overlap --port or --dashboard-port")
+        if direct_ports[0] <= RAY_WORKER_PORTS[1] and direct_ports[-1] >= RAY_WORKER_PORTS[0]:
+            parser.error(f"--direct-port: {held} overlap Ray's worker ports "
+                         f"({RAY_WORKER_PORTS[0]}-{RAY_WORKER_PORTS[1]}); pick ports outside them")
         if os.environ.get("RAY_ADDRESS"):
             parser.error("--direct-port needs the private local Ray instance (without RAY_ADDRESS): Serve reads "
                          "its direct ports when Ray starts; on a cluster, start Ray with "
@@ -216,7 +218,7 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
             if args.dashboard_port is not None:
                 _check_port_free("--dashboard-port", "127.0.0.1", args.dashboard_port)
             for port in direct_ports:
-                _check_port_free("--direct-port", args.host, port)
+                _check_port_free("--direct-port", args.host, port, reuse_address=False)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -285,9 +287,11 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
         print(f"  OpenAI completions: {base}/v1/completions (chat: {base}/v1/chat/completions); "
               f"API docs: {base}/docs; {scaling}; {batching}", flush=True)
         if direct_ports:
-            up = listening_ports(args.host, direct_ports, want=start, timeout=60)
+            up = listening_ports(args.host, direct_ports, want=start, timeout=60) if start else []
             print("  replicas' own ports (no proxy hop, no load balancing): "
-                  + (" ".join(f"http://{args.host}:{p}{prefix}" for p in up) or "none answered within 60 s")
+                  + (" ".join(f"http://{args.host}:{p}{prefix}" for p in up)
+                     or ("none yet (no replica runs until requests come)" if not start
+                         else "none answered within 60 s"))
                   + f" (a replaced replica comes back on another of {direct_ports[0]}-{direct_ports[-1]})",
                   flush=True)
         while True:

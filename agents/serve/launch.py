@@ -142,7 +142,8 @@ class ServeProcess:
             try:
                 self.base = self.wait_for(r"at (http://\S+)/generate", start_timeout).group(1)
                 self.direct = (re.findall(r"http://\S+", self.wait_for(r"replicas' own ports.*", 90).group(0))
-                               if "--direct-port" in args else [])
+                               if any(a == "--direct-port" or a.startswith("--direct-port=") for a in args)
+                               else [])
                 break
             except RuntimeError:
                 taken = "--port: cannot listen" in self.output()
