@@ -13,6 +13,8 @@
 #   profile    decode_step_profile.py: the step by precision, its kernels, a restart step's ops (98 s)
 #   serve      serve_load.py, one replica on the CPU and one on the GPU, on the replica's own port
 #              (agents.serve --direct-port; not yet run)
+#   learner_pass  learner_pass.py: a bf16 learner pass at the peer shape, transformers' forward against
+#              the tensor-op pass the learner takes under bf16 autocast (not yet run)
 #   seeds      the project side of peer_trl.py alone (its peer settings, 60 s each) with fp32 and
 #              bf16 rollouts, for each seed in SEEDS (default "1 2"): whether bf16 rollouts reach
 #              fp32's reward (about 75 s a run; not yet run)
@@ -74,6 +76,7 @@ for step in "${steps[@]}"; do
              --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
              --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
              --set training.lr=1e-4 --set env_runners.precision="$precision" "${block_set[@]}" ;;
+    learner_pass) run learner_pass 120 $PY benchmarks/learner_pass.py --device cuda --reps 20 ;;
     profile) run profile 170 $PY benchmarks/decode_step_profile.py ;;
     ppo_profile) run "ppo_profile$tag" 240 $PY benchmarks/ppo_profile.py --device cuda --model gpt2-small-shaped \
              --iters 6 --trace "$OUT/ppo_trace$tag.json" "${block_set[@]}" ;;
@@ -86,7 +89,7 @@ for step in "${steps[@]}"; do
              --requests 200 --stream off --ingress direct
            run serve_gpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
              --requests 200 --stream off --ingress direct --serve-args "--num-gpus 1" ;;
-    *) echo "unknown step: $step (tests captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 seeds weights profile ppo_profile serve)" >&2
+    *) echo "unknown step: $step (tests captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 seeds learner_pass weights profile ppo_profile serve)" >&2
        exit 2 ;;
   esac
 done

@@ -250,7 +250,7 @@ def test_gpt2_forward_is_refused_where_it_would_differ_from_transformers():
     plain = _gpt2_trunk(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).train()
     plain.gradient_checkpointing_enable()  # recomputes activations per block: transformers' forward
     assert gpt2_forward(plain, ids, mask) is None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.float16):  # fp16's mask would overflow in the matmuls
         assert gpt2_forward(_gpt2_trunk().eval(), ids, mask) is None
     assert gpt2_forward(_gpt2_trunk(reorder_and_upcast_attn=True), ids, mask) is None
     # a pass that differed from transformers' on the first batch is never taken for that trunk
@@ -267,6 +267,43 @@ def test_gpt2_forward_is_refused_where_it_would_differ_from_transformers():
     want = trunk(input_ids=ids, attention_mask=mask, position_ids=kv.position_ids_for(mask)).last_hidden_state
     torch.testing.assert_close(hidden, want)
     assert lean_forward(trunk, ids, mask)[0].abs().sum() > 0  # and stays with transformers' forward
+
+
+@pytest.mark.parametrize("attention", ["matmuls", "fused"])
+def test_gpt2_forward_under_bf16_autocast_gives_transformers_pass_and_gradients(attention, monkeypatch):
+    """The learner's passes on a GPU run under bf16 autocast: there the tensor-op pass is taken
+    too, and its hidden states and parameter gradients are transformers' under the same autocast,
+    within bf16's rounding; by batched matmuls (short CPU windows) and by PyTorch's fused
+    attention (what a GPU's learner pass takes), padding rows included (no NaN)."""
+    import agents.modules.kv_cache as kv
+    from agents.modules.kv_cache import _LEAN_FORWARD_CHECKED, gpt2_forward, lean_forward, position_ids_for
+
+    if attention == "fused":
+        monkeypatch.setattr(kv, "MATMUL_ATTENTION_MAX_COLUMNS", 0)
+
+    trunk = _gpt2_trunk(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).train()
+    ids, mask, _ = _window_cache(trunk)
+    real = mask.bool()
+
+    def pass_and_grads(fn):
+        trunk.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = fn()
+        (hidden[real].float() ** 2).mean().backward()
+        return hidden.detach().float(), {n: p.grad.clone() for n, p in trunk.named_parameters()}
+
+    lean, lean_grads = pass_and_grads(lambda: gpt2_forward(trunk, ids, mask)[0])
+    ref, ref_grads = pass_and_grads(lambda: trunk(input_ids=ids, attention_mask=mask,
+                                                  position_ids=position_ids_for(mask)).last_hidden_state)
+    assert lean.dtype == ref.dtype  # both float32 out of the final layer norm
+    assert not lean.isnan().any() and not any(g.isnan().any() for g in lean_grads.values())
+    torch.testing.assert_close(lean[real], ref[real], atol=3e-2, rtol=3e-2)
+    for name, grad in ref_grads.items():
+        scale = grad.abs().max().clamp_min(1e-6)
+        assert (lean_grads[name] - grad).abs().max() / scale < 5e-2, name
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lean_forward(trunk, ids, mask)
+    assert _LEAN_FORWARD_CHECKED[trunk] is True  # the once-per-trunk check took the tensor-op pass
 
 
 def test_fused_gelu_gives_gpt2s_gelu_new():

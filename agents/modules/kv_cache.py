@@ -211,14 +211,17 @@ def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: b
     (last hidden states (rows, T, D), and with `keys_values` the per-layer (keys, values)), without
     transformers' per-module calls, output-capturing wrappers and mask building (the fixed cost of
     a pass, which a small model's short passes, such as one prompt's prefill, feel).
-    Differentiable (the learner's passes take it). Returns None where the trunk does not qualify
-    (`_plain_gpt2_blocks`), uses gradient checkpointing, runs in training mode with dropout, or
-    under autocast: those keep transformers' forward. `lean_forward` checks it against
+    Differentiable (the learner's passes take it). Under bf16 autocast (the learner's passes on a
+    GPU) each op takes autocast's dtype as transformers' ops do. Returns None where the trunk does
+    not qualify (`_plain_gpt2_blocks`), uses gradient checkpointing, runs in training mode with
+    dropout, or under another autocast dtype (fp16: the padding rows' mask would overflow in the
+    batched matmuls): those keep transformers' forward. `lean_forward` checks it against
     transformers' forward once per trunk."""
     blocks = _plain_gpt2_blocks(trunk)
     c = trunk.config
     if (blocks is None or any(getattr(m, "gradient_checkpointing", False) for m in [trunk, *blocks])
-            or torch.is_autocast_enabled(ids.device.type)
+            or (torch.is_autocast_enabled(ids.device.type)
+                and torch.get_autocast_dtype(ids.device.type) != torch.bfloat16)
             or (trunk.training and max(c.resid_pdrop, c.embd_pdrop, c.attn_pdrop) > 0)):
         return None
     D, heads = trunk.embed_dim, c.n_head
@@ -226,8 +229,11 @@ def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: b
     B, T = ids.shape
     h = F.embedding(ids, trunk.wte.weight) + F.embedding(position_ids_for(mask), trunk.wpe.weight)
     allowed = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril_()[None] & mask[:, None, :].bool()
+    # under bf16 autocast the batched matmuls cast the mask to bf16, where float32's lowest value
+    # would round to -inf (a padding row, all keys masked, would then give NaN): bf16's lowest
+    lowest = torch.finfo(torch.bfloat16 if torch.is_autocast_enabled(ids.device.type) else h.dtype).min
     attention = attention_mask_per_head(torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill_(
-        ~allowed, torch.finfo(h.dtype).min)[:, None], heads)
+        ~allowed, lowest)[:, None], heads)
     layers = []
     for blk in blocks:
         x = F.layer_norm(h, (D,), blk.ln_1.weight, blk.ln_1.bias, blk.ln_1.eps)
@@ -267,7 +273,7 @@ def lean_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: b
 def _same_forward(trunk, ids, mask, out) -> bool:
     """Whether `gpt2_forward`'s `out` equals transformers' forward on this batch (real tokens)."""
     ref = trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=True)
-    tol = 1e-4 if trunk.dtype == torch.float32 else 3e-2
+    tol = 1e-4 if trunk.dtype == torch.float32 and not torch.is_autocast_enabled(ids.device.type) else 3e-2
     real = mask.bool()
     same = lambda a, b: a.shape == b.shape and bool(torch.allclose(a[real].float(), b[real].float(), atol=tol, rtol=tol))
     if not same(ref.last_hidden_state, out[0].detach()):
