@@ -97,7 +97,7 @@ import threading
 import time
 import urllib.parse
 
-from agents.serve.launch import ServeProcess, free_port, untrained_checkpoint
+from agents.serve.launch import ServeProcess, free_port, gives_flag, untrained_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "3 7 12"
@@ -467,7 +467,7 @@ def main(argv=None) -> int:
         served = shlex.split(args.serve_args)
         for flag, ours in (("--batch-rows", "--batch-rows"), ("--num-replicas", "--replicas"),
                            ("--direct-port", "--ingress direct")):
-            if any(a == flag or a.startswith(flag + "=") for a in served):
+            if gives_flag(served, flag):
                 parser.error(f"--serve-args must not set {flag}: give this script's {ours} instead")
     if args.kill_replica_after is not None and args.kill_replica_after < 0:
         parser.error("--kill-replica-after S needs S >= 0")

@@ -53,7 +53,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     """One replica, reached through Serve's proxy (--port) and on its own port (--direct-port)."""
-    server = start(checkpoint, tmp_path_factory.mktemp("serve"), "--direct-port", str(free_port(2)))  # two per replica
+    server = start(checkpoint, tmp_path_factory.mktemp("serve"), "--direct-port", str(free_port(2)))  # 2 a replica
     try:
         yield server
     finally:
@@ -72,16 +72,15 @@ def client(server, request):
 @pytest.mark.slow
 def test_the_replicas_own_port_answers_as_the_proxy_does(server):
     """The same request by both ways in: the same completion, from the same replica."""
-    import json
-    import urllib.request
+    from tests.test_serve import post
 
-    def post(base):
-        body = json.dumps({"prompt": "3 4", "max_tokens": 8, "seed": 5, "n": 2}).encode()
-        with urllib.request.urlopen(urllib.request.Request(f"{base}/v1/completions", data=body, headers={
-                "Content-Type": "application/json"}), timeout=60) as r:
-            return r.headers["X-Replica"], [c["text"] for c in json.loads(r.read())["choices"]]
+    def answer(base):
+        status, reply, headers = post(f"{base}/v1/completions", {"prompt": "3 4", "max_tokens": 8, "seed": 5, "n": 2},
+                                      with_headers=True)
+        assert status == 200, reply
+        return headers["X-Replica"], [c["text"] for c in reply["choices"]]
 
-    via_proxy, direct = post(server.base), post(server.direct[0])
+    via_proxy, direct = answer(server.base), answer(server.direct[0])
     assert via_proxy == direct and via_proxy[0]
 
 

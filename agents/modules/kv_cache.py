@@ -219,9 +219,9 @@ def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: b
     transformers' forward once per trunk."""
     blocks = _plain_gpt2_blocks(trunk)
     c = trunk.config
+    autocast = torch.is_autocast_enabled(ids.device.type)
     if (blocks is None or any(getattr(m, "gradient_checkpointing", False) for m in [trunk, *blocks])
-            or (torch.is_autocast_enabled(ids.device.type)
-                and torch.get_autocast_dtype(ids.device.type) != torch.bfloat16)
+            or (autocast and torch.get_autocast_dtype(ids.device.type) != torch.bfloat16)
             or (trunk.training and max(c.resid_pdrop, c.embd_pdrop, c.attn_pdrop) > 0)):
         return None
     D, heads = trunk.embed_dim, c.n_head
@@ -231,7 +231,7 @@ def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: b
     allowed = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril_()[None] & mask[:, None, :].bool()
     # under bf16 autocast the batched matmuls cast the mask to bf16, where float32's lowest value
     # would round to -inf (a padding row, all keys masked, would then give NaN): bf16's lowest
-    lowest = torch.finfo(torch.bfloat16 if torch.is_autocast_enabled(ids.device.type) else h.dtype).min
+    lowest = torch.finfo(torch.bfloat16 if autocast else h.dtype).min
     attention = attention_mask_per_head(torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill_(
         ~allowed, lowest)[:, None], heads)
     layers = []

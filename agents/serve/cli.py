@@ -29,9 +29,9 @@ port as well, P, P+1, ... (one per replica, printed when they answer), through
 Serve's direct ingress: the request goes straight to the replica's HTTP server, with no hop
 through Serve's proxy and no Ray call per request for its body. That is the fast path for a
 client that talks to one replica (on 2 CPU cores, a 16-row batching replica answered 1.4-1.7x
-the req/s it answered through the proxy with 16 clients: docs/results/serving.md), or for a load balancer of the user's own in front of the
-replicas. `--port` stays the load-balanced front door: it spreads requests over the replicas and
-routes around a replica that died, which a direct port cannot: a killed replica's port refuses
+the req/s it answered through the proxy with 16 clients: docs/results/serving.md), or for a
+load balancer of the user's own in front of the replicas. `--port` stays the load-balanced
+front door: it spreads requests over the replicas and routes around a replica that died, which a direct port cannot: a killed replica's port refuses
 connections, and Serve's replacement comes up on another port of the range held for them,
 P to P + 2R - 1 for R replicas (R = --max-replicas with autoscaling), a freed port resting 150 s
 (Serve's quarantine) before it is handed out again. The range must stay clear of Ray's worker

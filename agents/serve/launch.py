@@ -50,6 +50,11 @@ def untrained_checkpoint(config: str, path: str, overrides=()) -> str:
 _HANDED_OUT: set[int] = set()
 
 
+def gives_flag(args, flag: str) -> bool:
+    """Whether the command-line arguments `args` give `flag` (as `--flag V` or `--flag=V`)."""
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
 def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
@@ -70,8 +75,9 @@ def _ephemeral_range() -> tuple[int, int]:
 
 def free_port(count: int = 1) -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now, not handed out before by this process
-    (with `count` > 1: the first of `count` such ports in a row, as `--direct-port` takes). It is drawn from 20000 up to the system's ephemeral range, which is where nothing else picks
-    ports at random: the system's own picks (a `bind` to port 0, as Ray's processes do for their
+    (with `count` > 1: the first of `count` such ports in a row, as `--direct-port` takes). It is
+    drawn from 20000 up to the system's ephemeral range, which is where nothing else picks ports at
+    random: the system's own picks (a `bind` to port 0, as Ray's processes do for their
     agents and metrics as they start) come from the ephemeral range, and Ray's workers take
     10002-19999. A port from the ephemeral range could be taken by a starting Ray instance between
     this check and the server's own bind."""
@@ -129,8 +135,9 @@ class ServeProcess:
     is not passed on); `port` defaults to a free one. Waits up to `start_timeout` seconds for the
     line with its URL: `url` is the /generate URL, `base` the URL without a route; with
     `--direct-port` in `args`, `direct` lists the base URLs of the replicas' own ports (else it is
-    empty). A server that has not started by then is stopped, and RuntimeError carries its output. Its stdout is read into
-    `lines` (an `OutputLines`), its stderr written to `stderr_path` (default: a temporary file)."""
+    empty). A server that has not started by then is stopped, and RuntimeError carries its output.
+    Its stdout is read into `lines` (an `OutputLines`), its stderr written to `stderr_path`
+    (default: a temporary file)."""
 
     def __init__(self, checkpoint: str, *args: str, host: str = "127.0.0.1", port: int | None = None,
                  start_timeout: float = 300, stderr_path: str | None = None, cwd: str | None = None):
@@ -142,8 +149,7 @@ class ServeProcess:
             try:
                 self.base = self.wait_for(r"at (http://\S+)/generate", start_timeout).group(1)
                 self.direct = (re.findall(r"http://\S+", self.wait_for(r"replicas' own ports.*", 90).group(0))
-                               if any(a == "--direct-port" or a.startswith("--direct-port=") for a in args)
-                               else [])
+                               if gives_flag(args, "--direct-port") else [])
                 break
             except RuntimeError:
                 taken = "--port: cannot listen" in self.output()
