@@ -21,7 +21,7 @@ from env.validation import is_search_space as _is_search_space
 
 __all__ = ["ConfigError", "Field", "PBT_MUTABLE", "SAMPLER_PARAMS", "algorithm_config", "algorithm_spec",
            "env_config", "env_runner_kind", "learner_cpus", "load", "parse_override", "pbt_mutations", "population",
-           "read_yaml", "schema", "searchable_sections", "to_tune", "validate", "with_absolute_paths"]
+           "read_yaml", "rollout_precision", "schema", "searchable_sections", "to_tune", "validate", "with_absolute_paths"]
 
 
 def parse_override(text: str) -> tuple[list[str], object]:
@@ -141,6 +141,28 @@ def with_absolute_paths(cfg: dict) -> dict:
     return {**cfg, "model": model, "task": task}
 
 
+def rollout_precision(cfg: dict) -> str:
+    """`env_runners.precision` as the EnvRunners' modules store their LM. `auto` (the default):
+    bf16 where the rollouts run on a GPU that has it, so colocated with a GPU learner
+    (agents/weight_sync.py) or on remote EnvRunners given GPUs, judged by the GPU this process
+    sees (a driver without one keeps remote GPU EnvRunners in fp32: name bf16 there); fp32 on
+    a CPU and for algorithms that refuse reduced precision (DQN)."""
+    from agents.models import gpu_has_bf16
+    from agents.weight_sync import colocation_refusal
+
+    er, lr = cfg["env_runners"], cfg["learners"]
+    if er["precision"] != "auto":
+        return er["precision"]
+    if algorithm_spec(cfg).scale_refusal is not None:
+        return "fp32"
+    runners = _plain(er["num_env_runners"])
+    if er["colocated"] is not False and colocation_refusal(runners, _plain(lr["num_learners"])) is None:
+        on_gpu = _plain(lr["num_gpus_per_learner"]) > 0
+    else:  # RLlib's local EnvRunner samples on the CPU whatever the learner has
+        on_gpu = runners > 0 and _plain(er["num_gpus_per_env_runner"]) > 0
+    return "bf16" if on_gpu and gpu_has_bf16() else "fp32"
+
+
 def algorithm_config(cfg: dict):
     """The RLlib AlgorithmConfig for a validated config (search spaces as Tune objects): the
     generic sections here, the algorithm's own part from its spec (agents/algorithms/)."""
@@ -160,7 +182,7 @@ def algorithm_config(cfg: dict):
     # RLModuleSpec object), so that Tune resolves search spaces in it (the sampler section).
     model_config = {"model": c["model"], "env": env_cfg, "seed": module_seed(cfg, c),
                     "reference_model": _plain(cfg["reward"]["kl_coef"]) > 0, "sampler": c["sampler"],
-                    "train_precision": c["training"]["precision"], "rollout_precision": er["precision"],
+                    "train_precision": c["training"]["precision"], "rollout_precision": rollout_precision(cfg),
                     "gradient_checkpointing": c["training"]["gradient_checkpointing"],
                     **spec.module_config(cfg, c)}
     runner_env_cfg = spec.env_config(cfg, c, env_cfg)

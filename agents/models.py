@@ -384,10 +384,16 @@ def load_pretrained_lm(path: str) -> PreTrainedModel:
     return PeftModel.from_pretrained(lm, path).merge_and_unload()
 
 
+def gpu_has_bf16() -> bool:
+    """Whether this process sees a GPU with bf16 in hardware (Ampere and later; a GPU that would
+    only emulate it counts as without)."""
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def auto_precision(device_type: str) -> str:
     """`training.precision: auto`: bf16 autocast on a GPU that has bf16 (with TF32 matmuls for
     what stays float32), else fp32 (the CPU's passes are unchanged)."""
-    if device_type == "cuda" and torch.cuda.is_bf16_supported():
+    if device_type == "cuda" and gpu_has_bf16():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         return "bf16"

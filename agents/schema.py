@@ -98,7 +98,9 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         # (agents/env_runner.py); stock: RLlib's SingleAgentEnvRunner. auto: fast where the
         # algorithm samples whole episodes, else stock.
         "runner": F(str, "auto", choices=("auto", "fast", "stock")),
-        "precision": F(str, "fp32", choices=PRECISIONS),  # the rollout copy of the LM is stored in it
+        # the rollout copy of the LM is stored in it; auto: bf16 where the rollouts run on a GPU
+        # that has it, else fp32 (agents.config.rollout_precision)
+        "precision": F(str, "auto", choices=["auto"] + PRECISIONS),
         # fast runner: true carries episodes still running at the end of a training call over to
         # the next (no call waits for its slowest rows; their early steps were sampled by the
         # weights before the update); false finishes them in the call, so every batch is sampled

@@ -8,7 +8,8 @@
 #              steps' tokens (23 s)
 #   rollouts   rollout_throughput.py at GPT-2-small shape, batch 128, --reps ${REPS:-3} (97 s; 100 s
 #              at --reps 2)
-#   peer       peer_trl.py on cuda, 60 s each side (150-158 s)
+#   peer       peer_trl.py on cuda, 60 s each side, the project's defaults (150-162 s; needs TRL in
+#              the bundle: install benchmarks/requirements-peers.txt before bundle.sh)
 #   weights    weight_sync.py, colocated and one remote EnvRunner (32 + 44 s)
 #   profile    decode_step_profile.py: the step by precision, its kernels, a restart step's ops (98 s)
 #   serve      serve_load.py, one replica on the CPU and one on the GPU, on the replica's own port
@@ -20,7 +21,8 @@
 #              fp32's reward (about 75 s a run; not yet run)
 #   ppo_profile  ppo_profile.py: a colocated PPO iteration's time by phase, host clock, synced and
 #              under torch.profiler (36-45 s)
-# rollouts_bf16 and peer_bf16: the same with the rollouts' weights in bf16 (env_runners.precision);
+# rollouts_bf16, peer_bf16 and peer_fp32: the same with the rollouts' weights in bf16 or fp32
+# (env_runners.precision; its default, auto, is bf16 on a GPU with bf16, so peer is peer_bf16 there);
 # rollouts_tf32: fp32 weights with TF32 matmuls on every path (as a training run's process has them).
 # BLOCK=k runs rollouts, peer and ppo_profile with env_runners.decode_block k (k module steps per
 # env round trip; unset, the config's default: 4 on a GPU); their logs are then named <step>_block<k>.
@@ -70,7 +72,8 @@ for step in "${steps[@]}"; do
              --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
              --set training.lr=1e-4 --set env_runners.precision="$precision" --set seed="$seed" "${block_set[@]}"
            done; done ;;
-    peer|peer_bf16) precision=$([ "$step" = peer ] && echo fp32 || echo bf16)
+    peer|peer_bf16|peer_fp32) precision=${step#peer_}; [ "$step" = peer ] && precision=auto
+             $PY -c "import trl" 2>/dev/null || { echo "== $step: skipped: no TRL here (pip install -r benchmarks/requirements-peers.txt, then bundle.sh again)"; continue; }
              run "$step$tag" 260 $PY benchmarks/peer_trl.py --device cuda --model gpt2-small-shaped --seconds 60 \
              --trl-lr 1e-4 --trl-steps-per-generation 2 --plot "$OUT/$step$tag.png" \
              --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
@@ -89,7 +92,7 @@ for step in "${steps[@]}"; do
              --requests 200 --stream off --ingress direct
            run serve_gpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
              --requests 200 --stream off --ingress direct --serve-args "--num-gpus 1" ;;
-    *) echo "unknown step: $step (tests captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 seeds learner_pass weights profile ppo_profile serve)" >&2
+    *) echo "unknown step: $step (tests captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve)" >&2
        exit 2 ;;
   esac
 done

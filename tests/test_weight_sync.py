@@ -1,5 +1,7 @@
 """Colocated weight syncs: the local EnvRunner gets the learner's weights by an in-place copy,
 with nothing through Ray's object store, and trains exactly as RLlib's sync does."""
+import os
+
 import numpy as np
 import pytest
 import ray
@@ -8,7 +10,7 @@ import tree
 
 from agents.config import algorithm_config, load
 from env.validation import ConfigError
-from tests.conftest import QUICKSTART
+from tests.conftest import QUICKSTART, ROOT
 
 SMALL = ["training.train_batch_size=512", "training.minibatch_size=256", "env_runners.num_envs_per_env_runner=8"]
 
@@ -187,6 +189,27 @@ def test_driver_env_runner_loads_no_weights_while_remote_env_runners_sample(ray_
         assert all(torch.equal(t, learned[k].to(t.dtype)) for k, t in module.state_dict().items())
     finally:
         algo.stop()
+
+
+def test_auto_rollout_precision_is_bf16_only_where_the_rollouts_run_on_a_gpu_with_it(monkeypatch):
+    import agents.models
+    from agents.config import rollout_precision
+
+    def resolved(*overrides, gpu_bf16=True, config=QUICKSTART):
+        monkeypatch.setattr(agents.models, "gpu_has_bf16", lambda: gpu_bf16)
+        return rollout_precision(load(config, list(overrides)))
+
+    assert load(QUICKSTART, [])["env_runners"]["precision"] == "auto"
+    assert resolved(gpu_bf16=torch.cuda.is_available()) == "fp32"  # the quickstart's CPU learner
+    gpu_learner = "learners.num_gpus_per_learner=1"
+    assert resolved(gpu_learner) == "bf16"  # colocated on the learner's GPU
+    assert resolved(gpu_learner, gpu_bf16=False) == "fp32"  # a GPU without bf16, or none here
+    assert resolved(gpu_learner, "env_runners.colocated=false") == "fp32"  # RLlib's local runner: the CPU
+    assert resolved(gpu_learner, "env_runners.num_env_runners=2") == "fp32"  # remote runners on CPUs
+    assert resolved("env_runners.num_env_runners=2", "env_runners.num_gpus_per_env_runner=0.5") == "bf16"
+    assert resolved(gpu_learner, "env_runners.precision=fp32") == "fp32"  # named: kept
+    assert resolved("env_runners.precision=bf16") == "bf16"
+    assert resolved(gpu_learner, config=os.path.join(ROOT, "tune_configs", "dqn_synthetic.yaml")) == "fp32"  # DQN refuses it
 
 
 def test_auto_precision_keeps_the_cpu_learner_in_fp32_and_picks_bf16_on_a_gpu_with_it():
