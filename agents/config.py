@@ -142,25 +142,13 @@ def with_absolute_paths(cfg: dict) -> dict:
 
 
 def rollout_precision(cfg: dict) -> str:
-    """`env_runners.precision` as the EnvRunners' modules store their LM. `auto` (the default):
-    bf16 where the rollouts run on a GPU that has it, so colocated with a GPU learner
-    (agents/weight_sync.py) or on remote EnvRunners given GPUs, judged by the GPU this process
-    sees (a driver without one keeps remote GPU EnvRunners in fp32: name bf16 there); fp32 on
-    a CPU and for algorithms that refuse reduced precision (DQN)."""
-    from agents.models import gpu_has_bf16
-    from agents.weight_sync import colocation_refusal
-
-    er, lr = cfg["env_runners"], cfg["learners"]
-    if er["precision"] != "auto":
-        return er["precision"]
-    if algorithm_spec(cfg).scale_refusal is not None:
+    """`env_runners.precision` as the EnvRunners' modules get it: as configured, and fp32 for
+    algorithms that refuse reduced precision (DQN). `auto` (the default) is settled by each
+    rollout module once it is on its device (`CausalLMActorCritic.settle_rollout_precision`): bf16
+    on a GPU that has it, fp32 elsewhere."""
+    if cfg["env_runners"]["precision"] == "auto" and algorithm_spec(cfg).scale_refusal is not None:
         return "fp32"
-    runners = _plain(er["num_env_runners"])
-    if er["colocated"] is not False and colocation_refusal(runners, _plain(lr["num_learners"])) is None:
-        on_gpu = _plain(lr["num_gpus_per_learner"]) > 0
-    else:  # RLlib's local EnvRunner samples on the CPU whatever the learner has
-        on_gpu = runners > 0 and _plain(er["num_gpus_per_env_runner"]) > 0
-    return "bf16" if on_gpu and gpu_has_bf16() else "fp32"
+    return cfg["env_runners"]["precision"]
 
 
 def algorithm_config(cfg: dict):

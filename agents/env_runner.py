@@ -81,7 +81,7 @@ from agents.modules.decode_engine import HostTransfers
 from agents.runner_episodes import EpisodeBuilder, EpisodeMetrics, log_sampled
 from agents.rollout_state import (_module_rollout_states, _seed_module_rollouts, _set_module_rollout_states,
                                   env_state, rollout_seed, sampling_state, set_env_state, set_sampling_state)
-from agents.weight_sync import COLOCATED
+from agents.weight_sync import COLOCATED, modules_by_id
 from env.text_env import RepeatedPromptEnv, TokenGenerationEnv
 from env.vector_env import TokenGenerationVectorEnv, row_info
 
@@ -120,6 +120,9 @@ class _SeededRunnerMixin:
         if self.config.seed is not None and self.module is not None:
             index = (self.worker_index or 0) + (1_000_000 if self.config.in_evaluation else 0)
             _seed_module_rollouts(self.module, rollout_seed(self.config.seed, index))
+        for module in (modules_by_id(self.module).values() if self.module is not None else ()):
+            if hasattr(module, "settle_rollout_precision"):  # env_runners.precision auto: on RLlib's device now
+                module.settle_rollout_precision()
 
     def _runner_id(self) -> tuple:
         return int(self.worker_index or 0), bool(self.config.in_evaluation)

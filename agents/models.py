@@ -390,6 +390,12 @@ def gpu_has_bf16() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
+def auto_rollout_dtype(device: torch.device) -> torch.dtype:
+    """`env_runners.precision: auto` for a rollout module on `device`: bf16 on a GPU that has
+    bf16 in hardware, else float32."""
+    return torch.bfloat16 if device.type == "cuda" and gpu_has_bf16() else torch.float32
+
+
 def auto_precision(device_type: str) -> str:
     """`training.precision: auto`: bf16 autocast on a GPU that has bf16 (with TF32 matmuls for
     what stays float32), else fp32 (the CPU's passes are unchanged)."""

@@ -42,6 +42,8 @@ def copy_module_weights(dst: torch.nn.Module, src: torch.nn.Module) -> int:
     device = next(src.parameters()).device
     if next(dst.parameters()).device != device and getattr(dst, "can_move_device", True):
         dst.to(device)
+    if hasattr(dst, "settle_rollout_precision"):  # env_runners.precision auto: by the device it is on now
+        dst.settle_rollout_precision()
     own, theirs = synced_tensors(dst), src.state_dict(keep_vars=True)
     missing = [k for k in own if k not in theirs]
     if missing:
@@ -53,7 +55,7 @@ def copy_module_weights(dst: torch.nn.Module, src: torch.nn.Module) -> int:
     return sum(t.nbytes for t in targets)
 
 
-def _single(module) -> dict:
+def modules_by_id(module) -> dict:
     """{module id: module} of a MultiRLModule, {DEFAULT_MODULE_ID: module} of a single one."""
     return dict(module.items()) if isinstance(module, MultiRLModule) else {DEFAULT_MODULE_ID: module}
 
@@ -61,9 +63,9 @@ def _single(module) -> dict:
 def sync_colocated(learner_group, env_runner) -> int:
     """The learner's modules into `env_runner`'s (same process); returns the bytes copied."""
     def copy(learner):
-        learned = _single(learner.module)
+        learned = modules_by_id(learner.module)
         total = sum(copy_module_weights(m.unwrapped(), learned[mid].unwrapped())
-                    for mid, m in _single(env_runner.module).items())
+                    for mid, m in modules_by_id(env_runner.module).items())
         if hasattr(env_runner, "weights_changed"):
             env_runner.weights_changed()
         return total

@@ -2,8 +2,10 @@
 curve recorded in `tests/data/recorded_curves.json`.
 
 The recorded curves are what the code gave when they were recorded (the file names the commit);
-a change meant to keep behaviour (moving code, splitting classes) must reproduce them exactly on
-the same machine. A change meant to alter behaviour re-records them and says so in its commit:
+a change meant to keep behaviour (moving code, splitting classes) must reproduce what the
+EnvRunners sampled exactly (returns, step counts) and the learner's losses within float rounding
+(1e-4 relative): another CPU's kernels round differently (an AMD EPYC machine gave the
+recording's sampled values exactly and its losses within 2e-5 relative). A change meant to alter behaviour re-records them and says so in its commit:
 
     .venv/bin/python -m tests.test_curves_unchanged --record
 
@@ -92,7 +94,11 @@ def test_same_seed_curve_equals_the_recorded_one(ray_local, name):
     expected = _recorded()["curves"][name]
     got = run_curves(name)
     assert all(len(c) >= 3 for c in got), got  # a reward and losses were compared
-    assert got == expected, f"{name}: the curve at iterations 1-{ITERATIONS} changed"
+    assert [c.keys() for c in got] == [c.keys() for c in expected], f"{name}: other metrics"
+    sampled = lambda curve: [{k: v for k, v in c.items() if k.startswith("env_runners/")} for c in curve]  # noqa: E731
+    assert sampled(got) == sampled(expected), f"{name}: what the EnvRunners sampled at iterations 1-{ITERATIONS} changed"
+    assert all(g == pytest.approx(e, rel=1e-4, abs=1e-7) for g, e in zip(got, expected)), \
+        f"{name}: the losses at iterations 1-{ITERATIONS} changed: {got} != {expected}"
 
 
 def record() -> None:

@@ -191,25 +191,52 @@ def test_driver_env_runner_loads_no_weights_while_remote_env_runners_sample(ray_
         algo.stop()
 
 
-def test_auto_rollout_precision_is_bf16_only_where_the_rollouts_run_on_a_gpu_with_it(monkeypatch):
+def test_auto_rollout_precision_is_bf16_only_on_a_gpu_with_it_and_a_lean_sync_fills_it(monkeypatch):
     import agents.models
+    import agents.modules.actor_critic
     from agents.config import rollout_precision
+    from agents.models import auto_rollout_dtype
 
-    def resolved(*overrides, gpu_bf16=True, config=QUICKSTART):
-        monkeypatch.setattr(agents.models, "gpu_has_bf16", lambda: gpu_bf16)
-        return rollout_precision(load(config, list(overrides)))
+    assert rollout_precision(load(QUICKSTART, [])) == "auto"  # the default, settled by each rollout module
+    assert rollout_precision(load(QUICKSTART, ["env_runners.precision=fp32"])) == "fp32"
+    assert rollout_precision(load(os.path.join(ROOT, "tune_configs", "dqn_synthetic.yaml"), [])) == "fp32"
+    for has_bf16, device, dtype in ((True, "cuda", torch.bfloat16), (False, "cuda", torch.float32),
+                                    (True, "cpu", torch.float32)):
+        monkeypatch.setattr(agents.models, "gpu_has_bf16", lambda: has_bf16)
+        assert auto_rollout_dtype(torch.device(device)) == dtype  # (a torch.device needs no GPU)
+    runner = make_module(inference_only=True, rollout_precision="auto")
+    runner.settle_rollout_precision()  # on the CPU (a guided or evaluation runner too): as built
+    assert all(p.dtype == torch.float32 for p in runner.parameters())
+    monkeypatch.setattr(agents.modules.actor_critic, "auto_rollout_dtype", lambda device: torch.bfloat16)
+    runner.settle_rollout_precision()  # as on a GPU with bf16: the LM only
+    assert all(p.dtype == torch.bfloat16 for p in runner.lm.parameters())
+    assert runner.value_head.weight.dtype == torch.float32
+    learner = make_module(rollout_precision="auto")
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(torch.randn_like(p))
+    runner.set_state(learner.get_state(inference_only=True))  # a remote runner's sync: float32, cast in
+    own, source = runner.state_dict(), learner.state_dict()
+    for name, value in own.items():
+        assert value.dtype == (torch.bfloat16 if name.startswith("lm.") else torch.float32), name
+        assert torch.equal(value, source[name].to(value.dtype)), name
 
-    assert load(QUICKSTART, [])["env_runners"]["precision"] == "auto"
-    assert resolved(gpu_bf16=torch.cuda.is_available()) == "fp32"  # the quickstart's CPU learner
-    gpu_learner = "learners.num_gpus_per_learner=1"
-    assert resolved(gpu_learner) == "bf16"  # colocated on the learner's GPU
-    assert resolved(gpu_learner, gpu_bf16=False) == "fp32"  # a GPU without bf16, or none here
-    assert resolved(gpu_learner, "env_runners.colocated=false") == "fp32"  # RLlib's local runner: the CPU
-    assert resolved(gpu_learner, "env_runners.num_env_runners=2") == "fp32"  # remote runners on CPUs
-    assert resolved("env_runners.num_env_runners=2", "env_runners.num_gpus_per_env_runner=0.5") == "bf16"
-    assert resolved(gpu_learner, "env_runners.precision=fp32") == "fp32"  # named: kept
-    assert resolved("env_runners.precision=bf16") == "bf16"
-    assert resolved(gpu_learner, config=os.path.join(ROOT, "tune_configs", "dqn_synthetic.yaml")) == "fp32"  # DQN refuses it
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_colocated_rollouts_on_a_gpu_take_bf16_by_default(ray_local, monkeypatch):
+    from agents.models import gpu_has_bf16
+
+    cfg = load(QUICKSTART, SMALL + ["learners.num_gpus_per_learner=1"])
+    algo = algorithm_config(cfg).build_algo()
+    try:
+        algo.train()
+        runner, _ = runner_and_learner_modules(algo)
+        assert next(runner.lm.parameters()).device.type == "cuda"
+        expected = torch.bfloat16 if gpu_has_bf16() else torch.float32
+        assert all(p.dtype == expected for p in runner.lm.parameters())
+        assert algo.colocated_sync_bytes > 0
+    finally:
+        algo.stop()
 
 
 def test_auto_precision_keeps_the_cpu_learner_in_fp32_and_picks_bf16_on_a_gpu_with_it():
@@ -226,4 +253,4 @@ def test_auto_precision_keeps_the_cpu_learner_in_fp32_and_picks_bf16_on_a_gpu_wi
 
     assert auto_precision("cpu") == "fp32"
     if torch.cuda.is_available():
-        assert auto_precision("cuda") == ("bf16" if torch.cuda.is_bf16_supported() else "fp32")
+        assert auto_precision("cuda") == ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32")

@@ -41,7 +41,8 @@ from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, ValueFunctionAPI
 from ray.rllib.core.rl_module.torch import TorchRLModule
 
 from agents.core import MASK_SIZE, SAMPLER_STATE, SEQ_ID
-from agents.models import DTYPES, adapters_disabled, add_lora, auto_precision, build_causal_lm, build_tokenizer, cast_frozen, has_lora
+from agents.models import (DTYPES, adapters_disabled, add_lora, auto_precision, auto_rollout_dtype, build_causal_lm,
+                           build_tokenizer, cast_frozen, has_lora)
 from agents.modules.acting import Acting
 from agents.modules.decode_engine import RingKVCache
 from agents.modules.kv_cache import lean_forward, sequence_pass_rows
@@ -114,6 +115,19 @@ class CausalLMActorCritic(Acting, SyncedState, TorchRLModule, ValueFunctionAPI, 
             nn.init.zeros_(self.value_head.bias)
         if cfg.get("reference_model", False) and not has_lora(self.lm):
             self.ref_model = copy.deepcopy(self.lm).requires_grad_(False).eval()
+
+    def settle_rollout_precision(self) -> None:
+        """`env_runners.precision: auto`, once this rollout module is on its device: its LM in
+        bf16 on a GPU that has bf16 in hardware, else in fp32 (as built). EnvRunners call it after
+        RLlib moves the module to their device, colocated syncs after moving it to the learner's;
+        a module that stays on the CPU (a guided algorithm's, the evaluation EnvRunner's) stays
+        fp32."""
+        if not self.inference_only or self.model_config.get("rollout_precision") != "auto":
+            return
+        dtype = auto_rollout_dtype(next(self.lm.parameters()).device)
+        for lm in (self.lm, getattr(self, "mask_lm", None)):
+            if lm is not None and next(lm.parameters()).dtype != dtype:
+                lm.to(dtype)
 
     def autocast(self):
         """The learner's passes in its `train_precision` (a no-op in fp32); losses, log-probs and
