@@ -21,7 +21,8 @@ from env.validation import is_search_space as _is_search_space
 
 __all__ = ["ConfigError", "Field", "PBT_MUTABLE", "SAMPLER_PARAMS", "algorithm_config", "algorithm_spec",
            "env_config", "env_runner_kind", "learner_cpus", "load", "parse_override", "pbt_mutations", "population",
-           "read_yaml", "rollout_precision", "schema", "searchable_sections", "to_tune", "validate", "with_absolute_paths"]
+           "read_yaml", "rollout_precision", "schema", "searchable_sections", "to_tune", "validate",
+           "with_absolute_paths"]
 
 
 def parse_override(text: str) -> tuple[list[str], object]:

@@ -384,16 +384,21 @@ def load_pretrained_lm(path: str) -> PreTrainedModel:
     return PeftModel.from_pretrained(lm, path).merge_and_unload()
 
 
-def gpu_has_bf16() -> bool:
-    """Whether this process sees a GPU with bf16 in hardware (Ampere and later; a GPU that would
-    only emulate it counts as without)."""
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+def gpu_has_bf16(device: torch.device | None = None) -> bool:
+    """Whether `device` (default: this process's current GPU) is a GPU with bf16 in hardware
+    (Ampere and later; a GPU that would only emulate it counts as without)."""
+    if not torch.cuda.is_available():
+        return False
+    if device is None or device.index is None:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    with torch.cuda.device(device):
+        return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def auto_rollout_dtype(device: torch.device) -> torch.dtype:
     """`env_runners.precision: auto` for a rollout module on `device`: bf16 on a GPU that has
     bf16 in hardware, else float32."""
-    return torch.bfloat16 if device.type == "cuda" and gpu_has_bf16() else torch.float32
+    return torch.bfloat16 if device.type == "cuda" and gpu_has_bf16(device) else torch.float32
 
 
 def auto_precision(device_type: str) -> str:

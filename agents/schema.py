@@ -99,7 +99,7 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         # algorithm samples whole episodes, else stock.
         "runner": F(str, "auto", choices=("auto", "fast", "stock")),
         # the rollout copy of the LM is stored in it; auto: bf16 where the rollouts run on a GPU
-        # that has it, else fp32 (agents.config.rollout_precision)
+        # that has it, else fp32 (CausalLMActorCritic.settle_rollout_precision)
         "precision": F(str, "auto", choices=["auto"] + PRECISIONS),
         # fast runner: true carries episodes still running at the end of a training call over to
         # the next (no call waits for its slowest rows; their early steps were sampled by the

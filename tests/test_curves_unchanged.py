@@ -5,7 +5,8 @@ The recorded curves are what the code gave when they were recorded (the file nam
 a change meant to keep behaviour (moving code, splitting classes) must reproduce what the
 EnvRunners sampled exactly (returns, step counts) and the learner's losses within float rounding
 (1e-4 relative): another CPU's kernels round differently (an AMD EPYC machine gave the
-recording's sampled values exactly and its losses within 2e-5 relative). A change meant to alter behaviour re-records them and says so in its commit:
+recording's sampled values exactly and its losses within 2e-5 relative). A change meant to
+alter behaviour re-records them and says so in its commit:
 
     .venv/bin/python -m tests.test_curves_unchanged --record
 
@@ -96,7 +97,8 @@ def test_same_seed_curve_equals_the_recorded_one(ray_local, name):
     assert all(len(c) >= 3 for c in got), got  # a reward and losses were compared
     assert [c.keys() for c in got] == [c.keys() for c in expected], f"{name}: other metrics"
     sampled = lambda curve: [{k: v for k, v in c.items() if k.startswith("env_runners/")} for c in curve]  # noqa: E731
-    assert sampled(got) == sampled(expected), f"{name}: what the EnvRunners sampled at iterations 1-{ITERATIONS} changed"
+    assert sampled(got) == sampled(expected), \
+        f"{name}: what the EnvRunners sampled at iterations 1-{ITERATIONS} changed"
     assert all(g == pytest.approx(e, rel=1e-4, abs=1e-7) for g, e in zip(got, expected)), \
         f"{name}: the losses at iterations 1-{ITERATIONS} changed: {got} != {expected}"
 

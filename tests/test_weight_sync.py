@@ -202,7 +202,7 @@ def test_auto_rollout_precision_is_bf16_only_on_a_gpu_with_it_and_a_lean_sync_fi
     assert rollout_precision(load(os.path.join(ROOT, "tune_configs", "dqn_synthetic.yaml"), [])) == "fp32"
     for has_bf16, device, dtype in ((True, "cuda", torch.bfloat16), (False, "cuda", torch.float32),
                                     (True, "cpu", torch.float32)):
-        monkeypatch.setattr(agents.models, "gpu_has_bf16", lambda: has_bf16)
+        monkeypatch.setattr(agents.models, "gpu_has_bf16", lambda device=None: has_bf16)
         assert auto_rollout_dtype(torch.device(device)) == dtype  # (a torch.device needs no GPU)
     runner = make_module(inference_only=True, rollout_precision="auto")
     runner.settle_rollout_precision()  # on the CPU (a guided or evaluation runner too): as built

@@ -125,9 +125,12 @@ class CausalLMActorCritic(Acting, SyncedState, TorchRLModule, ValueFunctionAPI, 
         if not self.inference_only or self.model_config.get("rollout_precision") != "auto":
             return
         dtype = auto_rollout_dtype(next(self.lm.parameters()).device)
-        for lm in (self.lm, getattr(self, "mask_lm", None)):
-            if lm is not None and next(lm.parameters()).dtype != dtype:
-                lm.to(dtype)
+        cast = [lm for lm in (self.lm, getattr(self, "mask_lm", None))
+                if lm is not None and next(lm.parameters()).dtype != dtype]
+        for lm in cast:
+            lm.to(dtype)
+        if cast:
+            self.weights_changed()  # cached keys and values are in the old dtype
 
     def autocast(self):
         """The learner's passes in its `train_precision` (a no-op in fp32); losses, log-probs and
