@@ -389,9 +389,7 @@ def gpu_has_bf16(device: torch.device | None = None) -> bool:
     (Ampere and later; a GPU that would only emulate it counts as without)."""
     if not torch.cuda.is_available():
         return False
-    if device is None or device.index is None:
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    with torch.cuda.device(device):
+    with torch.cuda.device(device):  # None, or no index: the current GPU
         return torch.cuda.is_bf16_supported(including_emulation=False)
 
 

@@ -42,8 +42,8 @@ def copy_module_weights(dst: torch.nn.Module, src: torch.nn.Module) -> int:
     device = next(src.parameters()).device
     if next(dst.parameters()).device != device and getattr(dst, "can_move_device", True):
         dst.to(device)
-    if hasattr(dst, "settle_rollout_precision"):  # env_runners.precision auto: by the device it is on now
-        dst.settle_rollout_precision()
+        if hasattr(dst, "settle_rollout_precision"):  # env_runners.precision auto: by its new device
+            dst.settle_rollout_precision()
     own, theirs = synced_tensors(dst), src.state_dict(keep_vars=True)
     missing = [k for k in own if k not in theirs]
     if missing:
