@@ -14,6 +14,9 @@ import torch
 
 # Per-row and per-step batch columns beyond RLlib's `Columns`.
 SEQ_ID = "seq_id"  # the row's episode index in a learner batch (whole-sequence minibatches)
+# the static update's learner pass, made beforehand: (ids, mask, inverse, column), see
+# agents/algorithms/static_update.py and agents/modules/actor_critic.py hidden_at_last_token
+PASS_ROWS = "static_pass_rows"
 # bool per row an EnvRunner may add: the row's observation is the previous call's same row plus one
 # appended token (its KV cache and per-row sampler state carry on); kept on the CPU
 ROW_CONTINUES = "row_continues"

@@ -155,7 +155,7 @@ PINNED = {
     "_schedule_tracked_actor_task", "_tracked_actor", "_actor_task_events", "_tracked_futures",
     "_tracked_actors_to_task_futures", "_forward_hooks", "_forward_pre_hooks", "_foreach_copy_",
     "_FilesystemSyncer", "_sync_up_command", "_get_clip_function", "_lr_scheduler_classes", "_params",
-    "_foreach_norm", "_foreach_mul_",
+    "_foreach_norm", "_foreach_mul_", "_update", "_compute_off_policyness",
 }
 THIRD_PARTY_PRIVATE_OK = {"_model"}  # bert_score's scorer (env/rewards/bertscore.py), not Ray's or transformers'
 
@@ -239,6 +239,18 @@ def test_torch_learner_grad_scaler_hooks_used_by_fp16_training():
         "apply_gradients(")
     assert "scaler.step(" in inspect.getsource(TorchLearner.apply_gradients)
     assert "self._module_optimizers" in inspect.getsource(Learner)
+
+
+def test_torch_learner_update_replaced_by_the_static_update():
+    # agents/algorithms/static_update.py StaticUpdate._update takes TorchLearner._update's place
+    # (what Learner.update calls per minibatch; it returns (fwd_out, loss per module, metrics))
+    # and first calls self._compute_off_policyness(batch), as RLlib's update does
+    from ray.rllib.core.learner.torch.torch_learner import TorchLearner
+
+    assert "fwd_out, loss_per_module, _ = self._update(" in inspect.getsource(Learner.update)
+    assert "_update" in vars(TorchLearner)
+    update = inspect.getsource(TorchLearner._uncompiled_update)
+    assert update.index("self._compute_off_policyness(batch)") < update.index("forward_train(")
 
 
 def test_tune_encoder_log_once_keys_forgotten_by_the_driver():

@@ -37,11 +37,20 @@ def clip_gradients(gradients_dict: dict, *, grad_clip=None, grad_clip_by: str = 
     grads = [g.detach() for g in gradients_dict.values() if g is not None]
     if not grads:
         return torch.tensor(0.0)
-    norms = torch.stack(torch._foreach_norm(grads, 2.0)).nan_to_num(neginf=-OVERFLOW, posinf=OVERFLOW)
-    total_norm = torch.norm(norms, 2.0).nan_to_num(neginf=-OVERFLOW, posinf=OVERFLOW)
-    coeff = torch.clamp(grad_clip / torch.clamp(total_norm + 1e-6, min=grad_clip), max=1.0)
-    torch._foreach_mul_(grads, coeff)
-    return total_norm
+    return clip_by_global_norm(grads, grad_clip)[0]
+
+
+def clip_by_global_norm(grads: list, grad_clip):
+    """Scales `grads` (in place) by min(1, grad_clip / global norm), RLlib's `global_norm` clip
+    (None: no clipping). Returns (the global norm, each tensor's norm before clipping: finite only
+    where every element of the tensor is)."""
+    norms = torch.stack(torch._foreach_norm(grads, 2.0))
+    total_norm = torch.norm(norms.nan_to_num(neginf=-OVERFLOW, posinf=OVERFLOW), 2.0).nan_to_num(
+        neginf=-OVERFLOW, posinf=OVERFLOW)
+    if grad_clip is not None:
+        coeff = torch.clamp(grad_clip / torch.clamp(total_norm + 1e-6, min=grad_clip), max=1.0)
+        torch._foreach_mul_(grads, coeff)
+    return total_norm, norms
 
 
 def all_finite(grads: list) -> bool:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
-from ray.rllib.utils.torch_utils import explained_variance
 
 from agents.algorithms.base import REFERENCE_KL, AlgorithmSpec, plain
 from agents.algorithms.token_learner import TOKEN_TRAINING, TokenAlgorithm, TokenLearner, TokenLearnerConfig
-from agents.algorithms.token_learner import loss_step_mean, policy_shift_metrics
+from agents.algorithms.static_update import static_config_blocker
+from agents.algorithms.token_learner import StepMean, policy_shift_metrics
 from env.validation import ConfigError
 
 
@@ -20,8 +20,16 @@ class LMPPOTorchLearner(TokenLearner):
     """PPO's clipped surrogate, clipped value loss and entropy bonus (+ the MLE term)."""
 
     def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
+        entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
+        total, metrics = self.loss_terms(module_id, config, batch, fwd_out, StepMean(batch), entropy_coeff)
+        self.metrics.log_dict(metrics, key=module_id, window=1)
+        return self.add_mle_term(module_id, total)
+
+    def loss_terms(self, module_id, config, batch, fwd_out, reduce, entropy_coeff):
+        """(PPO's loss, its metrics) with means and the explained variance taken by `reduce`
+        (`StepMean` over the loss steps; the static update's weighted sums over padded rows)."""
         module = self.module[module_id].unwrapped()
-        masked_mean = loss_step_mean(batch)
+        mean = reduce.mean
         dist = module.get_train_action_dist_cls().from_logits(fwd_out[Columns.ACTION_DIST_INPUTS])
         logp = dist.logp(batch[Columns.ACTIONS])
         ratio = torch.exp(logp - batch[Columns.ACTION_LOGP])
@@ -32,23 +40,17 @@ class LMPPOTorchLearner(TokenLearner):
         values = module.compute_values(batch, embeddings=fwd_out.get(Columns.EMBEDDINGS))
         vf_loss = (values - batch[Postprocessing.VALUE_TARGETS]).pow(2)
         vf_loss_clipped = torch.clamp(vf_loss, 0, config.vf_clip_param)
-        entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
 
-        total = masked_mean(-surrogate + config.vf_loss_coeff * vf_loss_clipped - entropy_coeff * entropy)
-        self.metrics.log_dict(
-            {
-                "policy_loss": -masked_mean(surrogate),
-                "vf_loss": masked_mean(vf_loss_clipped),
-                "vf_explained_var": explained_variance(batch[Postprocessing.VALUE_TARGETS], values),
-                "entropy": masked_mean(entropy),
-                "clip_fraction": masked_mean(((ratio - 1).abs() > config.clip_param).float()),
-                **policy_shift_metrics(batch, logp, fwd_out, masked_mean),
-            },
-            key=module_id,
-            window=1,
-        )
-        return self.add_mle_term(module_id, total)
-
+        total = mean(-surrogate + config.vf_loss_coeff * vf_loss_clipped - entropy_coeff * entropy)
+        metrics = {
+            "policy_loss": -mean(surrogate),
+            "vf_loss": mean(vf_loss_clipped),
+            "vf_explained_var": reduce.explained_variance(batch[Postprocessing.VALUE_TARGETS], values),
+            "entropy": mean(entropy),
+            "clip_fraction": mean(((ratio - 1).abs() > config.clip_param).float()),
+            **policy_shift_metrics(batch, logp, fwd_out, mean),
+        }
+        return total, metrics
 
 
 class LMPPOConfig(TokenLearnerConfig):
@@ -84,6 +86,10 @@ class PPOSpec(AlgorithmSpec):
         if "minibatch_size" in self.training_keys and plain(t["minibatch_size"]) > plain(t["train_batch_size"]):
             raise ConfigError(f"training.minibatch_size: {plain(t['minibatch_size'])} is larger than "
                               f"training.train_batch_size={plain(t['train_batch_size'])}")
+        if "static_update" in self.training_keys and t["static_update"] is True:
+            why = static_config_blocker({**cfg, "training": {k: plain(v) for k, v in t.items()}})
+            if why is not None:
+                raise ConfigError(f"training.static_update: {why}")
 
     def training(self, cfg: dict, c: dict) -> dict:
         return {**super().training(cfg, c), "use_kl_loss": False}  # the KL is a reward term here

@@ -25,12 +25,14 @@ from ray.rllib.algorithms.ppo import PPO, PPOConfig
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.connectors.learner import AddOneTsToEpisodesAndTruncate, GeneralAdvantageEstimation
 from ray.rllib.core.columns import Columns
+from ray.rllib.utils.torch_utils import explained_variance
 
 from agents.algorithms.base import (REFERENCE_KL, DeclaredParams, Param, RemoteRunnerStates, adam, rllib_fields,
                                    use_configured_lr)
 from agents.algorithms.gradients import FusedGradients
 from agents.algorithms.kl_control import AdaptiveKLController, ReferenceKLPenalty
 from agents.algorithms.mle import ReferencePairs, reference_nll
+from agents.algorithms.static_update import StaticUpdate
 from agents.algorithms.sequence_batching import (
     AddOneTsToUnfinishedEpisodes,
     AddSequenceIds,
@@ -75,6 +77,19 @@ def loss_step_mean(batch):
     return lambda x: x[mask].sum() / num_valid
 
 
+class StepMean:
+    """How RLlib's update reduces a loss's per-step terms: `mean` over the loss steps
+    (`loss_step_mean`) and RLlib's explained variance over the batch's rows. The static update
+    reduces with weighted sums instead (`agents/algorithms/static_update.py WeightedMean`)."""
+
+    def __init__(self, batch):
+        self.mean = loss_step_mean(batch)
+
+    @staticmethod
+    def explained_variance(y, pred):
+        return explained_variance(y, pred)
+
+
 def policy_shift_metrics(batch, logp, fwd_out, mean) -> dict:
     """How far this update moved the policy: the sampled-action estimate of KL(old || new), and
     with a truncation sampler the mask size and the share of actions outside the current mask.
@@ -102,6 +117,9 @@ TOKEN_TRAINING = {
     # prompts (mle_batch_size pairs per loss computation, mle.py); 0: pure RL.
     "mle_coef": Param(Field(float, 0.0, lo=0.0)),
     "mle_batch_size": Param(Field(int, 16, lo=1)),
+    # The update as one static function of bucketed shapes; on a GPU captured once per bucket as
+    # a CUDA graph and replayed (agents/algorithms/static_update.py); on a CPU run eagerly.
+    "static_update": Param(Field(bool, False)),
 }
 
 
@@ -112,7 +130,7 @@ class LossScaler(torch.amp.GradScaler):
         super().__init__("cuda" if torch.cuda.is_available() else "cpu")
 
 
-class TokenLearner(FusedGradients, PPOTorchLearner):
+class TokenLearner(StaticUpdate, FusedGradients, PPOTorchLearner):
     """RLlib's PPO learner with what every token-level loss here shares: the learner pipeline's
     edits (no bootstrap step for finished episodes, sequence ids, the reference-KL penalty before
     GAE), whole-sequence minibatches, the optimizer over trainable parameters, fp16's unscaling

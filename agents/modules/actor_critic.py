@@ -40,7 +40,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, ValueFunctionAPI
 from ray.rllib.core.rl_module.torch import TorchRLModule
 
-from agents.core import MASK_SIZE, SAMPLER_STATE, SEQ_ID
+from agents.core import MASK_SIZE, PASS_ROWS, SAMPLER_STATE, SEQ_ID
 from agents.models import (DTYPES, adapters_disabled, add_lora, auto_precision, auto_rollout_dtype, build_causal_lm,
                            build_tokenizer, cast_frozen, has_lora)
 from agents.modules.acting import Acting
@@ -51,14 +51,19 @@ from agents.samplers import MASKED
 from env.text_env import env_setting
 
 
-def hidden_at_last_token(trunk: nn.Module, obs: dict, seq_ids: torch.Tensor | None = None) -> torch.Tensor:
+def hidden_at_last_token(trunk: nn.Module, obs: dict, seq_ids: torch.Tensor | None = None,
+                         pass_rows: tuple | None = None) -> torch.Tensor:
     """The trunk's final hidden state at each row's last (newest) token, shape (rows, hidden).
 
     With `seq_ids`, rows of one sequence share a single forward pass: each
     row's tokens are a prefix of the sequence's longest row, so its hidden
-    state is read at the matching column of that row's pass.
+    state is read at the matching column of that row's pass. `pass_rows`: that pass's
+    (ids, mask, inverse, column), made beforehand (the static update's, padded to fixed shapes).
     """
-    _, ids, mask, inverse, column = sequence_pass_rows(obs["input_ids"], obs["attention_mask"], seq_ids)
+    if pass_rows is not None:
+        ids, mask, inverse, column = pass_rows
+    else:
+        _, ids, mask, inverse, column = sequence_pass_rows(obs["input_ids"], obs["attention_mask"], seq_ids)
     hidden, _ = lean_forward(trunk, ids, mask)  # GPT-2 as tensor ops where it gives transformers' result
     return hidden[inverse, column]
 
@@ -76,6 +81,8 @@ class CausalLMActorCritic(Acting, SyncedState, TorchRLModule, ValueFunctionAPI, 
     """The policy (the LM and its logits), the value head or trunk, and the frozen reference;
     acting is `Acting`'s (agents/modules/acting.py), the state and weight syncs `SyncedState`'s
     (agents/modules/sync_state.py)."""
+
+    static_pass = True  # its training pass takes pass rows made beforehand (the static update's)
 
     def setup(self):
         cfg = self.model_config
@@ -141,7 +148,10 @@ class CausalLMActorCritic(Acting, SyncedState, TorchRLModule, ValueFunctionAPI, 
         precision = self.precision if self.precision != "auto" else auto_precision(device)
         if precision == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast(device_type=device, dtype=DTYPES[precision])
+        # no cast cache while a CUDA graph is captured (the static update): a cached cast of a
+        # weight would outlive the graph's replays
+        capturing = device == "cuda" and torch.cuda.is_current_stream_capturing()
+        return torch.autocast(device_type=device, dtype=DTYPES[precision], cache_enabled=not capturing)
 
     # -- what depends on the kind of LM (Seq2SeqActorCritic overrides these) ------------
 
@@ -156,12 +166,14 @@ class CausalLMActorCritic(Acting, SyncedState, TorchRLModule, ValueFunctionAPI, 
         """The part of an LM that gives hidden states (what `_hidden` and the value trunk take)."""
         return lm.base_model
 
-    def _hidden(self, trunk: nn.Module, obs: dict, seq_ids=None, cache=None, cont=None) -> torch.Tensor:
+    def _hidden(self, trunk: nn.Module, obs: dict, seq_ids=None, cache=None, cont=None,
+                pass_rows=None) -> torch.Tensor:
         """The trunk's final hidden state at each row's newest token, through `cache` when given
-        (`cont`: which rows continue the cache's previous call, when the caller knows)."""
+        (`cont`: which rows continue the cache's previous call, when the caller knows;
+        `pass_rows`: the learner pass's rows made beforehand, see `hidden_at_last_token`)."""
         if cache is not None:
             return cache.hidden_at_last_token(trunk, obs, cont)
-        return hidden_at_last_token(trunk, obs, seq_ids)
+        return hidden_at_last_token(trunk, obs, seq_ids, pass_rows)
 
     @staticmethod
     def _logits(lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -175,10 +187,11 @@ class CausalLMActorCritic(Acting, SyncedState, TorchRLModule, ValueFunctionAPI, 
                                 self._hidden(self._trunk(self.mask_lm), obs, seq_ids, cache, cont)).float()
 
     def _forward_train(self, batch, **kwargs):
-        obs, seq_ids = batch[Columns.OBS], batch.get(SEQ_ID)
+        obs, seq_ids, rows = batch.get(Columns.OBS), batch.get(SEQ_ID), batch.get(PASS_ROWS)
         with self.autocast():
-            hidden = self._hidden(self._trunk(self.lm), obs, seq_ids)
-            embeddings = self._hidden(self.value_trunk, obs, seq_ids) if hasattr(self, "value_trunk") else hidden
+            hidden = self._hidden(self._trunk(self.lm), obs, seq_ids, pass_rows=rows)
+            embeddings = (self._hidden(self.value_trunk, obs, seq_ids, pass_rows=rows) if hasattr(self, "value_trunk")
+                          else hidden)
             logits = self._logits(self.lm, hidden).float()
         out = {Columns.ACTION_DIST_INPUTS: logits, Columns.EMBEDDINGS: embeddings}
         if self.sampler.active:  # the loss sees the same renormalised masked distribution as the rollout

@@ -205,6 +205,20 @@ def window_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return out.view(B, H, Tq, hd)
 
 
+def gpt2_forward_blocks(trunk, autocast_dtype=None):
+    """The blocks `gpt2_forward` runs as tensor ops on this trunk under autocast in
+    `autocast_dtype` (None: no autocast), or None where it keeps transformers' forward: not a
+    plain `GPT2Model` (`_plain_gpt2_blocks`), gradient checkpointing, training mode with dropout,
+    or an autocast dtype other than bf16."""
+    blocks = _plain_gpt2_blocks(trunk)
+    c = trunk.config
+    if (blocks is None or any(getattr(m, "gradient_checkpointing", False) for m in [trunk, *blocks])
+            or autocast_dtype not in (None, torch.bfloat16)
+            or (trunk.training and max(c.resid_pdrop, c.embd_pdrop, c.attn_pdrop) > 0)):
+        return None
+    return blocks
+
+
 def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: bool = False):
     """A plain `GPT2Model`'s pass over whole left-padded windows as tensor ops: what
     `trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask))` computes
@@ -217,13 +231,11 @@ def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: b
     dropout, or under another autocast dtype (fp16: the padding rows' mask would overflow in the
     batched matmuls): those keep transformers' forward. `lean_forward` checks it against
     transformers' forward once per trunk."""
-    blocks = _plain_gpt2_blocks(trunk)
-    c = trunk.config
     autocast = torch.is_autocast_enabled(ids.device.type)
-    if (blocks is None or any(getattr(m, "gradient_checkpointing", False) for m in [trunk, *blocks])
-            or (autocast and torch.get_autocast_dtype(ids.device.type) != torch.bfloat16)
-            or (trunk.training and max(c.resid_pdrop, c.embd_pdrop, c.attn_pdrop) > 0)):
+    blocks = gpt2_forward_blocks(trunk, torch.get_autocast_dtype(ids.device.type) if autocast else None)
+    if blocks is None:
         return None
+    c = trunk.config
     D, heads = trunk.embed_dim, c.n_head
     hd = D // heads
     B, T = ids.shape
@@ -250,6 +262,12 @@ def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: b
 
 
 _LEAN_FORWARD_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def lean_forward_verdict(trunk):
+    """Whether `lean_forward` takes `gpt2_forward` on this trunk: True or False once checked
+    against transformers' forward (its first pass), None before."""
+    return _LEAN_FORWARD_CHECKED.get(trunk)
 
 
 def lean_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: bool = False):

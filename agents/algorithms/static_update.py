@@ -1,0 +1,274 @@
+"""The learner's update as one static function of bucketed shapes, replayed as a CUDA graph on a
+GPU (`training.static_update`).
+
+On a GPU a PPO update at GPT-2-small shape is bound by the host's kernel launches: about 9 ms of
+device time against about 60 ms of host time per update (docs/results/gpu.md, run 4). Here a
+minibatch's forward pass, loss, backward pass, gradient clipping and optimizer step are one
+function of tensors of fixed shapes, with no host sync and no Python branch on data:
+  * the minibatch's sequences (one learner pass each, `sequence_groups`, made beforehand) are
+    padded to a multiple of SEQ_BUCKET rows over the env's whole window, its steps to a multiple
+    of ROW_BUCKET; a padding step weighs 0 in every mean;
+  * means over the loss steps are weighted sums (`WeightedMean`: no boolean indexing), and so is
+    the explained variance;
+  * a non-finite gradient skips the whole optimizer step on the device (fused Adam's
+    `found_inf`; RLlib's `apply_gradients` would drop the non-finite tensors' gradients only);
+  * the learning rate and the entropy coefficient are device tensors filled before each update,
+    so schedules apply.
+On CUDA a bucket's first update runs the function eagerly (kernels picked, workspaces allocated,
+optimizer state made, the lean forward checked), its second is captured as a
+`torch.cuda.CUDAGraph` and replayed, later ones replayed: one launch where there were thousands.
+On the CPU the same function runs eagerly, which the tests compare with RLlib's update.
+
+It applies (`static_blocker`) to one learner updating one module with a `loss_terms` method (PPO),
+a plain GPT-2 trunk that `gpt2_forward` runs, no truncation sampler, no MLE term, no fp16 loss
+scaler or torch lr scheduler, one fused Adam optimizer and `grad_clip_by: global_norm`; else the
+update is RLlib's. A restored optimizer state drops the captured graphs (they hold its tensors).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from ray.rllib.core.columns import Columns
+
+from agents.algorithms.gradients import clip_by_global_norm
+from agents.core import PASS_ROWS, SEQ_ID
+from agents.modules.kv_cache import gpt2_forward_blocks, lean_forward_verdict, sequence_groups
+
+logger = logging.getLogger(__name__)
+
+SEQ_BUCKET = 16  # a static pass's sequences: a multiple of this
+ROW_BUCKET = 128  # its steps: a multiple of this
+MAX_GRAPHS = 8  # captured buckets per learner; updates of further buckets run the function eagerly
+STEP_WEIGHT = "static_step_weight"  # each step's weight in a mean: 1 / (loss steps) or 0
+STEP_COUNT = "static_step_count"  # the number of loss steps (the explained variance's n)
+ENTROPY_COEFF = "static_entropy_coeff"
+PASS_KEYS = ("ids", "mask", "inverse", "column")
+SMALL_NUMBER = 1e-6  # RLlib's, in its explained variance
+
+
+def round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+class WeightedMean:
+    """The static update's reductions: means and RLlib's explained variance over the loss steps as
+    sums weighted by `weight` (1/n at a loss step, 0 elsewhere, padding included)."""
+
+    def __init__(self, weight: torch.Tensor, count: torch.Tensor):
+        self.weight, self.count = weight, count
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.weight).sum()
+
+    def _variance(self, x: torch.Tensor) -> torch.Tensor:  # unbiased, as torch.var
+        return self.mean((x - self.mean(x)).pow(2)) * self.count / (self.count - 1).clamp(min=1)
+
+    def explained_variance(self, y: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(1 - self._variance(y - pred) / (self._variance(y) + SMALL_NUMBER), min=-1.0)
+
+
+def static_inputs(batch: dict, entropy_coeff) -> tuple[tuple, dict]:
+    """(bucket, inputs): a minibatch's tensors for the static function, padded to its bucket
+    (sequences, steps). Eager (one host read: the number of sequences)."""
+    obs = batch[Columns.OBS]
+    ids, mask = obs["input_ids"], obs["attention_mask"]
+    rep, inverse, column = sequence_groups(mask, batch[SEQ_ID])
+    seqs, steps = len(rep), len(inverse)
+    bucket = (round_up(seqs, SEQ_BUCKET), round_up(steps, ROW_BUCKET))
+
+    def pad(x: torch.Tensor, n: int) -> torch.Tensor:
+        return F.pad(x, [0, 0] * (x.dim() - 1) + [0, n - len(x)])
+
+    valid = batch[Columns.LOSS_MASK].float() if Columns.LOSS_MASK in batch else torch.ones(steps, device=ids.device)
+    count = valid.sum()
+    inputs = {"ids": pad(ids[rep], bucket[0]), "mask": pad(mask[rep], bucket[0]),
+              "inverse": pad(inverse, bucket[1]), "column": pad(column, bucket[1]),
+              STEP_WEIGHT: pad(valid / count, bucket[1]), STEP_COUNT: count,
+              ENTROPY_COEFF: torch.as_tensor(entropy_coeff, dtype=torch.float32).to(ids.device).reshape(())}
+    for key, value in batch.items():
+        if key not in (Columns.OBS, SEQ_ID) and torch.is_tensor(value) and value.dim() and len(value) == steps:
+            inputs[key] = pad(value, bucket[1])
+    return bucket, inputs
+
+
+def static_config_blocker(cfg: dict) -> str | None:
+    """What in a validated YAML config keeps the static update from applying (the reason, naming
+    the field), None: nothing (the model's own structure is checked when the learner runs)."""
+    t, model = cfg["training"], cfg["model"]
+    if cfg["sampler"]["name"] != "none":
+        return f"does not apply with a truncation sampler (sampler.name: {cfg['sampler']['name']})"
+    checks = (
+        (t.get("mle_coef", 0) > 0, "training.mle_coef > 0 (the MLE term draws reference pairs on the host)"),
+        (t["precision"] == "fp16", "training.precision fp16 (its loss scaler steps on the host)"),
+        (t["gradient_checkpointing"], "training.gradient_checkpointing"),
+        (model.get("lora") is not None, "model.lora"),
+        (model.get("kind") == "seq2seq", "model.kind seq2seq"),
+        ((cfg["learners"]["num_learners"] or 0) > 1, "learners.num_learners > 1"),
+    )
+    return next((f"does not apply with {why}" for hit, why in checks if hit), None)
+
+
+def trunks(module) -> list:
+    """The trunks a module's training pass runs."""
+    return [module._trunk(module.lm)] + ([module.value_trunk] if hasattr(module, "value_trunk") else [])
+
+
+def static_blocker(learner, batch: dict) -> str | None:
+    """Why this learner's update of `batch` cannot run as the static function; None: it can."""
+    if len(batch) != 1:
+        return "the batch holds several modules"
+    (module_id, module_batch), = batch.items()
+    module = learner.module[module_id].unwrapped()
+    cfg = learner.config
+    if not hasattr(learner, "loss_terms"):
+        return f"{type(learner).__name__} has no loss_terms"
+    if not getattr(module, "static_pass", False):
+        return f"{type(module).__name__}'s training pass is not a static one"
+    if module.sampler.active:
+        return "a truncation sampler masks the training logits"
+    if getattr(learner, "mle_pairs", None) is not None:
+        return "the MLE term draws reference pairs on the host"
+    if learner._grad_scalers is not None or learner._lr_scheduler_classes is not None:
+        return "fp16's loss scaler or a torch lr scheduler steps on the host"
+    if cfg.num_learners > 1:
+        return "several learners all-reduce their gradients"
+    if cfg.grad_clip is not None and cfg.grad_clip_by != "global_norm":
+        return f"grad_clip_by {cfg.grad_clip_by!r} (only global_norm)"
+    optimizers = learner.get_optimizers_for_module(module_id)
+    if len(optimizers) != 1 or not (isinstance(optimizers[0][1], torch.optim.Adam)
+                                    and optimizers[0][1].defaults.get("fused")):
+        return "the module's optimizer is not one fused Adam"
+    if SEQ_ID not in module_batch or not isinstance(module_batch.get(Columns.OBS), dict):
+        return "the batch has no sequence ids or no windows"
+    device = next(module.lm.parameters()).device.type
+    with module.autocast():
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    for trunk in trunks(module):
+        if gpt2_forward_blocks(trunk, dtype) is None or lean_forward_verdict(trunk) is False:
+            return f"the trunk ({type(trunk).__name__}) is not one the tensor-op pass runs"
+    return None
+
+
+class StaticUpdate:
+    """Mixin for a TorchLearner (before RLlib's class): `_update` as the static function where
+    `training.static_update` is on and `static_blocker` finds nothing, else RLlib's."""
+
+    def build(self) -> None:
+        super().build()
+        self.drop_static_graphs()
+        self._static_warned = False
+
+    def drop_static_graphs(self) -> None:
+        """Forgets the captured graphs (they hold the optimizer state's tensors)."""
+        # bucket -> [static inputs, graph (None: not captured yet; False: not capturable), its
+        # outputs, its learning rates (device tensors, one per param group)]
+        self._static_graphs: dict = {}
+
+    def set_state(self, state):
+        super().set_state(state)
+        self.drop_static_graphs()
+
+    def _update(self, batch):
+        if not getattr(self.config, "static_update", False):
+            return super()._update(batch)
+        blocker = static_blocker(self, batch)
+        if blocker is not None:
+            if not self._static_warned:
+                logger.warning("training.static_update: %s; the update runs RLlib's way", blocker)
+                self._static_warned = True
+            return super()._update(batch)
+        self._compute_off_policyness(batch)
+        (module_id, module_batch), = batch.items()
+        entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
+        bucket, inputs = static_inputs(module_batch, entropy_coeff)
+        total, metrics = self._static_run(module_id, bucket, inputs)
+        self.metrics.log_dict(metrics, key=module_id, window=1)
+        return {}, {module_id: total}, {}
+
+    def _static_run(self, module_id, bucket, inputs) -> tuple:
+        """The update of one padded minibatch: eager, or a CUDA graph's replay."""
+        optimizer = self.get_optimizers_for_module(module_id)[0][1]
+        capture = next(self.module[module_id].parameters()).device.type == "cuda"
+        entry = self._static_graphs.get(bucket)
+        if not capture or (entry is None and len(self._static_graphs) >= MAX_GRAPHS):
+            optimizer.zero_grad(set_to_none=True)
+            return self._unpack(module_id, *self._static_step(module_id, inputs))
+        if entry is None:  # the first update of this bucket: eager, on a side stream (capture's warm-up)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                optimizer.zero_grad(set_to_none=True)
+                out = self._static_step(module_id, inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            self._static_graphs[bucket] = [inputs, None, None, None]
+            return self._unpack(module_id, *out)
+        static = entry[0]
+        for key, value in inputs.items():
+            static[key].copy_(value)
+        if entry[1] is None:
+            if any(lean_forward_verdict(t) is not True for t in trunks(self.module[module_id].unwrapped())):
+                entry[1] = False  # transformers' forward (not capturable): eager from now on
+            else:
+                entry[1:] = self._capture(module_id, optimizer, static)
+        static, graph, out, lrs = entry
+        if graph is False:
+            optimizer.zero_grad(set_to_none=True)
+            return self._unpack(module_id, *self._static_step(module_id, static))
+        for group, lr in zip(optimizer.param_groups, lrs):
+            lr.fill_(group["lr"])
+        graph.replay()
+        values, names = out
+        return self._unpack(module_id, values.clone(), names)
+
+    def _capture(self, module_id, optimizer, static: dict):
+        """A CUDA graph of the static function on `static` inputs: [graph, its outputs, its
+        learning rates]. The optimizer steps from device tensor learning rates, filled before each
+        replay (the param groups keep their float `lr` for RLlib's schedules and checkpoints)."""
+        optimizer.zero_grad(set_to_none=True)  # backward in the graph writes fresh gradient buffers
+        saved = [(group["lr"], group["capturable"]) for group in optimizer.param_groups]
+        lrs = [torch.full((), float(group["lr"]), device=static["ids"].device) for group in optimizer.param_groups]
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"], group["capturable"] = lr, True
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                out = self._static_step(module_id, static)
+        finally:
+            for group, (lr, capturable) in zip(optimizer.param_groups, saved):
+                group["lr"], group["capturable"] = lr, capturable
+        return [graph, out, lrs]
+
+    def _static_step(self, module_id, inputs: dict):
+        """The static function: forward pass, loss, backward pass, clipping and the optimizer step
+        on padded inputs. Returns (a vector of the loss, its metrics and the gradients' global
+        norm and skip flag, their names)."""
+        module = self.module[module_id]
+        config = self.config.get_config_for_module(module_id)
+        batch = {key: value for key, value in inputs.items() if key not in PASS_KEYS}
+        batch[PASS_ROWS] = tuple(inputs[key] for key in PASS_KEYS)
+        fwd_out = module.forward_train(batch)
+        reduce = WeightedMean(inputs[STEP_WEIGHT], inputs[STEP_COUNT])
+        total, metrics = self.loss_terms(module_id, config, batch, fwd_out, reduce, inputs[ENTROPY_COEFF])
+        total.backward()
+        name, optimizer = self.get_optimizers_for_module(module_id)[0]
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        global_norm, norms = clip_by_global_norm(grads, config.grad_clip)
+        skipped = (~norms.isfinite().all()).float()
+        optimizer.found_inf = skipped
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        out = {"total_loss": total, **metrics, f"gradients_{name}_global_norm": global_norm,
+               "static_update_skipped": skipped}
+        return torch.stack([v.detach().float().reshape(()) for v in out.values()]), list(out)
+
+    def _unpack(self, module_id, values: torch.Tensor, names: list) -> tuple:
+        """(the loss, the metrics to log) from the static function's output vector."""
+        out = dict(zip(names, values.unbind()))
+        total = out.pop("total_loss")
+        if self.config.get_config_for_module(module_id).grad_clip is None:
+            out = {k: v for k, v in out.items() if not k.endswith("_global_norm")}
+        return total, out
