@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from agents.algorithms import static_update as su
 from agents.config import algorithm_config, load
@@ -139,6 +140,46 @@ def test_the_static_step_reads_nothing_on_the_host_and_compiles_without_graph_br
     with torch.no_grad():
         got, want = compiled(inputs), forward_and_loss(inputs)
     torch.testing.assert_close(got, want)
+
+
+# aten ops that read device data back to the host on CUDA (each a sync that stream capture cannot
+# hold): host reads, data-dependent output shapes, and the sorting embedding backward (above 3,072
+# indices) and accumulating index_put_ (the backward of advanced indexing)
+CAPTURE_UNSAFE = {"_local_scalar_dense", "item", "nonzero", "_unique", "_unique2", "unique_consecutive",
+                  "unique_dim", "masked_select", "repeat_interleave", "bincount", "embedding_dense_backward",
+                  "index_put", "index_put_", "_index_put_impl_", "masked_scatter", "histc"}
+
+
+class AtenOps(TorchDispatchMode):
+    """The names of the aten ops run inside it (forward, backward and optimizer alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_static_step_runs_no_op_that_capture_cannot_hold(learner, monkeypatch):
+    """The ops of the whole step as it runs under capture (`capturing` true, here on the CPU):
+    none that reads device data back to the host on CUDA."""
+    from agents.modules import kv_cache
+
+    algo, lrn = learner
+    inputs = _minibatch(algo, lrn)
+    monkeypatch.setattr(kv_cache, "capturing", lambda device: True)
+    lrn.get_optimizers_for_module(MID)[0][1].zero_grad(set_to_none=True)
+    with AtenOps() as ops:
+        lrn._static_step(MID, inputs)
+    assert {"addmm", "index_select", "index_add", "_fused_adam_"} <= ops.names  # it saw the step
+    assert not ops.names & CAPTURE_UNSAFE, ops.names & CAPTURE_UNSAFE
+    monkeypatch.undo()  # and without capture the embedding's own backward runs (it is what the check sees)
+    lrn.get_optimizers_for_module(MID)[0][1].zero_grad(set_to_none=True)
+    with AtenOps() as ops:
+        lrn._static_step(MID, inputs)
+    assert "embedding_dense_backward" in ops.names
 
 
 def test_a_non_finite_gradient_skips_the_whole_step(learner):

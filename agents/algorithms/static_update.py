@@ -211,7 +211,12 @@ class StaticUpdate:
             if any(lean_forward_verdict(t) is not True for t in trunks(self.module[module_id].unwrapped())):
                 entry[1] = False  # transformers' forward (not capturable): eager from now on
             else:
-                entry[1:] = self._capture(module_id, optimizer, static)
+                try:
+                    entry[1:] = self._capture(module_id, optimizer, static)
+                except RuntimeError as err:  # an op that cannot be captured: eager from now on
+                    logger.warning("training.static_update: the update could not be captured as a CUDA graph "
+                                   "(%s); it runs eagerly", str(err).splitlines()[0])
+                    entry[1] = False
         static, graph, out, lrs = entry
         if graph is False:
             optimizer.zero_grad(set_to_none=True)

@@ -45,7 +45,7 @@ from agents.models import (DTYPES, adapters_disabled, add_lora, auto_precision, 
                            build_tokenizer, cast_frozen, has_lora)
 from agents.modules.acting import Acting
 from agents.modules.decode_engine import RingKVCache
-from agents.modules.kv_cache import lean_forward, sequence_pass_rows
+from agents.modules.kv_cache import capturing, lean_forward, sequence_pass_rows
 from agents.modules.sync_state import SyncedState
 from agents.samplers import MASKED
 from env.text_env import env_setting
@@ -60,10 +60,11 @@ def hidden_at_last_token(trunk: nn.Module, obs: dict, seq_ids: torch.Tensor | No
     state is read at the matching column of that row's pass. `pass_rows`: that pass's
     (ids, mask, inverse, column), made beforehand (the static update's, padded to fixed shapes).
     """
-    if pass_rows is not None:
+    if pass_rows is not None:  # read by index_select, whose backward reads nothing back to the host
         ids, mask, inverse, column = pass_rows
-    else:
-        _, ids, mask, inverse, column = sequence_pass_rows(obs["input_ids"], obs["attention_mask"], seq_ids)
+        hidden, _ = lean_forward(trunk, ids, mask)
+        return hidden.flatten(0, 1).index_select(0, inverse * hidden.shape[1] + column)
+    _, ids, mask, inverse, column = sequence_pass_rows(obs["input_ids"], obs["attention_mask"], seq_ids)
     hidden, _ = lean_forward(trunk, ids, mask)  # GPT-2 as tensor ops where it gives transformers' result
     return hidden[inverse, column]
 
@@ -150,8 +151,8 @@ class CausalLMActorCritic(Acting, SyncedState, TorchRLModule, ValueFunctionAPI, 
             return contextlib.nullcontext()
         # no cast cache while a CUDA graph is captured (the static update): a cached cast of a
         # weight would outlive the graph's replays
-        capturing = device == "cuda" and torch.cuda.is_current_stream_capturing()
-        return torch.autocast(device_type=device, dtype=DTYPES[precision], cache_enabled=not capturing)
+        return torch.autocast(device_type=device, dtype=DTYPES[precision],
+                              cache_enabled=not capturing(torch.device(device)))
 
     # -- what depends on the kind of LM (Seq2SeqActorCritic overrides these) ------------
 

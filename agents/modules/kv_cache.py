@@ -205,6 +205,21 @@ def window_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return out.view(B, H, Tq, hd)
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on `device`'s current stream (the static update)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def embed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.embedding(ids, weight)`, except while a CUDA graph is captured (the static update):
+    there the embedding's backward, above 3,072 indices, sorts them and reads the number of
+    distinct ones back to the host, which capture cannot hold; `index_select`'s backward
+    (`index_add_`) reads nothing back."""
+    if capturing(ids.device):
+        return weight.index_select(0, ids.reshape(-1)).view(*ids.shape, weight.shape[-1])
+    return F.embedding(ids, weight)
+
+
 def gpt2_forward_blocks(trunk, autocast_dtype=None):
     """The blocks `gpt2_forward` runs as tensor ops on this trunk under autocast in
     `autocast_dtype` (None: no autocast), or None where it keeps transformers' forward: not a
@@ -239,7 +254,7 @@ def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: b
     D, heads = trunk.embed_dim, c.n_head
     hd = D // heads
     B, T = ids.shape
-    h = F.embedding(ids, trunk.wte.weight) + F.embedding(position_ids_for(mask), trunk.wpe.weight)
+    h = embed(ids, trunk.wte.weight) + embed(position_ids_for(mask), trunk.wpe.weight)
     allowed = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril_()[None] & mask[:, None, :].bool()
     # under bf16 autocast the batched matmuls cast the mask to bf16, where float32's lowest value
     # would round to -inf (a padding row, all keys masked, would then give NaN): bf16's lowest
