@@ -24,6 +24,11 @@
 # rollouts_bf16, peer_bf16 and peer_fp32: the same with the rollouts' weights in bf16 or fp32
 # (env_runners.precision; its default, auto, is bf16 on a GPU with bf16, so peer is peer_bf16 there);
 # rollouts_tf32: fp32 weights with TF32 matmuls on every path (as a training run's process has them).
+#   static     the static update's tests (the CUDA one: captured replays against eager updates),
+#              then ppo_profile with RLlib's update and with training.static_update (about 2 min;
+#              not yet run)
+# STATIC=1 runs peer, seeds and ppo_profile with training.static_update true (the learner's update
+# captured as CUDA graphs); their logs are then named <step>_static.
 # BLOCK=k runs rollouts, peer and ppo_profile with env_runners.decode_block k (k module steps per
 # env round trip; unset, the config's default: 4 on a GPU); their logs are then named <step>_block<k>.
 # Each step runs under its own time limit and writes its whole output to $OUT/<step>.log (OUT
@@ -37,7 +42,8 @@ steps=("$@")
 BLOCK=${BLOCK:-}
 tag=${BLOCK:+_block$BLOCK}
 block_arg=(${BLOCK:+--decode-block "$BLOCK"})
-block_set=(${BLOCK:+--set env_runners.decode_block="$BLOCK"})
+block_set=(${BLOCK:+--set env_runners.decode_block="$BLOCK"} ${STATIC:+--set training.static_update=true})
+tag=$tag${STATIC:+_static}
 [ ${#steps[@]} -gt 0 ] || steps=(tests rollouts peer weights)
 
 run() {  # run NAME LIMIT_S CMD...: the command's output into $OUT/NAME.log, its tail and status here
@@ -58,7 +64,8 @@ EOF
 
 for step in "${steps[@]}"; do
   case $step in
-    tests) run tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_decode_engine.py tests/test_weight_sync.py \
+    tests) run tests 180 $PY -m pytest -q -p no:cacheprovider tests/test_decode_engine.py tests/test_weight_sync.py \
+             tests/test_static_update.py \
              "tests/test_serve_batching.py::test_a_replica_on_a_gpu_writes_what_the_cpu_replica_writes" ;;
     rollouts|rollouts_bf16|rollouts_tf32) precision=$([ "$step" = rollouts_bf16 ] && echo bf16 || echo fp32)
              tf32=$([ "$step" = rollouts_tf32 ] && echo --tf32 || true)
@@ -83,6 +90,11 @@ for step in "${steps[@]}"; do
     profile) run profile 170 $PY benchmarks/decode_step_profile.py ;;
     ppo_profile) run "ppo_profile$tag" 240 $PY benchmarks/ppo_profile.py --device cuda --model gpt2-small-shaped \
              --iters 6 --trace "$OUT/ppo_trace$tag.json" "${block_set[@]}" ;;
+    static) run static_tests 120 $PY -m pytest -q -p no:cacheprovider tests/test_static_update.py
+            for update in false true; do
+              run "ppo_profile_static_$update$tag" 240 $PY benchmarks/ppo_profile.py --device cuda \
+              --model gpt2-small-shaped --iters 6 --set training.static_update=$update "${block_set[@]}"
+            done ;;
     captured) run captured 60 $PY -m pytest -q -p no:cacheprovider \
              tests/test_decode_engine.py::test_captured_cuda_graph_step_gives_the_eager_steps_tokens \
              "tests/test_decode_engine.py::test_a_block_of_steps_on_the_device_gives_one_act_per_step[cuda]" ;;
@@ -92,7 +104,7 @@ for step in "${steps[@]}"; do
              --requests 200 --stream off --ingress direct
            run serve_gpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
              --requests 200 --stream off --ingress direct --serve-args "--num-gpus 1" ;;
-    *) echo "unknown step: $step (tests captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve)" >&2
+    *) echo "unknown step: $step (tests static captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve)" >&2
        exit 2 ;;
   esac
 done

@@ -227,7 +227,7 @@ def test_an_unsupported_model_falls_back_to_rllibs_update_with_one_warning(learn
 def test_captured_updates_equal_the_eager_static_updates_on_cuda(ray_local):
     """On CUDA the static function is captured once per bucket and replayed: the same learning
     as running it eagerly each time (first update eager, second captured, later replayed)."""
-    gpu = ["learners.num_gpus_per_learner=1", "training.precision=fp32", "env_runners.precision=fp32"]
+    gpu = ["learners.num_gpus_per_learner=1"]  # the default precisions: bf16 autocast on a GPU with bf16
     results = {}
     for capture in (True, False):
         cfg = load(QUICKSTART, SMALL + gpu + ["training.static_update=true"])
@@ -243,7 +243,7 @@ def test_captured_updates_equal_the_eager_static_updates_on_cuda(ray_local):
     assert graphs >= 1
     assert our_returns[:2] == their_returns[:2]
     for name, p in theirs.items():
-        torch.testing.assert_close(ours[name], p, rtol=0, atol=1e-5 * max(1.0, p.abs().max().item()))
+        torch.testing.assert_close(ours[name], p, rtol=0, atol=1e-4)  # index_add_'s atomics sum in any order
 
 
 class _NeverCaptures(dict):
