@@ -99,3 +99,40 @@ def install_colocated_sync(algo) -> bool:
     group.sync_weights = sync_weights
     algo.colocated_sync_bytes = sync_colocated(learners, group.local_env_runner)
     return True
+
+
+def settled_rollout_dtypes(env_runner) -> set:
+    """The dtypes the LMs of `env_runner`'s modules hold under `env_runners.precision: auto`
+    (settled on the runner's device; runs on the EnvRunner); empty where no module is under auto."""
+    return {str(next(m.unwrapped().lm.parameters()).dtype) for m in modules_by_id(env_runner.module).values()
+            if getattr(m.unwrapped(), "model_config", {}).get("rollout_precision") == "auto"}
+
+
+def settle_sync_dtype(algo) -> str | None:
+    """Under `env_runners.precision: auto` remote EnvRunners settle their rollout dtype on their own
+    device (bf16 on a GPU with bf16 in hardware), which the learners do not know: they send float32.
+    Where every remote EnvRunner (evaluation ones included) settled bf16, the learners' syncs send
+    bf16 from now on: half the bytes, the weights the runners would cast to anyway. Returns the
+    dtype the syncs send ("torch.bfloat16"), or None where they stay as they were: also where
+    evaluation samples in the driver's process (its EnvRunner stays fp32 on the CPU and would get
+    bf16-rounded weights). The driver's own copy of the module (`Algorithm.get_module`) then holds
+    bf16-rounded weights, as with `precision: bf16` named; checkpoints hold the learners' weights."""
+    evaluation = getattr(algo, "eval_env_runner_group", None)
+    if evaluation is not None and not evaluation.num_remote_workers():
+        return None
+    groups = [g for g in (algo.env_runner_group, evaluation) if g is not None and g.num_remote_workers()]
+    if not groups or algo.learner_group is None:
+        return None
+    settled = set()
+    for group in groups:
+        for dtypes in group.foreach_env_runner(settled_rollout_dtypes, local_env_runner=False):
+            settled |= dtypes or {"none"}
+    if settled != {str(torch.bfloat16)}:
+        return None
+    algo.learner_group.foreach_learner(_send_bf16)
+    return str(torch.bfloat16)
+
+
+def _send_bf16(learner) -> None:
+    for module in modules_by_id(learner.module).values():
+        module.unwrapped().__dict__["sync_dtype"] = torch.bfloat16

@@ -9,6 +9,7 @@ import torch
 import tree
 
 from agents.config import algorithm_config, load
+from agents.weight_sync import settle_sync_dtype
 from env.validation import ConfigError
 from tests.conftest import QUICKSTART, ROOT
 
@@ -182,6 +183,7 @@ def test_driver_env_runner_loads_no_weights_while_remote_env_runners_sample(ray_
         distinct = sum({t.data_ptr(): t.nbytes for t in driver_module.state_dict().values()}.values())
         syncs = [n for n in counted if n > 100_000]
         assert len(syncs) >= 2 and all(n == distinct for n in syncs), (syncs, distinct)
+        assert settle_sync_dtype(algo) is None  # the remote runner settled fp32 (a CPU): float32 it stays
         module = algo.get_module()
         assert module is driver_module and any(loads)
         _, learner = runner_and_learner_modules(algo)
@@ -219,6 +221,59 @@ def test_auto_rollout_precision_is_bf16_only_on_a_gpu_with_it_and_a_lean_sync_fi
     own, source = runner.state_dict(), learner.state_dict()
     for name, value in own.items():
         assert value.dtype == (torch.bfloat16 if name.startswith("lm.") else torch.float32), name
+        assert torch.equal(value, source[name].to(value.dtype)), name
+
+
+class _Group:
+    """An EnvRunnerGroup (or LearnerGroup) of the given remote workers, as `settle_sync_dtype` uses it."""
+
+    def __init__(self, workers):
+        self.workers = workers
+
+    def num_remote_workers(self):
+        return len(self.workers)
+
+    def foreach_env_runner(self, fn, local_env_runner=True):
+        return [fn(w) for w in self.workers]
+
+    foreach_learner = foreach_env_runner
+
+
+def test_remote_runners_that_all_settled_bf16_receive_bf16(monkeypatch):
+    """Under precision auto a remote EnvRunner on a GPU with bf16 holds its LM in bf16: once every
+    remote runner says so, the learners send bf16 (half the bytes) and a runner is filled exactly as
+    by a float32 sync; one fp32 runner (or one not under auto) keeps float32 for all."""
+    import types
+
+    import agents.modules.actor_critic
+    from agents.modules.sync_state import SYNC_BF16
+
+    def runner_module(settled_bf16: bool):
+        module = make_module(inference_only=True, rollout_precision="auto")
+        if settled_bf16:
+            with monkeypatch.context() as m:
+                m.setattr(agents.modules.actor_critic, "auto_rollout_dtype", lambda device: torch.bfloat16)
+                module.settle_rollout_precision()
+        return module
+
+    def algo(*runners):
+        learner = types.SimpleNamespace(module=make_module(rollout_precision="auto"))
+        with torch.no_grad():
+            for p in learner.module.parameters():
+                p.add_(torch.randn_like(p))
+        group = _Group([types.SimpleNamespace(module=m) for m in runners])
+        return types.SimpleNamespace(env_runner_group=group, learner_group=_Group([learner])), learner.module
+
+    bf16_runner, fp32_runner = runner_module(True), runner_module(False)
+    mixed, learner = algo(bf16_runner, fp32_runner)
+    assert settle_sync_dtype(mixed) is None and SYNC_BF16 not in learner.get_state(inference_only=True)
+    both, learner = algo(bf16_runner, runner_module(True))
+    assert settle_sync_dtype(both) == "torch.bfloat16"
+    lean = learner.get_state(inference_only=True)
+    assert set(lean[SYNC_BF16]) == {k for k in lean if k.startswith("lm.")}  # the LM in bf16 bits
+    bf16_runner.set_state(lean)
+    own, source = bf16_runner.state_dict(), learner.state_dict()
+    for name, value in own.items():
         assert torch.equal(value, source[name].to(value.dtype)), name
 
 

@@ -40,7 +40,7 @@ from agents.algorithms.sequence_batching import (
     token_learner_pipeline,
 )
 from agents.core import MASK_SIZE, global_rng_state, set_global_rng_state, state_requested
-from agents.weight_sync import install_colocated_sync
+from agents.weight_sync import install_colocated_sync, settle_sync_dtype
 from env.validation import Field
 
 LEARNER_RNG = "rng_state"  # learner state key: the generators of its updates
@@ -310,3 +310,4 @@ class TokenAlgorithm(RemoteRunnerStates, PPO):
     def setup(self, config):
         super().setup(config)
         install_colocated_sync(self)  # one process, one device: weights go device to device
+        settle_sync_dtype(self)  # remote EnvRunners that settled bf16 receive bf16

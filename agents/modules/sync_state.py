@@ -90,7 +90,8 @@ class SyncedState:
         """What a weight sync sends EnvRunners (`agents.modules.sync_state.lean_state`): the
         inference weights once each, with LoRA the adapters only, the LM in the rollout precision,
         from a GPU through pinned buffers. `set_state` takes it back."""
-        dtype = DTYPES.get(self.model_config.get("rollout_precision"), torch.float32)  # auto: as the module (fp32)
+        # auto: float32, or what every EnvRunner settled on its device (`settle_sync_dtype`)
+        dtype = self.__dict__.get("sync_dtype") or DTYPES.get(self.model_config.get("rollout_precision"), torch.float32)
         cast = lambda key, t: t.to(dtype) if t.is_floating_point() and key.startswith(("lm.", "mask_lm.")) else t  # noqa: E731
         if "_sync_transfers" not in self.__dict__:
             self.__dict__["_sync_transfers"] = HostTransfers()
