@@ -9,11 +9,14 @@
 """
 from __future__ import annotations
 
-import torch
+import contextlib
 import copy
 import json
 import os
 import warnings
+
+import torch
+import torch.nn.functional as F
 
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
@@ -407,3 +410,32 @@ def auto_precision(device_type: str) -> str:
         torch.backends.cudnn.allow_tf32 = True
         return "bf16"
     return "fp32"
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on `device`'s current stream (the static update)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+_static_depth = 0  # > 0 inside `static_pass`
+
+
+@contextlib.contextmanager
+def static_pass():
+    """Passes inside it take the static update's ops (`embed`), eager or captured alike."""
+    global _static_depth
+    _static_depth += 1
+    try:
+        yield
+    finally:
+        _static_depth -= 1
+
+
+def embed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.embedding(ids, weight)`, except in the static update (`static_pass`): on CUDA the
+    embedding's backward, above 3,072 indices, sorts them and reads the number of distinct ones
+    back to the host, which a CUDA graph cannot hold; `index_select`'s backward (`index_add_`)
+    reads nothing back."""
+    if _static_depth:
+        return weight.index_select(0, ids.reshape(-1)).view(*ids.shape, weight.shape[-1])
+    return F.embedding(ids, weight)

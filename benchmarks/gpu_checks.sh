@@ -42,7 +42,9 @@ steps=("$@")
 BLOCK=${BLOCK:-}
 tag=${BLOCK:+_block$BLOCK}
 block_arg=(${BLOCK:+--decode-block "$BLOCK"})
-block_set=(${BLOCK:+--set env_runners.decode_block="$BLOCK"} ${STATIC:+--set training.static_update=true})
+block_only=(${BLOCK:+--set env_runners.decode_block="$BLOCK"})
+block_set=("${block_only[@]}" ${STATIC:+--set training.static_update=true})
+tag_only=$tag
 tag=$tag${STATIC:+_static}
 [ ${#steps[@]} -gt 0 ] || steps=(tests rollouts peer weights)
 
@@ -92,8 +94,8 @@ for step in "${steps[@]}"; do
              --iters 6 --trace "$OUT/ppo_trace$tag.json" "${block_set[@]}" ;;
     static) run static_tests 120 $PY -m pytest -q -p no:cacheprovider tests/test_static_update.py
             for update in false true; do
-              run "ppo_profile_static_$update$tag" 240 $PY benchmarks/ppo_profile.py --device cuda \
-              --model gpt2-small-shaped --iters 6 --set training.static_update=$update "${block_set[@]}"
+              run "ppo_profile_static_$update$tag_only" 240 $PY benchmarks/ppo_profile.py --device cuda \
+              --model gpt2-small-shaped --iters 6 --set training.static_update=$update "${block_only[@]}"
             done ;;
     captured) run captured 60 $PY -m pytest -q -p no:cacheprovider \
              tests/test_decode_engine.py::test_captured_cuda_graph_step_gives_the_eager_steps_tokens \

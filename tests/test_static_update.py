@@ -1,6 +1,7 @@
 """The learner's update as one static function (agents/algorithms/static_update.py): on the CPU it
 runs eagerly and must give RLlib's update; what a CUDA graph needs of it (fixed shapes, no host
 read, no graph break) is checked here too. The captured replays are checked on CUDA only."""
+import gc
 import math
 
 import pytest
@@ -136,6 +137,7 @@ def test_the_static_step_reads_nothing_on_the_host_and_compiles_without_graph_br
         return total, metrics
 
     torch._dynamo.reset()
+    gc.collect()  # trunks of earlier tests' runs leave lean_forward's weak table now, not mid-trace
     compiled = torch.compile(forward_and_loss, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         got, want = compiled(inputs), forward_and_loss(inputs)
@@ -162,23 +164,22 @@ class AtenOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_static_step_runs_no_op_that_capture_cannot_hold(learner, monkeypatch):
-    """The ops of the whole step as it runs under capture (`capturing` true, here on the CPU):
-    none that reads device data back to the host on CUDA."""
-    from agents.modules import kv_cache
-
+def test_the_static_step_runs_no_op_that_capture_cannot_hold(learner):
+    """The ops of the whole step (here on the CPU; on CUDA the same ops): none that reads device
+    data back to the host on CUDA. The same pass outside the static update takes the embedding's
+    own backward (what the check would see)."""
     algo, lrn = learner
     inputs = _minibatch(algo, lrn)
-    monkeypatch.setattr(kv_cache, "capturing", lambda device: True)
     lrn.get_optimizers_for_module(MID)[0][1].zero_grad(set_to_none=True)
     with AtenOps() as ops:
         lrn._static_step(MID, inputs)
     assert {"addmm", "index_select", "index_add", "_fused_adam_"} <= ops.names  # it saw the step
     assert not ops.names & CAPTURE_UNSAFE, ops.names & CAPTURE_UNSAFE
-    monkeypatch.undo()  # and without capture the embedding's own backward runs (it is what the check sees)
-    lrn.get_optimizers_for_module(MID)[0][1].zero_grad(set_to_none=True)
     with AtenOps() as ops:
-        lrn._static_step(MID, inputs)
+        total, _ = lrn.loss_terms(MID, lrn.config.get_config_for_module(MID), _batch(inputs),
+                                  lrn.module[MID].forward_train(_batch(inputs)),
+                                  su.WeightedMean(inputs[su.STEP_WEIGHT], inputs[su.STEP_COUNT]), 0.0)
+        total.backward()
     assert "embedding_dense_backward" in ops.names
 
 
@@ -211,12 +212,12 @@ def test_settings_it_cannot_serve_are_refused_in_one_line(setting, field):
 def test_an_unsupported_model_falls_back_to_rllibs_update_with_one_warning(learner, caplog):
     algo, lrn = learner
     module = lrn.module[MID].unwrapped()
-    module.static_pass = False  # as a seq2seq module
+    module.serves_static_update = False  # as a seq2seq module
     try:
         with caplog.at_level("WARNING"):
             result = algo.train()
     finally:
-        del module.static_pass
+        del module.serves_static_update
     skipped = result["learners"][MID].get("static_update_skipped")  # not logged this iteration
     assert skipped is None or math.isnan(skipped)
     assert any("training.static_update" in r.getMessage() and "RLlib's way" in r.getMessage()
@@ -226,28 +227,33 @@ def test_an_unsupported_model_falls_back_to_rllibs_update_with_one_warning(learn
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_captured_updates_equal_the_eager_static_updates_on_cuda(ray_local):
     """On CUDA the static function is captured once per bucket and replayed: the same learning
-    as running it eagerly each time (first update eager, second captured, later replayed)."""
+    as running it eagerly each time (first update eager, second captured, later replayed), up to
+    the summation order of index_add_'s atomics."""
     gpu = ["learners.num_gpus_per_learner=1"]  # the default precisions: bf16 autocast on a GPU with bf16
     results = {}
     for capture in (True, False):
         cfg = load(QUICKSTART, SMALL + gpu + ["training.static_update=true"])
         algo = algorithm_config(cfg).build_algo()
         learner = algo.learner_group._learner
+        start = {k: p.detach().cpu().clone() for k, p in learner.module[MID].named_parameters()}
         if not capture:
             learner._static_graphs = _NeverCaptures()
-        returns = [algo.train()["env_runners"]["episode_return_mean"] for _ in range(3)]
-        graphs = sum(1 for e in learner._static_graphs.values() if e[1] not in (None, False))
-        results[capture] = ({k: p.detach().cpu() for k, p in learner.module[MID].named_parameters()}, returns, graphs)
+        outs = [algo.train() for _ in range(3)]
+        replays = sum(o["learners"][MID].get("static_update_replays", 0) for o in outs)
+        params = {k: p.detach().cpu() for k, p in learner.module[MID].named_parameters()}
+        results[capture] = (start, params, outs[0]["learners"][MID], replays)
         algo.stop()
-    (ours, our_returns, graphs), (theirs, their_returns, _) = results[True], results[False]
-    assert graphs >= 1
-    assert our_returns[:2] == their_returns[:2]
-    for name, p in theirs.items():
-        torch.testing.assert_close(ours[name], p, rtol=0, atol=1e-4)  # index_add_'s atomics sum in any order
+    (start, ours, our_first, replays), (_, theirs, their_first, eager_replays) = results[True], results[False]
+    assert replays >= 1 and eager_replays == 0
+    assert our_first["total_loss"] == pytest.approx(their_first["total_loss"], rel=1e-3, abs=1e-5)
+    moved = torch.cat([(theirs[k] - start[k]).flatten() for k in start]).norm()
+    apart = torch.cat([(ours[k] - theirs[k]).flatten() for k in start]).norm()
+    assert moved > 0 and apart < 0.05 * moved, (float(apart), float(moved))
 
 
 class _NeverCaptures(dict):
-    """A graph table that is always full: every update runs the static function eagerly."""
+    """A graph table whose buckets are never captured: every update runs the function eagerly."""
 
-    def __len__(self):
-        return su.MAX_GRAPHS
+    def __setitem__(self, key, entry):
+        entry.graph = False
+        super().__setitem__(key, entry)

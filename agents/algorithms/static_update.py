@@ -9,15 +9,20 @@ function of tensors of fixed shapes, with no host sync and no Python branch on d
     padded to a multiple of SEQ_BUCKET rows over the env's whole window, its steps to a multiple
     of ROW_BUCKET; a padding step weighs 0 in every mean;
   * means over the loss steps are weighted sums (`WeightedMean`: no boolean indexing), and so is
-    the explained variance;
+    the explained variance (over the loss steps; RLlib's is over every row, the same where every
+    row is a loss step, as in token episodes that all terminated);
   * a non-finite gradient skips the whole optimizer step on the device (fused Adam's
     `found_inf`; RLlib's `apply_gradients` would drop the non-finite tensors' gradients only);
   * the learning rate and the entropy coefficient are device tensors filled before each update,
     so schedules apply.
-On CUDA a bucket's first update runs the function eagerly (kernels picked, workspaces allocated,
-optimizer state made, the lean forward checked), its second is captured as a
-`torch.cuda.CUDAGraph` and replayed, later ones replayed: one launch where there were thousands.
-On the CPU the same function runs eagerly, which the tests compare with RLlib's update.
+On CUDA a bucket's first update runs the function eagerly on a side stream with device syncs
+made errors (kernels picked, workspaces allocated, optimizer state made; a sync means it cannot be
+captured, and the bucket stays eager), its second is captured as a `torch.cuda.CUDAGraph` and
+replayed, later ones replayed: one launch where there were thousands. The graphs share one memory
+pool (replays run one at a time, outputs are copied out at once). The learner logs
+`static_update_replays` per iteration. On the CPU the same function runs eagerly, which the tests
+compare with RLlib's update. Still on the host per update: the sequence groups (`sequence_groups`,
+a few device syncs) and the padding.
 
 It applies (`static_blocker`) to one learner updating one module with a `loss_terms` method (PPO),
 a plain GPT-2 trunk that `gpt2_forward` runs, no truncation sampler, no MLE term, no fp16 loss
@@ -34,13 +39,14 @@ from ray.rllib.core.columns import Columns
 
 from agents.algorithms.gradients import clip_by_global_norm
 from agents.core import PASS_ROWS, SEQ_ID
+from agents.models import static_pass
 from agents.modules.kv_cache import gpt2_forward_blocks, lean_forward_verdict, sequence_groups
 
 logger = logging.getLogger(__name__)
 
 SEQ_BUCKET = 16  # a static pass's sequences: a multiple of this
 ROW_BUCKET = 128  # its steps: a multiple of this
-MAX_GRAPHS = 8  # captured buckets per learner; updates of further buckets run the function eagerly
+MAX_GRAPHS = 8  # captured buckets per learner (one memory pool); updates of further buckets run eagerly
 STEP_WEIGHT = "static_step_weight"  # each step's weight in a mean: 1 / (loss steps) or 0
 STEP_COUNT = "static_step_count"  # the number of loss steps (the explained variance's n)
 ENTROPY_COEFF = "static_entropy_coeff"
@@ -57,10 +63,11 @@ class WeightedMean:
     sums weighted by `weight` (1/n at a loss step, 0 elsewhere, padding included)."""
 
     def __init__(self, weight: torch.Tensor, count: torch.Tensor):
-        self.weight, self.count = weight, count
+        self.weight, self.count, self.kept = weight, count, weight > 0
 
     def mean(self, x: torch.Tensor) -> torch.Tensor:
-        return (x * self.weight).sum()
+        # a row of weight 0 adds nothing even where it holds inf or NaN (as RLlib's x[mask] leaves it out)
+        return (torch.where(self.kept, x, 0.0) * self.weight).sum()
 
     def _variance(self, x: torch.Tensor) -> torch.Tensor:  # unbiased, as torch.var
         return self.mean((x - self.mean(x)).pow(2)) * self.count / (self.count - 1).clamp(min=1)
@@ -90,6 +97,9 @@ def static_inputs(batch: dict, entropy_coeff) -> tuple[tuple, dict]:
     for key, value in batch.items():
         if key not in (Columns.OBS, SEQ_ID) and torch.is_tensor(value) and value.dim() and len(value) == steps:
             inputs[key] = pad(value, bucket[1])
+    # the bucket: its shapes, and every input's name, dtype and row shape (a graph's static inputs)
+    bucket += tuple(sorted((k, str(v.dtype), tuple(v.shape[1:])) for k, v in inputs.items()
+                           if k not in ("inverse", "column", STEP_WEIGHT) and v.dim() != 1)) + (ids.shape[1],)
     return bucket, inputs
 
 
@@ -124,7 +134,7 @@ def static_blocker(learner, batch: dict) -> str | None:
     cfg = learner.config
     if not hasattr(learner, "loss_terms"):
         return f"{type(learner).__name__} has no loss_terms"
-    if not getattr(module, "static_pass", False):
+    if not getattr(module, "serves_static_update", False):
         return f"{type(module).__name__}'s training pass is not a static one"
     if module.sampler.active:
         return "a truncation sampler masks the training logits"
@@ -138,8 +148,8 @@ def static_blocker(learner, batch: dict) -> str | None:
         return f"grad_clip_by {cfg.grad_clip_by!r} (only global_norm)"
     optimizers = learner.get_optimizers_for_module(module_id)
     if len(optimizers) != 1 or not (isinstance(optimizers[0][1], torch.optim.Adam)
-                                    and optimizers[0][1].defaults.get("fused")):
-        return "the module's optimizer is not one fused Adam"
+                                    and all(g.get("fused") for g in optimizers[0][1].param_groups)):
+        return "the module's optimizer is not one fused Adam (a restored state keeps its saved kernel choice)"
     if SEQ_ID not in module_batch or not isinstance(module_batch.get(Columns.OBS), dict):
         return "the batch has no sequence ids or no windows"
     device = next(module.lm.parameters()).device.type
@@ -149,6 +159,14 @@ def static_blocker(learner, batch: dict) -> str | None:
         if gpt2_forward_blocks(trunk, dtype) is None or lean_forward_verdict(trunk) is False:
             return f"the trunk ({type(trunk).__name__}) is not one the tensor-op pass runs"
     return None
+
+
+class _Bucket:
+    """One bucket's capture: its static inputs, graph (None: not captured yet; False: not to be
+    captured), outputs and learning rates (device tensors, one per param group)."""
+
+    def __init__(self, static: dict):
+        self.static, self.graph, self.out, self.lrs = static, None, None, None
 
 
 class StaticUpdate:
@@ -162,9 +180,8 @@ class StaticUpdate:
 
     def drop_static_graphs(self) -> None:
         """Forgets the captured graphs (they hold the optimizer state's tensors)."""
-        # bucket -> [static inputs, graph (None: not captured yet; False: not capturable), its
-        # outputs, its learning rates (device tensors, one per param group)]
-        self._static_graphs: dict = {}
+        self._static_graphs: dict = {}  # bucket -> _Bucket
+        self._static_pool = None  # the graphs' shared memory pool (replays run one at a time)
 
     def set_state(self, state):
         super().set_state(state)
@@ -183,67 +200,89 @@ class StaticUpdate:
         (module_id, module_batch), = batch.items()
         entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
         bucket, inputs = static_inputs(module_batch, entropy_coeff)
-        total, metrics = self._static_run(module_id, bucket, inputs)
+        (total, metrics), replayed = self._static_run(module_id, bucket, inputs)
         self.metrics.log_dict(metrics, key=module_id, window=1)
+        self.metrics.log_value((module_id, "static_update_replays"), float(replayed), reduce="sum")
         return {}, {module_id: total}, {}
 
     def _static_run(self, module_id, bucket, inputs) -> tuple:
-        """The update of one padded minibatch: eager, or a CUDA graph's replay."""
+        """The update of one padded minibatch, eager or a CUDA graph's replay: ((the loss, its
+        metrics), whether it was a replay). On CUDA a bucket's first update is eager on a side
+        stream with device syncs made errors (a sync there means the function cannot be captured:
+        the bucket stays eager), its second is captured and replayed, later ones replayed."""
+        module = self.module[module_id]
         optimizer = self.get_optimizers_for_module(module_id)[0][1]
-        capture = next(self.module[module_id].parameters()).device.type == "cuda"
         entry = self._static_graphs.get(bucket)
-        if not capture or (entry is None and len(self._static_graphs) >= MAX_GRAPHS):
-            optimizer.zero_grad(set_to_none=True)
-            return self._unpack(module_id, *self._static_step(module_id, inputs))
-        if entry is None:  # the first update of this bucket: eager, on a side stream (capture's warm-up)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
+        checked = all(lean_forward_verdict(t) is True for t in trunks(module.unwrapped()))
+        captured = sum(1 for e in self._static_graphs.values() if e.graph)
+        if (next(module.parameters()).device.type != "cuda" or not checked or (entry is not None and entry.graph is False)
+                or (entry is not None and entry.graph is None and captured >= MAX_GRAPHS)):
+            return self._eager(module_id, optimizer, inputs), False
+        if entry is None:
+            entry = self._static_graphs[bucket] = _Bucket(inputs)
+            out = self._warm_up(module_id, optimizer, inputs)
+            if out is None:
+                entry.graph = False
+                return self._eager(module_id, optimizer, inputs), False
+            return out, False
+        for key, value in inputs.items():
+            entry.static[key].copy_(value)
+        if entry.graph is None:
+            self._capture(module_id, optimizer, entry)
+        for group, lr in zip(optimizer.param_groups, entry.lrs):
+            lr.fill_(group["lr"])
+        entry.graph.replay()
+        values, names = entry.out
+        return self._unpack(module_id, values.clone(), names), True
+
+    def _eager(self, module_id, optimizer, inputs) -> tuple:
+        optimizer.zero_grad(set_to_none=True)
+        return self._unpack(module_id, *self._static_step(module_id, inputs))
+
+    def _warm_up(self, module_id, optimizer, inputs):
+        """The static function run eagerly on a side stream (kernels picked, workspaces and the
+        optimizer state made before capture) with device syncs made errors: its outputs, or None
+        where it synced (nothing was stepped: the optimizer steps last)."""
+        stream, mode = torch.cuda.Stream(), torch.cuda.get_sync_debug_mode()
+        stream.wait_stream(torch.cuda.current_stream())
+        try:
             with torch.cuda.stream(stream):
+                torch.cuda.set_sync_debug_mode("error")
                 optimizer.zero_grad(set_to_none=True)
                 out = self._static_step(module_id, inputs)
+        except RuntimeError as err:
+            logger.warning("training.static_update: the update synced with the host (%s); it runs eagerly, "
+                           "not as a CUDA graph", str(err).splitlines()[0])
+            return None
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
             torch.cuda.current_stream().wait_stream(stream)
-            self._static_graphs[bucket] = [inputs, None, None, None]
-            return self._unpack(module_id, *out)
-        static = entry[0]
-        for key, value in inputs.items():
-            static[key].copy_(value)
-        if entry[1] is None:
-            if any(lean_forward_verdict(t) is not True for t in trunks(self.module[module_id].unwrapped())):
-                entry[1] = False  # transformers' forward (not capturable): eager from now on
-            else:
-                try:
-                    entry[1:] = self._capture(module_id, optimizer, static)
-                except RuntimeError as err:  # an op that cannot be captured: eager from now on
-                    logger.warning("training.static_update: the update could not be captured as a CUDA graph "
-                                   "(%s); it runs eagerly", str(err).splitlines()[0])
-                    entry[1] = False
-        static, graph, out, lrs = entry
-        if graph is False:
-            optimizer.zero_grad(set_to_none=True)
-            return self._unpack(module_id, *self._static_step(module_id, static))
-        for group, lr in zip(optimizer.param_groups, lrs):
-            lr.fill_(group["lr"])
-        graph.replay()
-        values, names = out
-        return self._unpack(module_id, values.clone(), names)
+        return self._unpack(module_id, *out)
 
-    def _capture(self, module_id, optimizer, static: dict):
-        """A CUDA graph of the static function on `static` inputs: [graph, its outputs, its
-        learning rates]. The optimizer steps from device tensor learning rates, filled before each
-        replay (the param groups keep their float `lr` for RLlib's schedules and checkpoints)."""
+    def _capture(self, module_id, optimizer, entry: _Bucket) -> None:
+        """Captures the static function on `entry.static` as a CUDA graph. The optimizer steps from
+        device tensor learning rates, filled before each replay (the param groups keep their float
+        `lr` for RLlib's schedules and checkpoints). A capture that fails stops the run with one
+        line: PyTorch leaves a failed capture's stream and memory pool unusable."""
+        if self._static_pool is None:
+            self._static_pool = torch.cuda.graph_pool_handle()
         optimizer.zero_grad(set_to_none=True)  # backward in the graph writes fresh gradient buffers
         saved = [(group["lr"], group["capturable"]) for group in optimizer.param_groups]
-        lrs = [torch.full((), float(group["lr"]), device=static["ids"].device) for group in optimizer.param_groups]
+        lrs = [torch.full((), float(group["lr"]), device=entry.static["ids"].device) for group in optimizer.param_groups]
         for group, lr in zip(optimizer.param_groups, lrs):
             group["lr"], group["capturable"] = lr, True
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
-                out = self._static_step(module_id, static)
+            with torch.cuda.stream(torch.cuda.current_stream()):  # the stream comes back even if capture fails
+                with torch.cuda.graph(graph, pool=self._static_pool):
+                    out = self._static_step(module_id, entry.static)
+        except Exception as err:
+            raise RuntimeError(f"training.static_update: capturing the update as a CUDA graph failed "
+                               f"({str(err).splitlines()[0]}); set training.static_update: false") from err
         finally:
             for group, (lr, capturable) in zip(optimizer.param_groups, saved):
                 group["lr"], group["capturable"] = lr, capturable
-        return [graph, out, lrs]
+        entry.graph, entry.out, entry.lrs = graph, out, lrs
 
     def _static_step(self, module_id, inputs: dict):
         """The static function: forward pass, loss, backward pass, clipping and the optimizer step
@@ -253,10 +292,11 @@ class StaticUpdate:
         config = self.config.get_config_for_module(module_id)
         batch = {key: value for key, value in inputs.items() if key not in PASS_KEYS}
         batch[PASS_ROWS] = tuple(inputs[key] for key in PASS_KEYS)
-        fwd_out = module.forward_train(batch)
-        reduce = WeightedMean(inputs[STEP_WEIGHT], inputs[STEP_COUNT])
-        total, metrics = self.loss_terms(module_id, config, batch, fwd_out, reduce, inputs[ENTROPY_COEFF])
-        total.backward()
+        with static_pass():
+            fwd_out = module.forward_train(batch)
+            reduce = WeightedMean(inputs[STEP_WEIGHT], inputs[STEP_COUNT])
+            total, metrics = self.loss_terms(module_id, config, batch, fwd_out, reduce, inputs[ENTROPY_COEFF])
+            total.backward()
         name, optimizer = self.get_optimizers_for_module(module_id)[0]
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         global_norm, norms = clip_by_global_norm(grads, config.grad_clip)

@@ -42,10 +42,10 @@ from ray.rllib.core.rl_module.torch import TorchRLModule
 
 from agents.core import MASK_SIZE, PASS_ROWS, SAMPLER_STATE, SEQ_ID
 from agents.models import (DTYPES, adapters_disabled, add_lora, auto_precision, auto_rollout_dtype, build_causal_lm,
-                           build_tokenizer, cast_frozen, has_lora)
+                           build_tokenizer, capturing, cast_frozen, has_lora)
 from agents.modules.acting import Acting
 from agents.modules.decode_engine import RingKVCache
-from agents.modules.kv_cache import capturing, lean_forward, sequence_pass_rows
+from agents.modules.kv_cache import lean_forward, sequence_pass_rows
 from agents.modules.sync_state import SyncedState
 from agents.samplers import MASKED
 from env.text_env import env_setting
@@ -83,7 +83,7 @@ class CausalLMActorCritic(Acting, SyncedState, TorchRLModule, ValueFunctionAPI, 
     acting is `Acting`'s (agents/modules/acting.py), the state and weight syncs `SyncedState`'s
     (agents/modules/sync_state.py)."""
 
-    static_pass = True  # its training pass takes pass rows made beforehand (the static update's)
+    serves_static_update = True  # its training pass takes pass rows made beforehand (the static update's)
 
     def setup(self):
         cfg = self.model_config
@@ -149,8 +149,8 @@ class CausalLMActorCritic(Acting, SyncedState, TorchRLModule, ValueFunctionAPI, 
         precision = self.precision if self.precision != "auto" else auto_precision(device)
         if precision == "fp32":
             return contextlib.nullcontext()
-        # no cast cache while a CUDA graph is captured (the static update): a cached cast of a
-        # weight would outlive the graph's replays
+        # no cast cache while a CUDA graph is captured (the static update), as PyTorch's CUDA
+        # graph notes ask of autocast
         return torch.autocast(device_type=device, dtype=DTYPES[precision],
                               cache_enabled=not capturing(torch.device(device)))
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from agents.models import embed
 from agents.modules.prefill_store import (PREFILL_STORE_BYTES, PrefillStore, stack_layers,  # noqa: F401
                                           stored_prefills, unstack_layers, window_keys)
 
@@ -203,21 +204,6 @@ def window_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                       alpha=hd ** -0.5)
     out = torch.bmm(torch.softmax(w.float(), -1).to(values.dtype), values.reshape(B * H, T, hd))
     return out.view(B, H, Tq, hd)
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether a CUDA graph is being captured on `device`'s current stream (the static update)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def embed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.embedding(ids, weight)`, except while a CUDA graph is captured (the static update):
-    there the embedding's backward, above 3,072 indices, sorts them and reads the number of
-    distinct ones back to the host, which capture cannot hold; `index_select`'s backward
-    (`index_add_`) reads nothing back."""
-    if capturing(ids.device):
-        return weight.index_select(0, ids.reshape(-1)).view(*ids.shape, weight.shape[-1])
-    return F.embedding(ids, weight)
 
 
 def gpt2_forward_blocks(trunk, autocast_dtype=None):

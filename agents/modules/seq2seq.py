@@ -254,7 +254,7 @@ class Seq2SeqActorCritic(CausalLMActorCritic):
     """`CausalLMActorCritic` with an encoder-decoder LM: the same acting, sampling, training
     and value passes, with the decoder's hidden states (encoder output cached per row)."""
 
-    static_pass = False  # the decoder's pass reads the encoder's output: not the static update's
+    serves_static_update = False  # the decoder's pass reads the encoder's output: not the static update's
 
     def _build_lm(self, cfg: dict, seq_len: int) -> nn.Module:
         lm = build_seq2seq_lm(cfg["model"], self.tokenizer, seed=cfg.get("seed", 0))
@@ -271,7 +271,7 @@ class Seq2SeqActorCritic(CausalLMActorCritic):
 
     def _hidden(self, trunk: nn.Module, obs: dict, seq_ids=None, cache=None, cont=None,
                 pass_rows=None) -> torch.Tensor:
-        # pass_rows: never given (static_pass is False: the static update does not serve it)
+        # pass_rows: never given (serves_static_update is False)
         if cache is not None:
             return cache.hidden_at_last_token(trunk, obs, self.start_id, cont)
         return decoder_hidden(trunk, obs, self.start_id, seq_ids)
