@@ -77,30 +77,29 @@ class WeightedMean:
 
 
 def static_inputs(batch: dict, entropy_coeff) -> tuple[tuple, dict]:
-    """(bucket, inputs): a minibatch's tensors for the static function, padded to its bucket
-    (sequences, steps). Eager (one host read: the number of sequences)."""
+    """(bucket, inputs): a minibatch's tensors for the static function, its sequences and steps
+    padded to multiples of SEQ_BUCKET and ROW_BUCKET; the bucket is every input's name, dtype and
+    shape (what a captured graph's static inputs must match). Eager (`sequence_groups` reads the
+    groups back to the host)."""
     obs = batch[Columns.OBS]
     ids, mask = obs["input_ids"], obs["attention_mask"]
     rep, inverse, column = sequence_groups(mask, batch[SEQ_ID])
-    seqs, steps = len(rep), len(inverse)
-    bucket = (round_up(seqs, SEQ_BUCKET), round_up(steps, ROW_BUCKET))
+    steps = len(inverse)
+    padded = (round_up(len(rep), SEQ_BUCKET), round_up(steps, ROW_BUCKET))
 
     def pad(x: torch.Tensor, n: int) -> torch.Tensor:
         return F.pad(x, [0, 0] * (x.dim() - 1) + [0, n - len(x)])
 
     valid = batch[Columns.LOSS_MASK].float() if Columns.LOSS_MASK in batch else torch.ones(steps, device=ids.device)
     count = valid.sum()
-    inputs = {"ids": pad(ids[rep], bucket[0]), "mask": pad(mask[rep], bucket[0]),
-              "inverse": pad(inverse, bucket[1]), "column": pad(column, bucket[1]),
-              STEP_WEIGHT: pad(valid / count, bucket[1]), STEP_COUNT: count,
+    inputs = {"ids": pad(ids[rep], padded[0]), "mask": pad(mask[rep], padded[0]),
+              "inverse": pad(inverse, padded[1]), "column": pad(column, padded[1]),
+              STEP_WEIGHT: pad(valid / count, padded[1]), STEP_COUNT: count,
               ENTROPY_COEFF: torch.as_tensor(entropy_coeff, dtype=torch.float32).to(ids.device).reshape(())}
     for key, value in batch.items():
         if key not in (Columns.OBS, SEQ_ID) and torch.is_tensor(value) and value.dim() and len(value) == steps:
-            inputs[key] = pad(value, bucket[1])
-    # the bucket: its shapes, and every input's name, dtype and row shape (a graph's static inputs)
-    bucket += tuple(sorted((k, str(v.dtype), tuple(v.shape[1:])) for k, v in inputs.items()
-                           if k not in ("inverse", "column", STEP_WEIGHT) and v.dim() != 1)) + (ids.shape[1],)
-    return bucket, inputs
+            inputs[key] = pad(value, padded[1])
+    return tuple(sorted((k, str(v.dtype), tuple(v.shape)) for k, v in inputs.items())), inputs
 
 
 def static_config_blocker(cfg: dict) -> str | None:

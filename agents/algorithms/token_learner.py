@@ -82,12 +82,10 @@ class StepMean:
     (`loss_step_mean`) and RLlib's explained variance over the batch's rows. The static update
     reduces with weighted sums instead (`agents/algorithms/static_update.py WeightedMean`)."""
 
+    explained_variance = staticmethod(explained_variance)
+
     def __init__(self, batch):
         self.mean = loss_step_mean(batch)
-
-    @staticmethod
-    def explained_variance(y, pred):
-        return explained_variance(y, pred)
 
 
 def policy_shift_metrics(batch, logp, fwd_out, mean) -> dict:
