@@ -17,7 +17,7 @@ import pytest
 
 from agents.config import algorithm_config, load, read_yaml, validate
 from agents.train import _metric
-from tests.conftest import QUICKSTART, ROOT, let_the_storage_copy_finish
+from tests.conftest import QUICKSTART, ROOT, let_the_storage_copy_finish, logged_iterations
 
 TINY = ["training.train_batch_size=256", "training.minibatch_size=128", "training.num_epochs=2",
         "env_runners.num_envs_per_env_runner=8", "env.max_new_tokens=10"]
@@ -229,9 +229,11 @@ def _result_curves(experiment_dir) -> dict[int, dict]:
 
 @pytest.mark.slow
 def test_run_killed_after_a_checkpoint_and_resumed_matches_the_uninterrupted_run(tmp_path):
-    """`agents.train` killed (SIGKILL, driver and Ray) after iteration 4, resumed with --resume from
-    its last checkpoint: every iteration's reward and losses equal those of a run never killed,
-    and the resumed W&B (offline) run logs no iteration the killed run's files already hold."""
+    """`agents.train` killed (SIGKILL, driver and Ray) after iteration 5, resumed with --resume from
+    its last checkpoint: every iteration's reward and losses equal those of a run never killed
+    (so the restored policy is the trained one), result.json, progress.csv and TensorBoard hold
+    each iteration once, and the resumed W&B (offline) run logs no iteration the killed run's
+    files already hold."""
     common = [*[a for o in TINY for a in ("--set", o)], "--set", "stop.training_iteration=6",
               "--set", "checkpoint.frequency=2", "--set", "generate.num_samples=0", "--set", "tune.dashboard=false",
               "--set", f"tune.storage_path={tmp_path}", "--set", "tune.wandb=true",
@@ -259,8 +261,9 @@ def test_run_killed_after_a_checkpoint_and_resumed_matches_the_uninterrupted_run
     resumed_run = _cli([*common, "--set", "tune.name=killed", "--resume"])
     out = resumed_run.communicate(timeout=900)[0]
     assert resumed_run.returncode == 0, out[-3000:]
-    first_after = int(re.search(r"^iter +(\d+) ", out, re.M).group(1))
-    assert first_after in (3, 5), out[-3000:]  # after the checkpoint of iteration 2 or 4
+    printed = [int(i) for i in re.findall(r"^iter +(\d+) ", out, re.M)]
+    # after the checkpoint of iteration 2 or 4, once per iteration, up to the stop
+    assert printed and printed[0] in (3, 5) and printed == list(range(printed[0], 7)), out[-3000:]
 
     _, _, expected = _result_curves(tmp_path / "whole")
     trial_dir, trial_id, got = _result_curves(tmp_path / "killed")
@@ -268,6 +271,9 @@ def test_run_killed_after_a_checkpoint_and_resumed_matches_the_uninterrupted_run
     for i in range(1, 7):
         assert got[i] == expected[i], (i, got[i], expected[i])
     assert got[6] != got[5]  # the curve moves: equal rows are not a constant
+    # The curve users look at has each iteration once: the repeated ones replaced the lost ones.
+    for where, its in logged_iterations(trial_dir).items():
+        assert its == list(range(1, 7)), (where, its)
 
     from agents.workarounds import wandb_logged_steps, wandb_run_file_steps
 
