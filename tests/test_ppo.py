@@ -30,32 +30,11 @@ def test_short_ppo_run_raises_reward(ray_local):
 
 
 @pytest.mark.slow
-def test_train_cli_writes_checkpoint_and_event_files_that_generate_loads(tmp_path):
-    out = run("agents.train", QUICKSTART, "--set", "stop.training_iteration=3",
-              "--set", f"tune.storage_path={tmp_path}", "--set", "tune.name=cli", "--set", "generate.num_samples=2",
-              timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert len(re.findall(r"^iter +\d+ +steps +[\d,]+ +reward \d\.\d{3} +kl", out.stdout, re.M)) == 3
-    assert "mean episode reward" in out.stdout and "checkpoint:" in out.stdout
-    ckpt = re.search(r"checkpoint: (\S+)", out.stdout).group(1)
-    assert os.path.isdir(ckpt)
-    trial_dir = os.path.dirname(ckpt)
-    assert any(f.startswith("events.out.tfevents") for f in os.listdir(trial_dir))  # TensorBoard
-
-    gen = run("agents.generate", "--checkpoint", ckpt, "-n", "4", timeout=120)
-    assert gen.returncode == 0, gen.stderr[-3000:]
-    lines = [l for l in gen.stdout.splitlines() if l.startswith("[reward")]
-    assert len(lines) == 4
-    for line in lines:
-        numbers = line.split("||")[1].split()
-        assert all(n.isdigit() for n in numbers)
-
-
-@pytest.mark.slow
 def test_quickstart_reaches_its_bar_and_generates_increasing_numbers(tmp_path):
     """The README's quickstart through the installed command (`tokenmdp train`): reward >= 0.88 in its
-    time budget (seed 0 passes it after about 25 s of training, 2026-11-25). It stops at the bar
-    rather than at the config's 0.93 or 540 s."""
+    time budget (seed 0 passes it after about 25 s of training, 2026-11-25), one line per
+    iteration, a checkpoint and TensorBoard files, samples at the end, and a checkpoint that
+    `agents.generate` loads. It stops at the bar rather than at the config's 0.93 or 540 s."""
     import subprocess
 
     from tests.conftest import ROOT
@@ -65,12 +44,18 @@ def test_quickstart_reaches_its_bar_and_generates_increasing_numbers(tmp_path):
                           "--set", "stop.episode_return_mean=0.88"], cwd=ROOT, capture_output=True, text=True,
                          timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
-    rewards = [float(r) for r in re.findall(r"^iter .* reward (\d\.\d+)", out.stdout, re.M)]
-    assert max(rewards) >= 0.88, out.stdout[-2000:]
+    iters = re.findall(r"^iter +(\d+) +steps +[\d,]+ +reward (\d\.\d{3}) +kl", out.stdout, re.M)
+    assert [int(i) for i, _ in iters] == list(range(1, len(iters) + 1)), out.stdout[-2000:]
+    assert max(float(r) for _, r in iters) >= 0.88, out.stdout[-2000:]
+    assert "mean episode reward" in out.stdout and "(sampling):" in out.stdout
     ckpt = re.search(r"checkpoint: (\S+)", out.stdout).group(1)
+    assert os.path.isdir(ckpt)
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.dirname(ckpt)))  # TensorBoard
     gen = run("agents.generate", "--checkpoint", ckpt, "-n", "5", "--greedy", timeout=120)
     assert gen.returncode == 0, gen.stderr[-3000:]
-    for line in [l for l in gen.stdout.splitlines() if l.startswith("[reward")]:
+    lines = [l for l in gen.stdout.splitlines() if l.startswith("[reward")]
+    assert len(lines) == 5, gen.stdout[-2000:]
+    for line in lines:
         reward = float(line.split("]")[0].split()[1])
         numbers = [int(n) for n in line.split("||")[1].split()]
         assert reward >= 0.85
