@@ -58,7 +58,10 @@ def _train(tmp_path, *sets):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("RAY_ADDRESS", None)
     args = [QUICKSTART, "--set", f"tune.storage_path={tmp_path}", "--set", "generate.num_samples=0",
-            "--set", "checkpoint.frequency=1", "--set", "tune.name=run", *sum((["--set", s] for s in sets), [])]
+            "--set", "checkpoint.frequency=1", "--set", "tune.name=run",
+            # small iterations: what is checked is what the run leaves behind, not what it learns
+            "--set", "training.train_batch_size=512", "--set", "training.minibatch_size=256",
+            *sum((["--set", s] for s in sets), [])]
     # Its own session, as a run started from a terminal is; the dashboard on, as by default.
     return subprocess.Popen([sys.executable, "-m", "agents.train", *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
