@@ -140,6 +140,7 @@ def test_other_trunks_keep_the_window_cache():
     module = make_module()
     module.lm.base_model.h[0].mlp.register_forward_hook(lambda *a: None)
     plain = make_module(kv_cache=False)
+    assert plain.kv_cache is None
     a1, l1 = rollout(module, steps=12)
     a2, l2 = rollout(plain, steps=12)
     assert module.kv_cache.engine is None

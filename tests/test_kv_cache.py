@@ -13,10 +13,12 @@ ENV_CFG = {"task": {"name": "increasing_numbers", "num_numbers": 10}, "max_promp
 
 def module(kv_cache):
     env = TokenGenerationEnv(ENV_CFG)
-    return CausalLMActorCritic(
+    m = CausalLMActorCritic(
         observation_space=env.observation_space, action_space=env.action_space, inference_only=True,
         model_config={"model": {"name_or_path": "tiny-gpt2", "kv_cache": kv_cache}, "env": ENV_CFG, "seed": 0},
     ).eval()
+    assert (m.kv_cache is not None) == kv_cache  # the uncached reference really is uncached
+    return m
 
 
 def test_cached_equals_uncached_across_resets_restarts_and_partial_autoresets():
@@ -73,6 +75,7 @@ def test_seeded_ppo_reward_curve_is_the_same_with_and_without_the_cache(ray_loca
                                 "training.minibatch_size=128", "env_runners.num_envs_per_env_runner=8"])
         algo = algorithm_config(cfg).build_algo()
         try:
+            assert (algo.env_runner_group.local_env_runner.module.kv_cache is not None) == kv
             curves[kv] = [
                 (r["env_runners"]["episode_return_mean"], r["env_runners"]["num_env_steps_sampled_lifetime"])
                 for r in (algo.train() for _ in range(8))

@@ -450,7 +450,7 @@ def test_served_generations_come_from_the_policy_with_its_sampler(server, export
     from env.text_env import TokenGenerationEnv
 
     status, short = post(url, {"prompt": "5", "max_new_tokens": 4, "num_samples": 3, "seed": 2})
-    assert status == 200, short
+    assert status == 200 and len(short["generations"]) == 3, short
     env = TokenGenerationEnv({**info["env"], "max_new_tokens": 4})  # the task's reward for 4-token episodes
     for g in short["generations"]:
         assert_policy_wrote(model, tokenizer, "5", g["text"], 4, greedy=False)

@@ -48,7 +48,8 @@ def train(overrides, monkeypatch, iterations=3):
             runner, learner = runner_and_learner_modules(algo)
             learned = learner.state_dict()
             same = all(torch.equal(t, learned[k].to(t.dtype)) for k, t in runner.state_dict().items())
-            synced.append((same, sum(counted) - before, getattr(algo, "colocated_sync_bytes", None)))
+            synced.append((same, sum(counted) - before, getattr(algo, "colocated_sync_bytes", None),
+                           {p.dtype for p in runner.lm.parameters()}))
     finally:
         algo.stop()
     return curve, synced
@@ -56,19 +57,21 @@ def train(overrides, monkeypatch, iterations=3):
 
 def test_colocated_sync_moves_nothing_through_the_object_store_and_trains_as_rllibs_sync(ray_local, monkeypatch):
     colocated, synced = train([], monkeypatch)
-    for same, put_bytes, copied in synced:
+    for same, put_bytes, copied, _ in synced:
         assert same  # after every update the EnvRunner's weights are the learner's
         assert put_bytes == 0  # nothing went through the object store
         assert copied > 100_000  # the tiny GPT-2's weights (tied embedding once) were copied in place
     rllib, synced = train(["env_runners.colocated=false"], monkeypatch)
-    assert all(same for same, _, _ in synced)
-    assert all(put_bytes > 100_000 for _, put_bytes, _ in synced)  # RLlib's sync: the weights, through the store
+    assert all(same for same, *_ in synced)
+    assert all(put_bytes > 100_000 for _, put_bytes, *_ in synced)  # RLlib's sync: the weights, through the store
     np.testing.assert_array_equal(colocated, rllib)  # the same seed gives the same curve
 
 
 def test_colocated_sync_casts_to_the_rollout_precision(ray_local, monkeypatch):
     _, synced = train(["env_runners.precision=bf16"], monkeypatch, iterations=1)
-    assert synced[0][0] and synced[0][1] == 0
+    same, put_bytes, copied, runner_dtypes = synced[0]
+    assert runner_dtypes == {torch.bfloat16}  # the EnvRunner's module holds bf16 weights...
+    assert same and put_bytes == 0 and copied > 100_000  # ...the learner's, cast, copied in place
 
 
 @pytest.mark.parametrize("setting, why", [("env_runners.num_env_runners=2", "env_runners.num_env_runners is 2"),
