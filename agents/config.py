@@ -50,6 +50,12 @@ def read_yaml(path: str, overrides=()) -> dict:
             raw = yaml.safe_load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: a directory, not a config file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); a config is a YAML file") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -57,6 +63,9 @@ def read_yaml(path: str, overrides=()) -> dict:
     if raw is None:  # an empty file would silently run every default: an experiment nobody wrote
         raise ConfigError(f"{path}: the file is empty (or only comments); write the experiment in it, "
                           f"e.g. starting from tune_configs/quickstart.yaml")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the YAML file must hold a mapping at the top level, "
+                          f"not a {type(raw).__name__}")
     for text in overrides:
         keys, value = parse_override(text)
         node = raw

@@ -34,7 +34,12 @@ def load_policy(checkpoint: str):
     """The RLModule stored in `checkpoint`, in eval mode, in float32."""
     from ray.rllib.core.rl_module.rl_module import RLModule
 
-    module = RLModule.from_checkpoint(find_module_dir(checkpoint))
+    where = find_module_dir(checkpoint)
+    try:
+        module = RLModule.from_checkpoint(where)
+    except Exception as e:  # a truncated or corrupted file: unpickling or torch.load fails deep inside
+        raise ValueError(f"--checkpoint: the policy in {where} cannot be loaded "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'})") from e
     module.eval()
     if any(p.dtype != torch.float32 for p in module.parameters() if p.is_floating_point()):
         module.float()  # a bf16/fp16 learner's stored weights, computed in float32 when generating

@@ -50,6 +50,11 @@ def check_scheduler(raw: dict, cfg: dict, spec, *, full: dict, check_space, popu
             if given.get(key) is not None and scheduler != owner:
                 raise ConfigError(f"tune.{key}: only used by tune.scheduler {owner} (this config's scheduler is "
                                   f"{scheduler!r})")
+    max_t = cfg["stop"]["training_iteration"]
+    if scheduler == "asha" and isinstance(max_t, int) and t["grace_period"] > max_t:
+        raise ConfigError(f"tune.grace_period: {t['grace_period']} is more than stop.training_iteration ({max_t}); "
+                          "ASHA's first rung must come before the trials stop (set tune.grace_period <= "
+                          f"{max_t})")
     if scheduler != "pbt":
         return
     path = "tune.hyperparam_mutations"

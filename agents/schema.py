@@ -230,8 +230,9 @@ def _check_search_space(path: str, field: Field, value: dict) -> dict:
     if not isinstance(args, list) or not args:
         raise ConfigError(f"{path}.{kind}: expected a non-empty list")
     if kind in ("uniform", "loguniform", "randint"):
-        if len(args) != 2 or not args[0] < args[1]:
-            raise ConfigError(f"{path}.{kind}: expected [low, high] with low < high, got {args!r}")
+        numbers = all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args)
+        if len(args) != 2 or not numbers or not args[0] < args[1]:
+            raise ConfigError(f"{path}.{kind}: expected [low, high]: two numbers, low < high; got {args!r}")
         if kind == "loguniform" and args[0] <= 0:
             raise ConfigError(f"{path}.loguniform: bounds must be > 0, got {args!r}")
     return {kind: [field.check(path, v) for v in args]}

@@ -38,6 +38,7 @@ def preflight(cfg: dict) -> None:
     from env.text_env import TokenGenerationEnv
 
     guided = cfg.get("guide") and algorithm_spec(cfg).section == "guide"
+    check_storage(cfg["tune"]["storage_path"])
     check_pretrained("model.name_or_path", cfg["model"]["name_or_path"])
     check_pretrained("env.tokenizer", cfg["env"]["tokenizer"], tokenizer=True)
     if guided:
@@ -46,6 +47,16 @@ def preflight(cfg: dict) -> None:
     env.reset(seed=0)
     if guided:
         preflight_guide(cfg, env)
+
+
+def check_storage(path: str) -> None:
+    """Refuses, in one line, a `tune.storage_path` that cannot become a directory (a file stands
+    at it or above it)."""
+    here = os.path.abspath(path)
+    while not os.path.exists(here):
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        raise ValueError(f"tune.storage_path: {here} is a file, so {path} cannot be a directory")
 
 
 def preflight_guide(cfg: dict, env) -> None:

@@ -28,7 +28,10 @@ def test_quickstart_config_is_valid_and_builds_an_rllib_config():
         ({"algorithm": "sac"}, "algorithm: expected one of 'ppo', 'a3c', 'dqn', 'ppo_pp', 'aggrevated', 'lols', 'dlols', 'reinforce', "
                                   "'self_critical', got 'sac'"),
         ({"env": {"max_new_tokens": {"grid_search": [10, 20]}}}, "env.max_new_tokens: search spaces are supported"),
-        ({"training": {"lr": {"loguniform": [1e-3, 1e-5]}}}, "training.lr.loguniform: expected [low, high] with low < high"),
+        ({"training": {"lr": {"loguniform": [1e-3, 1e-5]}}}, "training.lr.loguniform: expected [low, high]: two numbers, low < high"),
+        ({"training": {"lr": {"uniform": ["a", 1]}}}, "training.lr.uniform: expected [low, high]: two numbers, low < high; got ['a', 1]"),
+        ({"stop": {"training_iteration": 2}, "tune": {"scheduler": "asha"}},
+         "tune.grace_period: 10 is more than stop.training_iteration (2); ASHA's first rung must come before"),
         ({"training": {"lr": {"grid_search": [1e-3, -1]}}}, "training.lr: expected a number > 0.0, got -1"),
         ({"sampler": {"name": "nucleus"}}, "sampler.name: expected one of 'none', 'top_k', 'top_p'"),
         ({"sampler": {"name": "top_p", "p": 1.5}}, "sampler.p: expected a number in (0.0, 1.0], got 1.5"),
@@ -109,6 +112,41 @@ def test_cli_rejects_missing_file_and_bad_override():
     assert out.returncode == 2 and out.stderr.strip() == "error: nope.yaml: no such config file"
     out = run_cli("agents.train", QUICKSTART, "--set", "training.clip_param=0")
     assert out.returncode == 2 and "training.clip_param: expected a number > 0.0, got 0" in out.stderr
+
+
+def test_a_config_that_is_not_a_readable_yaml_mapping_is_refused_in_one_line(tmp_path, capsys):
+    from agents.train import main
+
+    not_utf8 = tmp_path / "latin1.yaml"
+    not_utf8.write_bytes(b"\xff\xfe bad: 1\n")
+    assert one_line_cli_error(capsys, main, str(not_utf8)) == f"error: {not_utf8}: not UTF-8 text (byte 0); a config is a YAML file"
+    assert one_line_cli_error(capsys, main, str(tmp_path)) == f"error: {tmp_path}: a directory, not a config file"
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- a\n- b\n")
+    for argv in ([], ["--set", "training.lr=1"]):  # --set needs sections to write into
+        assert one_line_cli_error(capsys, main, str(listed), *argv).startswith(
+            f"error: {listed}: the YAML file must hold a mapping at the top level")
+    # a storage path under a file cannot become a directory: refused before Ray starts
+    assert one_line_cli_error(capsys, main, QUICKSTART, "--set", f"tune.storage_path={listed}/runs") == (
+        f"error: tune.storage_path: {listed} is a file, so {listed}/runs cannot be a directory")
+
+
+def test_a_truncated_checkpoint_is_refused_in_one_line_naming_it(tmp_path, capsys):
+    from agents.config import algorithm_config, load
+    from agents.export import main as export
+    from agents.generate import MODULE_SUBDIR, main as generate
+    from env.text_env import TokenGenerationEnv
+
+    algo_config = algorithm_config(load(QUICKSTART, []))
+    module = algo_config.get_rl_module_spec(env=TokenGenerationEnv(algo_config.env_config)).build()
+    where = tmp_path / "ckpt" / MODULE_SUBDIR
+    module.save_to_path(str(where))
+    state = where / "module_state.pkl"
+    state.write_bytes(state.read_bytes()[:100])  # a copy cut short
+    want = f"error: --checkpoint: the policy in {where} cannot be loaded (UnpicklingError: pickle data was truncated)"
+    assert one_line_cli_error(capsys, generate, "--checkpoint", str(tmp_path / "ckpt")) == want
+    assert one_line_cli_error(capsys, export, "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")) == want
+    assert not (tmp_path / "out").exists()
 
 
 def test_generate_rejects_a_path_without_a_policy(tmp_path, capsys):
