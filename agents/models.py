@@ -45,6 +45,30 @@ def is_builtin(name_or_path: str) -> bool:
     return name_or_path in BUILTIN_CONFIGS or name_or_path in SEQ2SEQ_CONFIGS
 
 
+def check_overrides(model_config: dict) -> None:
+    """`model.overrides` (fields of a built-in shape's transformers config): only for a built-in,
+    each a field of its config class, the shape's sizes positive integers and GPT-2's width a
+    multiple of its heads. A ValueError naming the field otherwise."""
+    overrides, name = model_config.get("overrides") or {}, model_config.get("name_or_path")
+    if not overrides or not isinstance(name, str):
+        return
+    if not is_builtin(name):
+        raise ValueError(f"model.overrides: only the built-in shapes take them ({', '.join(BUILTIN_CONFIGS)}, "
+                         f"{', '.join(SEQ2SEQ_CONFIGS)}); {name!r} is loaded as it was saved")
+    from transformers import BartConfig, T5Config
+
+    shape = {**BUILTIN_CONFIGS, **SEQ2SEQ_CONFIGS}[name]
+    config = GPT2Config() if name in BUILTIN_CONFIGS else T5Config() if name == "tiny-t5" else BartConfig()
+    for key, value in overrides.items():
+        if not hasattr(config, key):
+            raise ValueError(f"model.overrides.{key}: not a field of {type(config).__name__}")
+        if key in shape and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"model.overrides.{key}: expected an integer >= 1, got {value!r}")
+    merged = {**shape, **overrides}
+    if name in BUILTIN_CONFIGS and merged["n_embd"] % merged["n_head"]:
+        raise ValueError(f"model.overrides: n_embd ({merged['n_embd']}) must be a multiple of n_head ({merged['n_head']})")
+
+
 def check_local_path(field: str, name) -> None:
     """Refuses a model or tokenizer name written as a local path that is not a directory, in one
     line naming the field (a hub name passes: loading it says what is wrong)."""
@@ -281,6 +305,24 @@ def add_lora(lm: PreTrainedModel, lora: dict, *, seed: int = 0) -> PreTrainedMod
         if name not in names:
             raise ValueError(f"model.lora.modules_to_save: the model has no module named {name!r}")
     return lm
+
+
+def check_lora(model_config: dict, tokenizer) -> None:
+    """`model.lora` put on the model's structure on the meta device (no weights are made or
+    read): a target module or module to save that the model lacks fails here, in one line,
+    instead of in the trial's Ray worker."""
+    if not model_config.get("lora") or not isinstance(model_config.get("name_or_path"), str):
+        return
+    name = model_config["name_or_path"]
+    with torch.device("meta"):
+        if is_builtin(name):
+            lm = (build_seq2seq_lm if name in SEQ2SEQ_CONFIGS else build_causal_lm)(model_config, tokenizer)
+        else:
+            from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+            config = AutoConfig.from_pretrained(name)
+            lm = (AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM).from_config(config)
+    add_lora(lm, model_config["lora"])
 
 
 def has_lora(lm) -> bool:

@@ -93,9 +93,10 @@ def validate(raw) -> dict:
         raise ConfigError("data.target_field: give both data.source_field and data.target_field, or neither")
     if cfg["backward"] and d["source_field"] is None:
         raise ConfigError("backward: needs pairs (data.source_field and data.target_field)")
-    from agents.models import declared_kind
+    from agents.models import check_overrides, declared_kind
 
     try:
+        check_overrides(cfg["model"])
         kind = declared_kind(cfg["model"])
     except ValueError as e:
         raise ConfigError(str(e)) from None

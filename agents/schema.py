@@ -476,10 +476,11 @@ def check_model_kind(cfg: dict, kind: str | None) -> str | None:
     """Refuses what encoder-decoder policies do not support yet, in one line; returns the kind
     (None when it cannot be known without loading the model's config)."""
     from agents.algorithms import specs
-    from agents.models import declared_kind
+    from agents.models import check_overrides, declared_kind
 
     if kind is None:
         try:
+            check_overrides(cfg["model"])
             kind = declared_kind(cfg["model"])
         except ValueError as e:
             raise ConfigError(str(e)) from None

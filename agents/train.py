@@ -34,7 +34,7 @@ def preflight(cfg: dict) -> None:
     """Builds the env (task, tokenizer, data) and checks the model spec in this process,
     so that bad input fails here with one line instead of inside a Ray worker."""
     from agents.config import algorithm_spec, env_config
-    from agents.models import check_pretrained
+    from agents.models import check_lora, check_pretrained
     from env.text_env import TokenGenerationEnv
 
     guided = cfg.get("guide") and algorithm_spec(cfg).section == "guide"
@@ -45,6 +45,7 @@ def preflight(cfg: dict) -> None:
         check_pretrained("guide.name_or_path", cfg["guide"].get("name_or_path"))
     env = TokenGenerationEnv(env_config(cfg))
     env.reset(seed=0)
+    check_lora(cfg["model"], env.tokenizer)
     if guided:
         preflight_guide(cfg, env)
 

@@ -47,6 +47,10 @@ def test_quickstart_config_is_valid_and_builds_an_rllib_config():
         ({"sampler": {"grid_search": [{"name": "top_p", "p": 0.9}, {"name": "eta"}]}}, "sampler[1].eta: the 'eta' sampler needs it"),
         ({"sampler": {"uniform": [0, 1]}}, "sampler.uniform: a whole section can only be searched with grid_search or choice"),
         ({"sampler": {"name": "top_p", "p": {"grid_search": [0.9, 2]}}}, "sampler.p: expected a number in (0.0, 1.0], got 2"),
+        ({"model": {"overrides": {"n_layer": -1}}}, "model.overrides.n_layer: expected an integer >= 1, got -1"),
+        ({"model": {"overrides": {"n_layers": 3}}}, "model.overrides.n_layers: not a field of GPT2Config"),
+        ({"model": {"overrides": {"n_head": 5}}}, "model.overrides: n_embd (64) must be a multiple of n_head (5)"),
+        ({"model": {"name_or_path": "tiny-t5", "overrides": {"d_model": 0}}}, "model.overrides.d_model: expected an integer >= 1"),
     ],
 )
 def test_bad_values_name_the_field(raw, message):
@@ -129,6 +133,23 @@ def test_a_config_that_is_not_a_readable_yaml_mapping_is_refused_in_one_line(tmp
     # a storage path under a file cannot become a directory: refused before Ray starts
     assert one_line_cli_error(capsys, main, QUICKSTART, "--set", f"tune.storage_path={listed}/runs") == (
         f"error: tune.storage_path: {listed} is a file, so {listed}/runs cannot be a directory")
+
+
+def test_lora_modules_the_model_lacks_are_refused_before_ray_starts(capsys):
+    from agents.train import main
+
+    assert one_line_cli_error(capsys, main, QUICKSTART, "--set", "model.lora={target_modules: [nosuchmod]}") == (
+        "error: model.lora.target_modules: Target modules {'nosuchmod'} not found in the base model. "
+        "Please check the target modules and try again.")
+    assert one_line_cli_error(capsys, main, QUICKSTART, "--set", "model.lora={modules_to_save: [nosuch]}") == (
+        "error: model.lora.modules_to_save: the model has no module named 'nosuch'")
+    # a valid LoRA section passes the same check (on the meta device: no weights made)
+    from agents.config import env_config
+    from agents.models import check_lora
+    from env.text_env import TokenGenerationEnv
+
+    cfg = load(QUICKSTART, ["model.lora={r: 4}", "model.overrides={initializer_range: 0.1}"])
+    check_lora(cfg["model"], TokenGenerationEnv(env_config(cfg)).tokenizer)
 
 
 def test_a_truncated_checkpoint_is_refused_in_one_line_naming_it(tmp_path, capsys):

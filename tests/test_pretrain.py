@@ -176,6 +176,8 @@ def test_cli_bad_input_is_one_line(tmp_path, corpus, capsys):
     assert err.startswith("error: data.dataset: no file for split 'validation'") and "data.eval_split: null" in err
     err = _cli_error(capsys, str(cfg), "--set", "training.lr=-1")
     assert err.startswith("error: training.lr: expected a number > 0.0, got -1")
+    err = _cli_error(capsys, str(cfg), "--set", "data.text_field=text", "--set", "model.overrides={n_embd: 0}")
+    assert err == "error: model.overrides.n_embd: expected an integer >= 1, got 0"
 
 
 @pytest.mark.slow
