@@ -11,6 +11,7 @@ afterwards whatever happened.
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -530,6 +531,16 @@ def test_serve_cli_refuses_a_taken_port_and_a_path_without_a_policy(checkpoint, 
     missing = run("agents.serve", "--checkpoint", str(tmp_path), "--port", str(free_port()), timeout=120)
     assert missing.returncode == 2
     assert missing.stderr.strip().startswith("error: --checkpoint:")
+    # a checkpoint whose weights were cut short: the replicas cannot load it, and the error is
+    # theirs in one line (not Serve's "Deploying application ... failed")
+    cut = tmp_path / "cut"
+    shutil.copytree(checkpoint, cut)
+    (state,) = cut.rglob("module_state.pkl")
+    state.write_bytes(state.read_bytes()[:100])
+    broken = run("agents.serve", "--checkpoint", str(cut), "--port", str(free_port()), "--num-cpus", "0.5", timeout=300)
+    assert broken.returncode == 2, broken.stderr[-2000:]
+    assert broken.stderr.strip().startswith(f"error: --checkpoint: the policy in {cut}") and \
+        broken.stderr.strip().endswith("cannot be loaded (UnpicklingError: pickle data was truncated)"), broken.stderr[-2000:]
 
 
 @pytest.mark.slow

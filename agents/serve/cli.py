@@ -107,6 +107,22 @@ def _root_cause(e: BaseException) -> str:
     return last if len(lines) > 1 or last.startswith(type(e).__name__) else f"{type(e).__name__}: {last}"
 
 
+def _deployment_error(default: str) -> str:
+    """The replicas' own error behind Serve's "Deploying application ... failed": the last line of
+    a failed deployment's status message (a replica's traceback), else `default`."""
+    try:
+        from ray import serve
+
+        for app in serve.status().applications.values():
+            for deployment in app.deployments.values():
+                lines = [line.strip() for line in (deployment.message or "").splitlines() if line.strip()]
+                if lines and deployment.status.value in ("DEPLOY_FAILED", "UNHEALTHY"):
+                    return lines[-1]
+    except Exception:  # Serve itself is gone: the error as it came
+        pass
+    return default
+
+
 def _check_port_free(flag: str, host: str, port: int, reuse_address: bool = True) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -306,6 +322,11 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
             print(f"error: --port: cannot listen on {args.host}:{args.port} (Address already in use)",
                   file=sys.stderr)
             return 2
+        if "Deploying application" in cause:
+            cause = _deployment_error(cause)
+            if cause.startswith("ValueError: "):  # the replicas refused the input (a checkpoint cut short)
+                print(f"error: {cause[len('ValueError: '):][:500]}", file=sys.stderr)
+                return 2
         print(f"error: serving failed: {cause[:500]}", file=sys.stderr)
         return 1
     finally:
