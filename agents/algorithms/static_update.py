@@ -213,9 +213,11 @@ class StaticUpdate:
         optimizer = self.get_optimizers_for_module(module_id)[0][1]
         entry = self._static_graphs.get(bucket)
         checked = all(lean_forward_verdict(t) is True for t in trunks(module.unwrapped()))
-        captured = sum(1 for e in self._static_graphs.values() if e.graph)
-        if (next(module.parameters()).device.type != "cuda" or not checked or (entry is not None and entry.graph is False)
-                or (entry is not None and entry.graph is None and captured >= MAX_GRAPHS)):
+        # a bucket not captured yet, with MAX_GRAPHS captured, stays eager (no warm-up, no inputs kept)
+        full = ((entry is None or entry.graph is None)
+                and sum(1 for e in self._static_graphs.values() if e.graph) >= MAX_GRAPHS)
+        if (next(module.parameters()).device.type != "cuda" or not checked or full
+                or (entry is not None and entry.graph is False)):
             return self._eager(module_id, optimizer, inputs), False
         if entry is None:
             entry = self._static_graphs[bucket] = _Bucket(inputs)
