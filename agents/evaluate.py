@@ -105,7 +105,10 @@ class Model:
         if self.kind == "checkpoint":
             from agents.generate import load_policy
 
-            self.policy = load_policy(self.path)
+            try:
+                self.policy = load_policy(self.path)
+            except ValueError as e:  # files cut short or corrupted; MODEL is positional, not --checkpoint
+                raise EvalError(str(e).removeprefix("--checkpoint: ")) from None
             self.lm, self.tokenizer = self.policy.lm, self.policy.tokenizer
             self.env_config = dict(self.policy.model_config["env"])
             self.tokenizer_spec = self.env_config.get("tokenizer")

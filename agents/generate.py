@@ -8,6 +8,7 @@ directory inside it). The task, tokenizer and lengths come from the checkpoint.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -30,16 +31,30 @@ def find_module_dir(path: str) -> str:
     raise FileNotFoundError(f"--checkpoint: {path} holds no policy (looked for {MODULE_SUBDIR})")
 
 
+class _DropRLModuleConfigWarning(logging.Filter):
+    """RLlib builds every RLModule through its deprecated `RLModuleConfig` and logs a
+    DeprecationWarning for it: a line a user of generate, evaluate, export or serve can do
+    nothing about, printed above their output."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "RLModuleConfig" not in record.getMessage()
+
+
 def load_policy(checkpoint: str):
     """The RLModule stored in `checkpoint`, in eval mode, in float32."""
     from ray.rllib.core.rl_module.rl_module import RLModule
 
     where = find_module_dir(checkpoint)
+    quiet = _DropRLModuleConfigWarning()
+    deprecation_log = logging.getLogger("ray._common.deprecation")
+    deprecation_log.addFilter(quiet)
     try:
         module = RLModule.from_checkpoint(where)
     except Exception as e:  # a truncated or corrupted file: unpickling or torch.load fails deep inside
         raise ValueError(f"--checkpoint: the policy in {where} cannot be loaded "
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'})") from e
+    finally:
+        deprecation_log.removeFilter(quiet)
     module.eval()
     if any(p.dtype != torch.float32 for p in module.parameters() if p.is_floating_point()):
         module.float()  # a bf16/fp16 learner's stored weights, computed in float32 when generating
@@ -158,6 +173,22 @@ def _generate_rows(module, env_config, prompts, metas, greedy, seed, score, temp
     return results
 
 
+def check_prompts(tokenizer, prompts: list[str]) -> str | None:
+    """The first problem with the prompts given with --prompt as one line, or None: a word the
+    task's tokenizer can only encode as its unknown token (a word-level task's unknown token is
+    EOS, so the prompt would silently end there), or a prompt with no tokens."""
+    from env.tokenization import unknown_words
+
+    for i, text in enumerate(prompts):
+        where = f"--prompt {text!r}" if len(prompts) == 1 else f"--prompt #{i + 1} ({text!r})"
+        unknown = unknown_words(tokenizer, text)
+        if unknown:
+            return f"{where}: {unknown[0]!r} is not in the task's vocabulary"
+        if not tokenizer(text, add_special_tokens=False)["input_ids"]:
+            return f"{where}: empty after tokenization"
+    return None
+
+
 def main(argv=None, prog: str = "python -m agents.generate") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory from agents.train")
@@ -173,6 +204,10 @@ def main(argv=None, prog: str = "python -m agents.generate") -> int:
         module = load_policy(args.checkpoint)
     except (FileNotFoundError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    bad = check_prompts(module.tokenizer, args.prompt or [])
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
         return 2
     prompts = [p for p in (args.prompt or [None]) for _ in range(args.n)]
     env_config = module.model_config["env"]

@@ -42,3 +42,22 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def unknown_words(tokenizer, text: str, encoding=None) -> list[str]:
+    """The pieces of `text` that `tokenizer` can only encode as its unknown token (`encoding`:
+    `text` already encoded with `return_offsets_mapping=True`)."""
+    unk_id, unk_token = tokenizer.unk_token_id, tokenizer.unk_token
+    if unk_id is None:  # e.g. a word-level tokenizer whose unknown token is set on its backend only
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        unk_token = getattr(getattr(backend, "model", None), "unk_token", None)
+        unk_id = backend.token_to_id(unk_token) if unk_token else None
+    if unk_id is None:
+        return []
+    if encoding is None and not getattr(tokenizer, "is_fast", False):  # no offsets: word by word
+        return [w for w in text.split()
+                if w != unk_token and unk_id in tokenizer(w, add_special_tokens=False)["input_ids"]]
+    enc = encoding if encoding is not None and "offset_mapping" in encoding else \
+        tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return [text[s:e] for t, (s, e) in zip(enc["input_ids"], enc["offset_mapping"])
+            if t == unk_id and text[s:e] != unk_token]

@@ -168,6 +168,33 @@ def test_a_truncated_checkpoint_is_refused_in_one_line_naming_it(tmp_path, capsy
     assert one_line_cli_error(capsys, generate, "--checkpoint", str(tmp_path / "ckpt")) == want
     assert one_line_cli_error(capsys, export, "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")) == want
     assert not (tmp_path / "out").exists()
+    # evaluate takes the checkpoint as its positional MODEL: the same line without "--checkpoint:"
+    from agents.evaluate import main as evaluate
+
+    assert one_line_cli_error(capsys, evaluate, str(tmp_path / "ckpt"), "--out", str(tmp_path / "eval")) == \
+        want.replace("--checkpoint: ", "")
+    assert not (tmp_path / "eval").exists()
+
+
+def test_generate_refuses_prompt_words_outside_the_vocabulary_naming_the_prompt(tmp_path, capsys):
+    """A word-level task encodes an unknown word as EOS: the prompt would silently end there."""
+    from agents.config import algorithm_config, load
+    from agents.generate import MODULE_SUBDIR, main as generate
+    from env.text_env import TokenGenerationEnv
+
+    algo_config = algorithm_config(load(QUICKSTART, []))
+    env = TokenGenerationEnv(algo_config.env_config)
+    module = algo_config.get_rl_module_spec(env=env).build()
+    module.save_to_path(str(tmp_path / MODULE_SUBDIR))
+    known = env.tokenizer.convert_ids_to_tokens(4)
+    ckpt = ["--checkpoint", str(tmp_path), "-n", "1"]
+    assert one_line_cli_error(capsys, generate, *ckpt, "--prompt", f"{known} zebra") == \
+        f"error: --prompt '{known} zebra': 'zebra' is not in the task's vocabulary"
+    assert one_line_cli_error(capsys, generate, *ckpt, "--prompt", known, "--prompt", "  ") == \
+        "error: --prompt #2 ('  '): empty after tokenization"
+    assert generate([*ckpt, "--prompt", known]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and f"] {known}||" in out[0], out
 
 
 def test_generate_rejects_a_path_without_a_policy(tmp_path, capsys):

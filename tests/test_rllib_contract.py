@@ -447,3 +447,28 @@ def test_episode_metrics_pushed_into_stats_equal_one_log_value_per_episode():
         gathered.flush(runner)
         if episodes:
             assert ref.reduce(compile=True) == got.reduce(compile=True)
+
+
+def test_rlmodule_config_deprecation_logger_quieted_by_load_policy(tmp_path):
+    # agents/generate.py load_policy filters the DeprecationWarning RLlib logs (through the
+    # `ray._common.deprecation` logger) when it builds an RLModule via `RLModuleConfig`
+    import os
+    import subprocess
+    import sys
+
+    import ray._common.deprecation as deprecation
+    from ray.rllib.core.rl_module import rl_module
+
+    assert deprecation.logger.name == "ray._common.deprecation"
+    assert 'old="RLModule(config=[RLModuleConfig object])"' in inspect.getsource(rl_module)
+    from agents.config import algorithm_config, load
+    from agents.generate import MODULE_SUBDIR
+    from env.text_env import TokenGenerationEnv
+    from tests.conftest import QUICKSTART
+
+    algo_config = algorithm_config(load(QUICKSTART, []))
+    algo_config.get_rl_module_spec(env=TokenGenerationEnv(algo_config.env_config)).build().save_to_path(
+        str(tmp_path / MODULE_SUBDIR))
+    loaded = subprocess.run([sys.executable, "-c", f"from agents.generate import load_policy; load_policy({str(tmp_path)!r})"],
+                            capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert loaded.returncode == 0 and loaded.stderr == "", loaded.stderr[-2000:]

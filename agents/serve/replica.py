@@ -22,28 +22,13 @@ from agents.serve.batching import Batcher, Completion, Job
 from agents.serve.requests import (MAX_SEED, ROUTES, BadRequest, ChatRequest, CompletionRequest,
                                    GenerateRequest)
 from env.text_env import env_setting
+from env.tokenization import unknown_words
 
 BATCH_ROWS = 16  # rows stepping together in a replica (--batch-rows)
 MAX_QUEUE = 256  # completions that may wait for a row before a request is refused with 429 (--max-queue)
 
 
 # -- the policy in one replica (no Ray: usable and testable in-process) ----------------------
-
-
-def unknown_words(tokenizer, text: str, encoding=None) -> list[str]:
-    """The pieces of `text` that `tokenizer` can only encode as its unknown token (`encoding`:
-    `text` already encoded with `return_offsets_mapping=True`)."""
-    unk_id, unk_token = tokenizer.unk_token_id, tokenizer.unk_token
-    if unk_id is None:  # e.g. a word-level tokenizer whose unknown token is set on its backend only
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        unk_token = getattr(getattr(backend, "model", None), "unk_token", None)
-        unk_id = backend.token_to_id(unk_token) if unk_token else None
-    if unk_id is None:
-        return []
-    enc = encoding if encoding is not None and "offset_mapping" in encoding else \
-        tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    return [text[s:e] for t, (s, e) in zip(enc["input_ids"], enc["offset_mapping"])
-            if t == unk_id and text[s:e] != unk_token]
 
 
 def alone_results(module, env_config: dict, completions: list[Completion]) -> list[dict]:
