@@ -73,69 +73,6 @@ def preflight_guide(cfg: dict, env) -> None:
     guide.next_tokens(batch, torch.tensor([0]))
 
 
-def _metric(result: dict, path: str):
-    node = result
-    for part in path.split("/"):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    try:
-        value = float(node)
-    except (TypeError, ValueError):
-        return None
-    return None if math.isnan(value) else value
-
-
-def make_progress_callback(eval_interval: int = 0, quiet: bool = False):
-    from ray.tune import Callback
-
-    class ProgressPrinter(Callback):
-        """One line per training iteration; remembers each trial's first and last reward."""
-
-        def __init__(self):
-            self.first, self.last, self.best, self.mask, self.evals = {}, {}, {}, {}, {}
-            self.guided = set()  # trials whose tracked reward is that of the policy-alone episodes
-
-        def on_trial_result(self, iteration, trials, trial, result, **info):
-            reward = _metric(result, "env_runners/episode_return_mean")
-            # Guided runs: the summary follows the episodes the policy wrote alone (no guide token).
-            policy = _metric(result, "env_runners/policy_return_mean")
-            tracked = policy if "guide_mode_aggrevated" in result else reward
-            if "guide_mode_aggrevated" in result:
-                self.guided.add(trial.trial_id)
-            if tracked is not None:
-                self.first.setdefault(trial.trial_id, (result["training_iteration"], tracked))
-                self.last[trial.trial_id] = (result["training_iteration"], tracked)
-                self.best[trial.trial_id] = max(tracked, self.best.get(trial.trial_id, -math.inf))
-            fields = [
-                f"iter {result['training_iteration']:4d}",
-                f"steps {int(_metric(result, 'env_runners/num_env_steps_sampled_lifetime') or 0):>9,}",
-                f"reward {reward:.3f}" if reward is not None else "reward   n/a",
-            ]
-            # RLlib repeats the last evaluation's results in the iterations after it; print fresh ones.
-            fresh = eval_interval and result["training_iteration"] % eval_interval == 0
-            greedy = _metric(result, "evaluation/env_runners/episode_return_mean") if fresh else None
-            if greedy is not None:
-                self.evals.setdefault(trial.trial_id, []).append((result["training_iteration"], greedy))
-                fields.append(f"greedy {greedy:.3f}")
-            if policy is not None:  # guided runs: episodes the policy wrote alone
-                fields.append(f"policy {policy:.3f}")
-            for key, label in (("ref_kl", "kl"), ("entropy", "entropy"), ("mask_size", "mask"),
-                               ("qf_mean", "q"), ("td_error_mean", "td")):
-                value = _metric(result, f"learners/default_policy/{key}")
-                if value is not None:
-                    fields.append(f"{label} {value:.3f}")
-            mask = _metric(result, "learners/default_policy/mask_size")
-            if mask is not None:
-                self.mask.setdefault(trial.trial_id, []).append(mask)
-            fields.append(f"{result.get('time_total_s', 0):.0f}s")
-            prefix = f"[{trial.trial_id}] " if len(trials) > 1 else ""
-            if not quiet:
-                print(prefix + "  ".join(fields), flush=True)
-
-    return ProgressPrinter()
-
-
 def population_runs_at_once(cfg: dict, available: dict) -> bool:
     """Whether every trial of the experiment can run at the same time: within
     tune.max_concurrent_trials and within `available` (the Ray cluster's resources)."""
@@ -203,6 +140,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
 
     from agents.config import algorithm_config
     from agents.pbt import make_scheduler
+    from agents.progress import make_progress_callback, metric_error
     from agents.workarounds import (check_experiment_state, make_curve_logger, make_log_once_pruner,
                                     make_progress_csv_logger, make_wandb_callback, release_resolved_task_futures,
                                     replace_restored_callbacks, upload_whole_files_to_local_storage)
@@ -240,7 +178,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
 
     release_resolved_task_futures()
     upload_whole_files_to_local_storage()
-    progress = make_progress_callback(cfg["evaluation"]["interval"], quiet=quiet)
+    progress = make_progress_callback(cfg["evaluation"]["interval"], quiet=quiet, metric=tune_cfg["metric"])
     callbacks = [progress, make_curve_logger(), make_progress_csv_logger(), make_log_once_pruner()]
     if tune_cfg["wandb"] or os.environ.get("WANDB_PROJECT"):
         callbacks.append(make_wandb_callback(cfg, name))
@@ -289,7 +227,10 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
         # Tune suggests reuse_actors for PBT; RLlib's Algorithm has no reset_config, so an
         # exploiting trial gets a new actor built from its new config (see agents.pbt.make_pbt).
         warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
-        grid = tuner.fit()
+        try:
+            grid = tuner.fit()
+        except Exception as e:  # Tune wraps a callback's error in a TuneError
+            raise metric_error(e, cfg["tune"]["metric"]) or e
     return grid, progress, experiment, time.time() - start
 
 

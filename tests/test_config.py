@@ -351,3 +351,44 @@ def test_a_hyperparameter_added_to_an_algorithm_spec_in_one_place_is_validated_d
     assert token_learner.TokenLearnerConfig().ratio_floor_ == 0.25  # RLlib's config default, from the same Param
     with pytest.raises(ConfigError, match=r"^training\.ratio_floor: not used by algorithm 'a3c'"):
         validate({"algorithm": "a3c", "training": {"ratio_floor": 0.5}})
+
+
+def test_a_tune_metric_the_results_lack_stops_the_run_in_one_line_with_a_hint(tmp_path):
+    """Nothing could rank the trials: the run stops at the first result, not at its end."""
+    out = run_cli("agents.train", QUICKSTART, "--set", f"tune.storage_path={tmp_path}", "--set", "generate.num_samples=0",
+                  "--set", "training.train_batch_size=256", "--set", "training.minibatch_size=256",
+                  "--set", "tune.metric=env_runners/episode_retrun_mean")
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: tune.metric: 'env_runners/episode_retrun_mean' is not a number in the trials' results, so nothing "
+        "ranks the trials (did you mean 'env_runners/episode_return_mean'?)")
+    assert "Traceback" not in out.stderr and "iter " not in out.stdout  # stopped before printing iteration 1
+
+
+def test_the_tune_metric_check_waits_for_a_full_result_and_for_the_first_evaluation():
+    from agents.progress import MetricNotReported, metric_error, unreported_metric
+
+    full = {"env_runners": {"episode_return_mean": 0.5, "episode_len_mean": 19.0}, "training_iteration": 1}
+    assert unreported_metric("env_runners/episode_len_mean", full) is None
+    assert unreported_metric("training_iteration", full) is None
+    # an iteration that ended before any episode did: nothing to judge yet
+    assert unreported_metric("env_runners/nope", {"env_runners": {}, "training_iteration": 1}) is None
+    # an evaluation metric waits for the first evaluation; then it must be there
+    assert unreported_metric("evaluation/env_runners/episode_return_mean", full) is None
+    evaluated = {**full, "evaluation": {"env_runners": {"episode_return_mean": 0.7}}}
+    assert unreported_metric("evaluation/env_runners/episode_return_mean", evaluated) is None
+    assert "did you mean 'evaluation/env_runners/episode_return_mean'" in unreported_metric(
+        "evaluation/env_runners/episode_return", evaluated)
+    assert unreported_metric("env_runners", full).startswith("tune.metric: 'env_runners' is not a number")
+    # Tune wraps the callback's error; its own check for a scheduler's metric reads the same way
+    try:
+        try:
+            raise MetricNotReported("tune.metric: x")
+        except MetricNotReported:
+            raise RuntimeError("wrapped")
+    except RuntimeError as e:
+        assert str(metric_error(e, "x")) == "tune.metric: x"
+    tune_says = ValueError("Trial returned a result which did not include the specified metric(s) `env_runners/rew` "
+                           "that `AsyncHyperBandScheduler` expects. ... Result: {'env_runners/episode_return_mean': 0.4}")
+    assert str(metric_error(tune_says, "env_runners/rew")).endswith("(did you mean 'env_runners/episode_return_mean'?)")
+    assert metric_error(RuntimeError("another failure"), "x") is None

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from agents.config import algorithm_config, load, read_yaml, validate
-from agents.train import _metric
+from agents.progress import _metric
 from tests.conftest import QUICKSTART, ROOT, let_the_storage_copy_finish, logged_iterations
 
 TINY = ["training.train_batch_size=256", "training.minibatch_size=128", "training.num_epochs=2",

@@ -472,3 +472,12 @@ def test_rlmodule_config_deprecation_logger_quieted_by_load_policy(tmp_path):
     loaded = subprocess.run([sys.executable, "-c", f"from agents.generate import load_policy; load_policy({str(tmp_path)!r})"],
                             capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
     assert loaded.returncode == 0 and loaded.stderr == "", loaded.stderr[-2000:]
+
+
+def test_tune_strict_metric_check_wording_read_by_the_train_cli():
+    # agents/progress.py metric_error words Tune's own check (a scheduler's metric missing from a
+    # result) as a one-line tune.metric error, recognising it by this text and the result's keys
+    from ray.tune.execution.tune_controller import TuneController
+
+    src = inspect.getsource(TuneController._validate_result_metrics)
+    assert "did not include the" in src and "specified metric(s)" in src and "Result: {}" in src

@@ -1,0 +1,133 @@
+"""What a training run prints as it goes: one line per iteration (`make_progress_callback`), and
+the check that `tune.metric` names a number the results hold (`unreported_metric`: a run whose
+metric ranks nothing stops at its first result with a one-line error, not at its end)."""
+from __future__ import annotations
+
+import math
+
+
+def _metric(result: dict, path: str):
+    node = result
+    for part in path.split("/"):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    try:
+        value = float(node)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(value) else value
+
+
+def _numeric_paths(result: dict, prefix: str = "") -> list[str]:
+    """The "a/b/c" paths of a result's numeric values."""
+    paths = []
+    for key, value in result.items():
+        if isinstance(value, dict):
+            paths += _numeric_paths(value, f"{prefix}{key}/")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            paths.append(f"{prefix}{key}")
+    return paths
+
+
+def unreported_metric(metric: str, result: dict) -> str | None:
+    """The one-line error for a `tune.metric` a full training result lacks, or None. A result is
+    full once it holds the episode return (an iteration may end before any episode does); an
+    evaluation metric waits for the first evaluation."""
+    if _metric(result, "env_runners/episode_return_mean") is None:
+        return None
+    if metric.startswith("evaluation/") and "evaluation" not in result:
+        return None
+    node = result
+    for part in metric.split("/"):
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return None
+    import difflib
+
+    hint = difflib.get_close_matches(metric, _numeric_paths(result), n=1, cutoff=0.5)
+    return (f"tune.metric: {metric!r} is not a number in the trials' results, so nothing ranks the trials"
+            + (f" (did you mean {hint[0]!r}?)" if hint else " (e.g. 'env_runners/episode_return_mean')"))
+
+
+def metric_error(error: BaseException, metric: str) -> ValueError | None:
+    """The one-line tune.metric error behind a failed `tuner.fit()`, or None: the progress
+    callback's, or Tune's own check for a scheduler's metric (ASHA, PBT) worded the same way."""
+    seen = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        if isinstance(error, MetricNotReported):
+            return ValueError(str(error))
+        if "did not include the specified metric" in str(error):
+            import re
+
+            paths = re.findall(r"'([A-Za-z0-9_/.-]+)': ", str(error))  # the flat result's keys
+            import difflib
+
+            hint = difflib.get_close_matches(metric, paths, n=1, cutoff=0.5)
+            return ValueError(f"tune.metric: {metric!r} is not a number in the trials' results, so nothing ranks "
+                              "the trials" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class MetricNotReported(ValueError):
+    """tune.metric names no value of the results: raised out of the run at the first full result."""
+
+
+def make_progress_callback(eval_interval: int = 0, quiet: bool = False, metric: str | None = None):
+    from ray.tune import Callback
+
+    class ProgressPrinter(Callback):
+        """One line per training iteration; remembers each trial's first and last reward. The
+        first full result that lacks `metric` (tune.metric) stops the run with a one-line error."""
+
+        def __init__(self):
+            self.first, self.last, self.best, self.mask, self.evals = {}, {}, {}, {}, {}
+            self.guided = set()  # trials whose tracked reward is that of the policy-alone episodes
+            self.metric_checked = metric is None
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            if not self.metric_checked:
+                error = unreported_metric(metric, result)
+                if error:
+                    raise MetricNotReported(error)
+                self.metric_checked = _metric(result, "env_runners/episode_return_mean") is not None and (
+                    not metric.startswith("evaluation/") or "evaluation" in result)
+            reward = _metric(result, "env_runners/episode_return_mean")
+            # Guided runs: the summary follows the episodes the policy wrote alone (no guide token).
+            policy = _metric(result, "env_runners/policy_return_mean")
+            tracked = policy if "guide_mode_aggrevated" in result else reward
+            if "guide_mode_aggrevated" in result:
+                self.guided.add(trial.trial_id)
+            if tracked is not None:
+                self.first.setdefault(trial.trial_id, (result["training_iteration"], tracked))
+                self.last[trial.trial_id] = (result["training_iteration"], tracked)
+                self.best[trial.trial_id] = max(tracked, self.best.get(trial.trial_id, -math.inf))
+            fields = [
+                f"iter {result['training_iteration']:4d}",
+                f"steps {int(_metric(result, 'env_runners/num_env_steps_sampled_lifetime') or 0):>9,}",
+                f"reward {reward:.3f}" if reward is not None else "reward   n/a",
+            ]
+            # RLlib repeats the last evaluation's results in the iterations after it; print fresh ones.
+            fresh = eval_interval and result["training_iteration"] % eval_interval == 0
+            greedy = _metric(result, "evaluation/env_runners/episode_return_mean") if fresh else None
+            if greedy is not None:
+                self.evals.setdefault(trial.trial_id, []).append((result["training_iteration"], greedy))
+                fields.append(f"greedy {greedy:.3f}")
+            if policy is not None:  # guided runs: episodes the policy wrote alone
+                fields.append(f"policy {policy:.3f}")
+            for key, label in (("ref_kl", "kl"), ("entropy", "entropy"), ("mask_size", "mask"),
+                               ("qf_mean", "q"), ("td_error_mean", "td")):
+                value = _metric(result, f"learners/default_policy/{key}")
+                if value is not None:
+                    fields.append(f"{label} {value:.3f}")
+            mask = _metric(result, "learners/default_policy/mask_size")
+            if mask is not None:
+                self.mask.setdefault(trial.trial_id, []).append(mask)
+            fields.append(f"{result.get('time_total_s', 0):.0f}s")
+            prefix = f"[{trial.trial_id}] " if len(trials) > 1 else ""
+            if not quiet:
+                print(prefix + "  ".join(fields), flush=True)
+
+    return ProgressPrinter()
