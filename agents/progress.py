@@ -30,13 +30,24 @@ def _numeric_paths(result: dict, prefix: str = "") -> list[str]:
     return paths
 
 
+# Result sections that appear only after a while: evaluation at its first interval, the
+# learner's at its first update (DQN samples until `dqn.learning_starts` before updating).
+LATE_SECTIONS = ("evaluation", "learners")
+
+
+def metric_can_be_judged(metric: str, result: dict) -> bool:
+    """Whether `result` should hold `metric` if the metric exists: the result holds the episode
+    return (an iteration may end before any episode does), and the metric's section, if it is
+    one that appears late, has appeared."""
+    section = metric.split("/", 1)[0]
+    return _metric(result, "env_runners/episode_return_mean") is not None and (
+        section not in LATE_SECTIONS or bool(result.get(section)))
+
+
 def unreported_metric(metric: str, result: dict) -> str | None:
-    """The one-line error for a `tune.metric` a full training result lacks, or None. A result is
-    full once it holds the episode return (an iteration may end before any episode does); an
-    evaluation metric waits for the first evaluation."""
-    if _metric(result, "env_runners/episode_return_mean") is None:
-        return None
-    if metric.startswith("evaluation/") and "evaluation" not in result:
+    """The one-line error for a `tune.metric` that a result able to judge it
+    (`metric_can_be_judged`) lacks, or None."""
+    if not metric_can_be_judged(metric, result):
         return None
     node = result
     for part in metric.split("/"):
@@ -92,8 +103,7 @@ def make_progress_callback(eval_interval: int = 0, quiet: bool = False, metric: 
                 error = unreported_metric(metric, result)
                 if error:
                     raise MetricNotReported(error)
-                self.metric_checked = _metric(result, "env_runners/episode_return_mean") is not None and (
-                    not metric.startswith("evaluation/") or "evaluation" in result)
+                self.metric_checked = metric_can_be_judged(metric, result)
             reward = _metric(result, "env_runners/episode_return_mean")
             # Guided runs: the summary follows the episodes the policy wrote alone (no guide token).
             policy = _metric(result, "env_runners/policy_return_mean")

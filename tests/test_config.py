@@ -365,7 +365,7 @@ def test_a_tune_metric_the_results_lack_stops_the_run_in_one_line_with_a_hint(tm
     assert "Traceback" not in out.stderr and "iter " not in out.stdout  # stopped before printing iteration 1
 
 
-def test_the_tune_metric_check_waits_for_a_full_result_and_for_the_first_evaluation():
+def test_the_tune_metric_check_waits_for_a_full_result_the_first_evaluation_and_the_first_update():
     from agents.progress import MetricNotReported, metric_error, unreported_metric
 
     full = {"env_runners": {"episode_return_mean": 0.5, "episode_len_mean": 19.0}, "training_iteration": 1}
@@ -379,6 +379,12 @@ def test_the_tune_metric_check_waits_for_a_full_result_and_for_the_first_evaluat
     assert unreported_metric("evaluation/env_runners/episode_return_mean", evaluated) is None
     assert "did you mean 'evaluation/env_runners/episode_return_mean'" in unreported_metric(
         "evaluation/env_runners/episode_return", evaluated)
+    # DQN's learner reports nothing before dqn.learning_starts: a learner metric waits for it
+    assert unreported_metric("learners/default_policy/qf_mean", {**full, "learners": {}}) is None
+    updated = {**full, "learners": {"default_policy": {"qf_mean": 0.1}}}
+    assert unreported_metric("learners/default_policy/qf_mean", updated) is None
+    assert "did you mean 'learners/default_policy/qf_mean'" in unreported_metric("learners/default_policy/q_mean", updated)
+    assert "did you mean 'env_runners/episode_return_mean'" in unreported_metric("env_runner/episode_return_mean", full)
     assert unreported_metric("env_runners", full).startswith("tune.metric: 'env_runners' is not a number")
     # Tune wraps the callback's error; its own check for a scheduler's metric reads the same way
     try:
