@@ -193,7 +193,7 @@ def _first_line(error: BaseException) -> str:
 
 
 class _quiet:
-    """Turns off datasets' progress bars and info logs (the CLI prints errors as one line)."""
+    """Turns off datasets' progress bars and logs (the CLI prints errors as one line)."""
 
     def __enter__(self):
         import datasets
@@ -201,7 +201,7 @@ class _quiet:
         self.bars = datasets.is_progress_bar_enabled()
         self.level = datasets.logging.get_verbosity()
         datasets.disable_progress_bars()
-        datasets.logging.set_verbosity_error()
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors are re-raised as DataError
 
     def __exit__(self, *exc):
         import datasets
@@ -209,6 +209,35 @@ class _quiet:
         if self.bars:
             datasets.enable_progress_bars()
         datasets.logging.set_verbosity(self.level)
+
+
+def _first_bad_json_line(path: str) -> str | None:
+    """Where a JSON file that datasets refused goes wrong, as "line N ...", or None if every line
+    parses. JSON Lines (any .jsonl; a .json whose first line is an object) are read line by line:
+    the first line that is not a JSON object; one JSON document: where it stops parsing."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        lines = [(n, line.rstrip("\r\n")) for n, line in enumerate(f, 1) if line.strip()]
+
+    def parse(text):
+        try:
+            return json.loads(text), None
+        except json.JSONDecodeError as e:
+            return None, e
+
+    first, _ = parse(lines[0][1]) if lines else (None, None)
+    if not path.lower().endswith(".jsonl") and not isinstance(first, dict):  # one document
+        _, error = parse("\n".join(line for _, line in lines))
+        return None if error is None else \
+            f"line {lines[error.lineno - 1][0]} is not valid JSON: {error.msg} (column {error.colno})"
+    for number, line in lines:
+        row, error = parse(line)
+        if error is not None:
+            return f"line {number} is not valid JSON: {error.msg} (column {error.colno})"
+        if not isinstance(row, dict):
+            return f"line {number} is a JSON {type(row).__name__}, not an object of fields"
+    return None
 
 
 def _check_utf8(path: str, fmt: str) -> None:
@@ -293,7 +322,8 @@ def _read_file(path: str, split: str | None):
         if "corresponds to no data" in str(e):  # a CSV header without rows, a JSON file of blank lines
             raise DataError(f"{path}: " + (f"split {split!r} is empty" if split else "empty")
                             + " (the file has no rows)") from None
-        raise DataError(f"{path}: cannot read it as {ext[1:]}: {_first_line(e)}") from None
+        bad_line = _first_bad_json_line(path) if fmt == "json" else None
+        raise DataError(f"{path}: " + (bad_line or f"cannot read it as {ext[1:]}: {_first_line(e)}")) from None
     _DATASETS[key] = ds
     return ds
 
