@@ -38,12 +38,11 @@ from __future__ import annotations
 from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, LEARNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME
-from ray.rllib.utils.torch_utils import explained_variance
 
 from agents.algorithms.base import pick
 from agents.algorithms.ppo import PPOSpec
 from agents.algorithms.token_learner import TOKEN_TRAINING, TokenAlgorithm, TokenLearner, TokenLearnerConfig
-from agents.algorithms.token_learner import loss_step_mean, policy_shift_metrics
+from agents.algorithms.token_learner import StepMean, policy_shift_metrics
 
 SAMPLE_TAG = "a3c_sample"
 POLL_S = 0.05  # how long one training_step waits for some EnvRunner to return
@@ -56,30 +55,32 @@ def _sample(env_runner):
 
 class A3CTorchLearner(TokenLearner):
     def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
+        entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
+        total, metrics = self.loss_terms(module_id, config, batch, fwd_out, StepMean(batch), entropy_coeff)
+        self.metrics.log_dict(metrics, key=module_id, window=1)
+        return self.add_mle_term(module_id, total)
+
+    def loss_terms(self, module_id, config, batch, fwd_out, reduce, entropy_coeff):
+        """(A3C's loss, its metrics) with means and the explained variance taken by `reduce`
+        (`StepMean` over the loss steps; the static update's weighted sums over padded rows)."""
         module = self.module[module_id].unwrapped()
-        masked_mean = loss_step_mean(batch)
+        mean = reduce.mean
         dist = module.get_train_action_dist_cls().from_logits(fwd_out[Columns.ACTION_DIST_INPUTS])
         logp = dist.logp(batch[Columns.ACTIONS])
-        adv = batch[Postprocessing.ADVANTAGES]
         entropy = dist.entropy()
         values = module.compute_values(batch, embeddings=fwd_out.get(Columns.EMBEDDINGS))
         targets = batch[Postprocessing.VALUE_TARGETS]
         vf_loss = (values - targets).pow(2)
-        entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
-        policy_loss = -logp * adv
-        total = masked_mean(policy_loss + config.vf_loss_coeff * vf_loss - entropy_coeff * entropy)
-        self.metrics.log_dict(
-            {
-                "policy_loss": masked_mean(policy_loss),
-                "vf_loss": masked_mean(vf_loss),
-                "vf_explained_var": explained_variance(targets, values),
-                "entropy": masked_mean(entropy),
-                **policy_shift_metrics(batch, logp, fwd_out, masked_mean),  # how stale the batch was
-            },
-            key=module_id,
-            window=1,
-        )
-        return self.add_mle_term(module_id, total)
+        policy_loss = -logp * batch[Postprocessing.ADVANTAGES]
+        total = mean(policy_loss + config.vf_loss_coeff * vf_loss - entropy_coeff * entropy)
+        metrics = {
+            "policy_loss": mean(policy_loss),
+            "vf_loss": mean(vf_loss),
+            "vf_explained_var": reduce.explained_variance(targets, values),
+            "entropy": mean(entropy),
+            **policy_shift_metrics(batch, logp, fwd_out, mean),  # how stale the batch was
+        }
+        return total, metrics
 
 
 class A3CConfig(TokenLearnerConfig):
@@ -149,7 +150,8 @@ class A3CSpec(PPOSpec):
     names = ("a3c",)
     summary = "A3C (asynchronous actor-critic; A2C with num_env_runners 0): one gradient step per batch"
     # One step per arriving batch: no minibatches, epochs, ratio clipping or value clipping.
-    training_params = pick(TOKEN_TRAINING, "lambda", "vf_loss_coeff", "entropy_coeff", "mle_coef", "mle_batch_size")
+    training_params = pick(TOKEN_TRAINING, "lambda", "vf_loss_coeff", "entropy_coeff", "mle_coef", "mle_batch_size",
+                           "static_update")
 
     def config_class(self):
         return A3CConfig

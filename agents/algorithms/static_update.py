@@ -24,7 +24,7 @@ pool (replays run one at a time, outputs are copied out at once). The learner lo
 compare with RLlib's update. Still on the host per update: the sequence groups (`sequence_groups`,
 a few device syncs) and the padding.
 
-It applies (`static_blocker`) to one learner updating one module with a `loss_terms` method (PPO),
+It applies (`static_blocker`) to one learner updating one module with a `loss_terms` method (PPO, A2C/A3C),
 a plain GPT-2 trunk that `gpt2_forward` runs, no truncation sampler, no MLE term, no fp16 loss
 scaler or torch lr scheduler, one fused Adam optimizer and `grad_clip_by: global_norm`; else the
 update is RLlib's. A restored optimizer state drops the captured graphs (they hold its tensors).
