@@ -19,6 +19,9 @@ from tests.test_gradients import HostReads
 SMALL = ["training.train_batch_size=512", "training.minibatch_size=256", "training.num_epochs=2",
          "env.max_new_tokens=8", "env_runners.num_envs_per_env_runner=16"]
 MID = "default_policy"
+A3C_CONFIG = os.path.join(ROOT, "tune_configs", "a3c_synthetic.yaml")
+A2C_SMALL = ["env_runners.num_env_runners=0", "training.train_batch_size=512", "env.max_new_tokens=8",
+             "env_runners.num_envs_per_env_runner=16", "training.lr_decay_steps=2000"]
 
 
 def _train(static: bool, iterations: int = 2, more=()):
@@ -57,12 +60,9 @@ def test_the_static_update_gives_rllibs_update_on_the_cpu(runs):
 def test_a2c_static_update_gives_rllibs_update_on_the_cpu(ray_local):
     """A2C (A3C with no remote EnvRunner: sample here, then one step) through the same function,
     with its learning rate annealed (the schedule's lr reaches the function as a device tensor)."""
-    a3c = ["env_runners.num_env_runners=0", "training.train_batch_size=512", "env.max_new_tokens=8",
-           "env_runners.num_envs_per_env_runner=16", "training.lr_decay_steps=2000"]
     runs = {}
     for static in (False, True):
-        cfg = load(os.path.join(ROOT, "tune_configs", "a3c_synthetic.yaml"),
-                   a3c + [f"training.static_update={str(static).lower()}"])
+        cfg = load(A3C_CONFIG, A2C_SMALL + [f"training.static_update={str(static).lower()}"])
         algo = algorithm_config(cfg).build_algo()
         try:
             results = [algo.train() for _ in range(2)]
@@ -261,14 +261,16 @@ def test_an_unsupported_model_falls_back_to_rllibs_update_with_one_warning(learn
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_captured_updates_equal_the_eager_static_updates_on_cuda(ray_local):
+@pytest.mark.parametrize("algorithm", ["ppo", "a2c"])
+def test_captured_updates_equal_the_eager_static_updates_on_cuda(ray_local, algorithm):
     """On CUDA the static function is captured once per bucket and replayed: the same learning
     as running it eagerly each time (first update eager, second captured, later replayed), up to
     the summation order of index_add_'s atomics."""
     gpu = ["learners.num_gpus_per_learner=1"]  # the default precisions: bf16 autocast on a GPU with bf16
+    config, small = (QUICKSTART, SMALL) if algorithm == "ppo" else (A3C_CONFIG, A2C_SMALL)
     results = {}
     for capture in (True, False):
-        cfg = load(QUICKSTART, SMALL + gpu + ["training.static_update=true"])
+        cfg = load(config, small + gpu + ["training.static_update=true"])
         algo = algorithm_config(cfg).build_algo()
         learner = algo.learner_group._learner
         start = {k: p.detach().cpu().clone() for k, p in learner.module[MID].named_parameters()}
