@@ -22,6 +22,9 @@ MID = "default_policy"
 A3C_CONFIG = os.path.join(ROOT, "tune_configs", "a3c_synthetic.yaml")
 A2C_SMALL = ["env_runners.num_env_runners=0", "training.train_batch_size=512", "env.max_new_tokens=8",
              "env_runners.num_envs_per_env_runner=16", "training.lr_decay_steps=2000"]
+PPO_PP_CONFIG = os.path.join(ROOT, "tune_configs", "ppo_pp_synthetic.yaml")
+PPO_PP_SMALL = ["training.train_batch_size=256", "training.minibatch_size=128", "training.num_epochs=2",
+                "env.max_new_tokens=8", "env_runners.num_envs_per_env_runner=8", "guide.beta=0.5"]
 
 
 def _train(static: bool, iterations: int = 2, more=()):
@@ -57,17 +60,22 @@ def test_the_static_update_gives_rllibs_update_on_the_cpu(runs):
     assert set(their_metrics) <= set(our_metrics)
 
 
-def test_a2c_static_update_gives_rllibs_update_on_the_cpu(ray_local):
-    """A2C (A3C with no remote EnvRunner: sample here, then one step) through the same function,
-    with its learning rate annealed (the schedule's lr reaches the function as a device tensor)."""
+@pytest.mark.parametrize("algorithm", ["a2c", "ppo_pp"])
+def test_a2c_and_guided_static_updates_give_rllibs_update_on_the_cpu(ray_local, algorithm):
+    """A2C (A3C with no remote EnvRunner: sample here, then one step), with its learning rate
+    annealed (the schedule's lr reaches the function as a device tensor); PPO++ (the guide's
+    steps masked out of the loss) through the same function."""
+    config, small = {"a2c": (A3C_CONFIG, A2C_SMALL), "ppo_pp": (PPO_PP_CONFIG, PPO_PP_SMALL)}[algorithm]
     runs = {}
     for static in (False, True):
-        cfg = load(A3C_CONFIG, A2C_SMALL + [f"training.static_update={str(static).lower()}"])
+        cfg = load(config, small + [f"training.static_update={str(static).lower()}"])
         algo = algorithm_config(cfg).build_algo()
         try:
             results = [algo.train() for _ in range(2)]
             params = {k: p.detach().clone() for k, p in algo.learner_group._learner.module[MID].named_parameters()}
             runs[static] = params, results[-1]["learners"][MID], [r["env_runners"]["episode_return_mean"] for r in results]
+            if algorithm == "ppo_pp":  # guide steps were there to mask
+                assert results[-1]["env_runners"]["guided_episode_fraction"] > 0.2
         finally:
             algo.stop()
     (theirs, their_metrics, their_returns), (ours, our_metrics, our_returns) = runs[False], runs[True]

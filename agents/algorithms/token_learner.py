@@ -79,13 +79,18 @@ def loss_step_mean(batch):
 
 class StepMean:
     """How RLlib's update reduces a loss's per-step terms: `mean` over the loss steps
-    (`loss_step_mean`) and RLlib's explained variance over the batch's rows. The static update
+    (`loss_step_mean`), and RLlib's explained variance over the same steps (PPO++'s guide steps,
+    masked out of the value loss, are not the value head's to explain). The static update
     reduces with weighted sums instead (`agents/algorithms/static_update.py WeightedMean`)."""
-
-    explained_variance = staticmethod(explained_variance)
 
     def __init__(self, batch):
         self.mean = loss_step_mean(batch)
+        self.mask = batch.get(Columns.LOSS_MASK)
+
+    def explained_variance(self, y, pred):
+        if self.mask is None:
+            return explained_variance(y, pred)
+        return explained_variance(y[self.mask], pred[self.mask])
 
 
 def policy_shift_metrics(batch, logp, fwd_out, mean) -> dict:
