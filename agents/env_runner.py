@@ -1,6 +1,7 @@
 """EnvRunners for the token env.
 
-`FastTokenEnvRunner` (the default, `env_runners.runner: fast`) samples whole
+`FastTokenEnvRunner` (`env_runners.runner: fast`; the default `auto` picks it for every
+algorithm but DQN, which takes the stock runner) samples whole
 episodes from `TokenGenerationVectorEnv` with no per-step connector pipeline
 and no per-row Python in the token loop. Per vector step it makes one batched
 module call and one batched env step:
@@ -57,8 +58,9 @@ process's generators (it runs inside `torch.random.fork_rng`). `get_state` adds
 episode it is in), the episodes a `FastTokenEnvRunner` carries to its next call (its
 `_Rollout`) and the module's per-row rollout state. RLlib saves the local EnvRunner's
 state in algorithm checkpoints, so with `num_env_runners: 0` a resumed run goes on
-exactly as an uninterrupted one; remote EnvRunners' states are not in RLlib's
-checkpoints (they restart from their seeds).
+exactly as an uninterrupted one. RLlib saves no remote EnvRunner's state; the project's
+algorithms add each one's to the checkpoint and restore it (`RemoteRunnerStates` in
+agents/algorithms/base.py), so a run with remote EnvRunners resumes exactly too.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Everything an EnvRunner draws from derives from the config's `seed` and the EnvRunner's index
 (`rollout_seed`); its state (the process's generators, the env's rows, the module's per-row
 rollout state and generators; the process generators' helpers are agents/core.py's) goes into the EnvRunner's checkpoints (agents/env_runner.py) and,
-for the learner's own draws, into the learner's (agents/algorithms/ppo.py).
+for the learner's own draws, into the learner's (agents/algorithms/token_learner.py).
 """
 from __future__ import annotations
 

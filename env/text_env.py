@@ -4,7 +4,8 @@ state      prompt tokens + tokens generated so far
 action     the next token id, `Discrete(vocab_size)`
 transition append the action (deterministic)
 end        the EOS action, or `max_new_tokens` generated tokens (both terminal)
-reward     the task's reward on the decoded text at the end, 0 before
+reward     the task's reward on the decoded text at the end, 0 before (with `env.dense_reward`:
+           each token earns the change of the metric over the text so far)
 
 The observation is `{"input_ids", "attention_mask"}`, int64 arrays of fixed
 length `L = max_prompt_len + max_new_tokens`, left-padded so the newest token

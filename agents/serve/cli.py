@@ -9,7 +9,8 @@ Ray and Serve, deploys the application (`agents.serve.application.make_app`) and
 Replicas: `--num-replicas N` runs N replicas (default 1). `--max-replicas M`
 turns on Serve's autoscaling between `--min-replicas` (default 1; 0 scales
 to zero when idle) and M, aiming at `--target-ongoing-requests` requests per
-replica (default 2, at most the 8 a replica takes at a time); `--num-replicas`
+replica (default `--batch-rows`; 2 with `--batch-rows 0`, at most the 8 such a
+replica takes at a time); `--num-replicas`
 is then the number to start with (within [min, max]; default min, or 1 if
 min is 0). Serve's other autoscaling settings keep their defaults (it scales
 up after 30 s above the target and down after 600 s below it).
