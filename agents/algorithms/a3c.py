@@ -42,7 +42,7 @@ from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, LEARNER_RESULTS, NUM_ENV
 from agents.algorithms.base import pick
 from agents.algorithms.ppo import PPOSpec
 from agents.algorithms.token_learner import TOKEN_TRAINING, TokenAlgorithm, TokenLearner, TokenLearnerConfig
-from agents.algorithms.token_learner import StepMean, policy_shift_metrics
+from agents.algorithms.token_learner import policy_shift_metrics
 
 SAMPLE_TAG = "a3c_sample"
 POLL_S = 0.05  # how long one training_step waits for some EnvRunner to return
@@ -54,12 +54,6 @@ def _sample(env_runner):
 
 
 class A3CTorchLearner(TokenLearner):
-    def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
-        entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
-        total, metrics = self.loss_terms(module_id, config, batch, fwd_out, StepMean(batch), entropy_coeff)
-        self.metrics.log_dict(metrics, key=module_id, window=1)
-        return self.add_mle_term(module_id, total)
-
     def loss_terms(self, module_id, config, batch, fwd_out, reduce, entropy_coeff):
         """(A3C's loss, its metrics) with means and the explained variance taken by `reduce`
         (`StepMean` over the loss steps; the static update's weighted sums over padded rows)."""

@@ -12,18 +12,12 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 from agents.algorithms.base import REFERENCE_KL, AlgorithmSpec, plain
 from agents.algorithms.token_learner import TOKEN_TRAINING, TokenAlgorithm, TokenLearner, TokenLearnerConfig
 from agents.algorithms.static_update import static_config_blocker
-from agents.algorithms.token_learner import StepMean, policy_shift_metrics
+from agents.algorithms.token_learner import policy_shift_metrics
 from env.validation import ConfigError
 
 
 class LMPPOTorchLearner(TokenLearner):
     """PPO's clipped surrogate, clipped value loss and entropy bonus (+ the MLE term)."""
-
-    def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
-        entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
-        total, metrics = self.loss_terms(module_id, config, batch, fwd_out, StepMean(batch), entropy_coeff)
-        self.metrics.log_dict(metrics, key=module_id, window=1)
-        return self.add_mle_term(module_id, total)
 
     def loss_terms(self, module_id, config, batch, fwd_out, reduce, entropy_coeff):
         """(PPO's loss, its metrics) with means and the explained variance taken by `reduce`

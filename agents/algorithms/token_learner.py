@@ -138,7 +138,14 @@ class TokenLearner(StaticUpdate, FusedGradients, PPOTorchLearner):
     edits (no bootstrap step for finished episodes, sequence ids, the reference-KL penalty before
     GAE), whole-sequence minibatches, the optimizer over trainable parameters, fp16's unscaling
     before clipping, the MLE term, NLPO's mask-model sync, the KL controller's update, and the
-    generators of its updates in its state. A subclass writes `compute_loss_for_module`."""
+    generators of its updates in its state. A subclass writes `loss_terms` (then the static update
+    can run its loss too), or `compute_loss_for_module` itself."""
+
+    def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
+        entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
+        total, metrics = self.loss_terms(module_id, config, batch, fwd_out, StepMean(batch), entropy_coeff)
+        self.metrics.log_dict(metrics, key=module_id, window=1)
+        return self.add_mle_term(module_id, total)
 
     def build(self) -> None:
         super().build()
