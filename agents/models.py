@@ -45,6 +45,11 @@ def is_builtin(name_or_path: str) -> bool:
     return name_or_path in BUILTIN_CONFIGS or name_or_path in SEQ2SEQ_CONFIGS
 
 
+# The config fields a built-in shape takes from the tokenizer and the env, never from overrides.
+BUILT_FROM_THE_ENV = ("vocab_size", "n_positions", "max_position_embeddings", "bos_token_id", "eos_token_id",
+                      "pad_token_id", "decoder_start_token_id", "forced_eos_token_id")
+
+
 def check_overrides(model_config: dict) -> None:
     """`model.overrides` (fields of a built-in shape's transformers config): only for a built-in,
     each a field of its config class, the shape's sizes positive integers and GPT-2's width a
@@ -62,6 +67,8 @@ def check_overrides(model_config: dict) -> None:
     for key, value in overrides.items():
         if not hasattr(config, key):
             raise ValueError(f"model.overrides.{key}: not a field of {type(config).__name__}")
+        if key in BUILT_FROM_THE_ENV:
+            raise ValueError(f"model.overrides.{key}: set from the tokenizer and the env's lengths, not an override")
         if key in shape and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"model.overrides.{key}: expected an integer >= 1, got {value!r}")
     merged = {**shape, **overrides}

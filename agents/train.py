@@ -45,9 +45,63 @@ def preflight(cfg: dict) -> None:
         check_pretrained("guide.name_or_path", cfg["guide"].get("name_or_path"))
     env = TokenGenerationEnv(env_config(cfg))
     env.reset(seed=0)
+    check_model_fits(cfg["model"]["name_or_path"], env)
     check_lora(cfg["model"], env.tokenizer)
     if guided:
         preflight_guide(cfg, env)
+
+
+def check_model_fits(name: str, env) -> None:
+    """A saved or hub model (a built-in is sized to the env) that the env's episodes fit: its
+    config loads, its weights' header reads, it has one output per token of the env's tokenizer
+    (a policy drawing a token the tokenizer lacks ends the run mid-way), and a causal LM has a
+    position for every token of prompt and generation. One line naming what differs."""
+    from agents.models import is_builtin
+    from env.validation import first_line
+
+    if is_builtin(name):
+        return
+    from transformers import AutoConfig
+
+    field = "model.name_or_path"
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{field}: cannot load {name!r}'s config: {first_line(e)}") from None
+    weights = os.path.join(os.path.expanduser(name), "model.safetensors")
+    if os.path.isfile(weights):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(weights, "pt"):
+                pass
+        except Exception as e:  # a file cut short: its header does not parse
+            raise ValueError(f"{field}: cannot read {weights}: {first_line(e)}") from None
+    vocab, tokens = getattr(config, "vocab_size", None), len(env.tokenizer)
+    if vocab is not None and vocab < tokens:
+        raise ValueError(f"{field}: {name!r} has {vocab} output tokens but the env's tokenizer (env.tokenizer, "
+                         f"else the task's or the model's own) has {tokens}")
+    own = _saved_tokenizer_size(name)  # more outputs than tokens is a padded vocabulary (T5's), unless
+    if own is not None and own != tokens:  # the model was trained with another tokenizer
+        raise ValueError(f"{field}: {name!r} was saved with a {own}-token tokenizer, but the env's (env.tokenizer, "
+                         f"else the task's) has {tokens}: its outputs would mean other tokens")
+    positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if not env.encoder_decoder and positions is not None and positions < env.seq_len:
+        raise ValueError(f"env.max_prompt_len + env.max_new_tokens: {env.seq_len} tokens, more than the "
+                         f"{positions} positions of {name!r}")
+
+
+def _saved_tokenizer_size(name: str) -> int | None:
+    """The length of the tokenizer saved in a local model directory, None if it holds none."""
+    path = os.path.expanduser(name)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from env.tokenization import load_tokenizer
+
+    try:
+        return len(load_tokenizer(path))
+    except (OSError, ValueError):
+        return None
 
 
 def check_storage(path: str) -> None:

@@ -51,6 +51,7 @@ def test_quickstart_config_is_valid_and_builds_an_rllib_config():
         ({"model": {"overrides": {"n_layers": 3}}}, "model.overrides.n_layers: not a field of GPT2Config"),
         ({"model": {"overrides": {"n_head": 5}}}, "model.overrides: n_embd (64) must be a multiple of n_head (5)"),
         ({"model": {"name_or_path": "tiny-t5", "overrides": {"d_model": 0}}}, "model.overrides.d_model: expected an integer >= 1"),
+        ({"model": {"overrides": {"n_positions": 16}}}, "model.overrides.n_positions: set from the tokenizer and the env's"),
     ],
 )
 def test_bad_values_name_the_field(raw, message):
@@ -398,3 +399,51 @@ def test_the_tune_metric_check_waits_for_a_full_result_the_first_evaluation_and_
                            "that `AsyncHyperBandScheduler` expects. ... Result: {'env_runners/episode_return_mean': 0.4}")
     assert str(metric_error(tune_says, "env_runners/rew")).endswith("(did you mean 'env_runners/episode_return_mean'?)")
     assert metric_error(RuntimeError("another failure"), "x") is None
+
+
+def test_a_saved_model_the_episodes_do_not_fit_is_refused_before_ray(tmp_path, capsys):
+    import os
+    import shutil
+
+    """Its vocabulary, its positions, its config and its weights' header, each in one line."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from agents.train import main
+
+    def saved(name, **config):
+        path = tmp_path / name
+        GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, **config)).save_pretrained(path)
+        return path
+
+    fits = saved("fits", vocab_size=52, n_positions=32)  # the quickstart: 52 tokens, 5 + 20 positions
+    padded = saved("padded", vocab_size=64, n_positions=32)  # more outputs than tokens (T5's are padded)
+    narrow, short = saved("narrow", vocab_size=40, n_positions=32), saved("short", vocab_size=52, n_positions=16)
+    other = saved("other", vocab_size=59, n_positions=32)  # trained with another tokenizer, saved beside it
+    from tests.test_tasks import save_tokenizer
+
+    other_tokenizer = save_tokenizer(tmp_path / "tok", ["a b c d e f g"])
+    for f in os.listdir(other_tokenizer):
+        shutil.copy(os.path.join(other_tokenizer, f), other / f)
+    cut = saved("cut", vocab_size=52, n_positions=32)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    (tmp_path / "noconfig").mkdir()
+    capsys.readouterr()  # the saves' progress bars
+    run = lambda model: one_line_cli_error(capsys, main, QUICKSTART, "--set", f"model.name_or_path={model}",  # noqa: E731
+                                           "--set", f"tune.storage_path={tmp_path / 'runs'}")
+    assert run(narrow) == (f"error: model.name_or_path: '{narrow}' has 40 output tokens but the env's tokenizer "
+                           "(env.tokenizer, else the task's or the model's own) has 52")
+    assert run(other).startswith(f"error: model.name_or_path: '{other}' was saved with a ")
+    assert run(other).endswith("-token tokenizer, but the env's (env.tokenizer, else the task's) has 52: "
+                               "its outputs would mean other tokens")
+    assert run(short) == f"error: env.max_prompt_len + env.max_new_tokens: 25 tokens, more than the 16 positions of '{short}'"
+    assert run(cut).startswith(f"error: model.name_or_path: cannot read {weights}: ")
+    assert run(tmp_path / "noconfig").startswith(f"error: model.name_or_path: cannot load '{tmp_path / 'noconfig'}''s config")
+    from agents.config import load
+    from agents.train import check_model_fits
+    from env.text_env import TokenGenerationEnv
+    from agents.config import env_config
+
+    env = TokenGenerationEnv(env_config(load(QUICKSTART, [])))
+    check_model_fits(str(fits), env)  # these pass
+    check_model_fits(str(padded), env)
