@@ -447,6 +447,13 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
 
     hf_logging.disable_progress_bar()  # no "Loading weights" bars between the output lines
     try:
+        from agents.generate import check_seed
+        from env.validation import directory_error
+
+        if directory_error("--out", args.out):  # refused before evaluating, not after
+            raise EvalError(directory_error("--out", args.out))
+        if check_seed(args.seed):
+            raise EvalError(check_seed(args.seed))
         if args.num_samples < 1:
             raise EvalError(f"--num-samples: expected an integer >= 1, got {args.num_samples}")
         if args.max_examples is not None and args.max_examples < 1:

@@ -74,6 +74,10 @@ def generation_settings(sampler_spec: dict | None) -> tuple[dict, list[str]]:
 
 def _check_out_dir(out_dir: str, force: bool) -> str:
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
+    from env.validation import directory_error
+
+    if directory_error("--out", out_dir) and not os.path.exists(out_dir):  # a file above it
+        raise FileExistsError(directory_error("--out", out_dir))
     if os.path.exists(out_dir):
         if not os.path.isdir(out_dir):
             raise FileExistsError(f"--out: {out_dir} exists and is not a directory")

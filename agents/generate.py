@@ -173,6 +173,14 @@ def _generate_rows(module, env_config, prompts, metas, greedy, seed, score, temp
     return results
 
 
+MAX_SEED = 2**31 - 1  # row i samples from seed + i
+
+
+def check_seed(seed: int) -> str | None:
+    """The --seed error line, None for a seed in [0, MAX_SEED]."""
+    return None if 0 <= seed <= MAX_SEED else f"--seed: expected an integer in [0, {MAX_SEED}], got {seed}"
+
+
 def check_prompts(tokenizer, prompts: list[str]) -> str | None:
     """The first problem with the prompts given with --prompt as one line, or None: a word the
     task's tokenizer can only encode as its unknown token (a word-level task's unknown token is
@@ -199,7 +207,14 @@ def main(argv=None, prog: str = "python -m agents.generate") -> int:
     args = parser.parse_args(argv)
     if args.n < 1:
         parser.error("-n must be >= 1")
+    bad_seed = check_seed(args.seed)
+    if bad_seed:
+        print(f"error: {bad_seed}", file=sys.stderr)
+        return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar above the generations
     try:
         module = load_policy(args.checkpoint)
     except (FileNotFoundError, OSError, ValueError) as e:

@@ -37,7 +37,7 @@ import torch
 
 from agents.config import read_yaml
 from agents.schema import check_section, check_sections_known
-from env.validation import ConfigError, Field as F, first_line
+from env.validation import ConfigError, Field as F, directory_error, first_line
 from env.tasks.data import DATA_OPTIONS, DataError, DataSpec, load_rows
 
 SCHEMA = {
@@ -88,6 +88,8 @@ def validate(raw) -> dict:
         cfg[key] = check_section(key, spec, value, extra=DATA_OPTIONS if key == "data" else None)
     if not cfg["output_dir"]:
         raise ConfigError("output_dir: missing (the directory to write the model and tokenizer to)")
+    if directory_error("output_dir", cfg["output_dir"]):  # refused before training, not after
+        raise ConfigError(directory_error("output_dir", cfg["output_dir"]))
     d = cfg["data"]
     if (d["source_field"] is None) != (d["target_field"] is None):
         raise ConfigError("data.target_field: give both data.source_field and data.target_field, or neither")

@@ -107,11 +107,11 @@ def _saved_tokenizer_size(name: str) -> int | None:
 def check_storage(path: str) -> None:
     """Refuses, in one line, a `tune.storage_path` that cannot become a directory (a file stands
     at it or above it)."""
-    here = os.path.abspath(path)
-    while not os.path.exists(here):
-        here = os.path.dirname(here)
-    if not os.path.isdir(here):
-        raise ValueError(f"tune.storage_path: {here} is a file, so {path} cannot be a directory")
+    from env.validation import directory_error
+
+    error = directory_error("tune.storage_path", path)
+    if error:
+        raise ValueError(error)
 
 
 def preflight_guide(cfg: dict, env) -> None:

@@ -209,3 +209,16 @@ def missing_local_path(name) -> bool:
     """A name written as a local path that does not exist, so the error says "no such directory",
     not the hub's words."""
     return isinstance(name, str) and not os.path.exists(os.path.expanduser(name)) and written_as_path(name)
+
+
+def directory_error(field: str, path: str) -> str | None:
+    """Why `path` cannot be (or become) a directory, naming `field` (a file stands at it or above
+    it), or None."""
+    here = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(here) and not os.path.isdir(here):
+        return f"{field}: {here} is a file, not a directory"
+    while not os.path.exists(here):
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        return f"{field}: {here} is a file, so {path} cannot be a directory"
+    return None

@@ -165,6 +165,7 @@ def test_a_truncated_checkpoint_is_refused_in_one_line_naming_it(tmp_path, capsy
     module.save_to_path(str(where))
     state = where / "module_state.pkl"
     state.write_bytes(state.read_bytes()[:100])  # a copy cut short
+    capsys.readouterr()  # RLlib's warning on building a module (logged once per process)
     want = f"error: --checkpoint: the policy in {where} cannot be loaded (UnpicklingError: pickle data was truncated)"
     assert one_line_cli_error(capsys, generate, "--checkpoint", str(tmp_path / "ckpt")) == want
     assert one_line_cli_error(capsys, export, "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")) == want
@@ -187,12 +188,15 @@ def test_generate_refuses_prompt_words_outside_the_vocabulary_naming_the_prompt(
     env = TokenGenerationEnv(algo_config.env_config)
     module = algo_config.get_rl_module_spec(env=env).build()
     module.save_to_path(str(tmp_path / MODULE_SUBDIR))
+    capsys.readouterr()  # RLlib's warning on building a module (logged once per process)
     known = env.tokenizer.convert_ids_to_tokens(4)
     ckpt = ["--checkpoint", str(tmp_path), "-n", "1"]
     assert one_line_cli_error(capsys, generate, *ckpt, "--prompt", f"{known} zebra") == \
         f"error: --prompt '{known} zebra': 'zebra' is not in the task's vocabulary"
     assert one_line_cli_error(capsys, generate, *ckpt, "--prompt", known, "--prompt", "  ") == \
         "error: --prompt #2 ('  '): empty after tokenization"
+    assert one_line_cli_error(capsys, generate, *ckpt, "--seed", "-1") == \
+        "error: --seed: expected an integer in [0, 2147483647], got -1"
     assert generate([*ckpt, "--prompt", known]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and f"] {known}||" in out[0], out

@@ -528,6 +528,13 @@ def test_serve_cli_refuses_a_taken_port_and_a_path_without_a_policy(checkpoint, 
     assert len(taken.stderr.strip().splitlines()) == 1
     assert direct.returncode == 2
     assert direct.stderr.strip() == f"error: --direct-port: cannot listen on 127.0.0.1:{port} (Address already in use)"
+    # an address that is no host's, or not this machine's: --host is what is wrong, not --port
+    from agents.serve.cli import _check_port_free
+
+    for host, why in (("999.1.1.1", "--host: cannot listen on 999.1.1.1 ("), ("192.0.2.1", "--host: 192.0.2.1 is not an address")):
+        with pytest.raises(ValueError) as bad:
+            _check_port_free("--port", host, free_port())
+        assert str(bad.value).startswith(why), str(bad.value)
     missing = run("agents.serve", "--checkpoint", str(tmp_path), "--port", str(free_port()), timeout=120)
     assert missing.returncode == 2
     assert missing.stderr.strip().startswith("error: --checkpoint:")

@@ -50,6 +50,7 @@ second one its metrics.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -131,7 +132,11 @@ def _check_port_free(flag: str, host: str, port: int, reuse_address: bool = True
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
+        except socket.gaierror as e:  # the address, not the port: no such host or interface
+            raise ValueError(f"--host: cannot listen on {host} ({e.strerror or e})") from None
         except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise ValueError(f"--host: {host} is not an address of this machine ({e.strerror})") from None
             raise ValueError(f"{flag}: cannot listen on {host}:{port} ({e.strerror or e})") from None
 
 
