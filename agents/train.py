@@ -263,6 +263,9 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
         # process's instead, so progress lines and the summary cover the resumed iterations.
         replace_restored_callbacks(tuner, callbacks)
     else:
+        from agents.resume import save_run_config
+
+        save_run_config(cfg, experiment)  # what --resume checks its config against
         tuner = tune.Tuner(
             trainable,
             param_space=param_space,
@@ -444,6 +447,10 @@ def main(argv=None, prog: str = "python -m agents.train") -> int:
     if args.resume and not cfg["tune"]["name"]:
         return _fail("--resume: set tune.name in the config (or --set tune.name=...) to name the run to resume")
     try:
+        if args.resume:
+            from agents.resume import check_resume_config
+
+            check_resume_config(cfg)
         check_custom_resources(cfg)
         preflight(cfg)
     except (ValueError, OSError, TypeError) as e:

@@ -451,3 +451,26 @@ def test_a_saved_model_the_episodes_do_not_fit_is_refused_before_ray(tmp_path, c
     env = TokenGenerationEnv(env_config(load(QUICKSTART, [])))
     check_model_fits(str(fits), env)  # these pass
     check_model_fits(str(padded), env)
+
+
+def test_resume_refuses_a_config_that_differs_from_the_runs_own(tmp_path, capsys):
+    """Tune resumes a run with the settings it started with: a changed config would be ignored
+    silently, so it is refused in one line naming what changed (what the resuming process applies
+    itself, such as the closing samples, may change)."""
+    from agents.resume import experiment_dir, resume_differences, save_run_config
+    from agents.train import main
+
+    sets = ["tune.name=r", f"tune.storage_path={tmp_path}"]
+    cfg = load(QUICKSTART, sets)
+    assert resume_differences(cfg) == []  # an experiment from before run_config.json: nothing to compare
+    save_run_config(cfg, experiment_dir(cfg))
+    assert resume_differences(load(QUICKSTART, sets)) == []
+    assert resume_differences(load(QUICKSTART, sets + ["generate.num_samples=0", "tune.metric=x/y"])) == []
+    changed = ["training.lr=0.5", "stop.training_iteration=7"]
+    assert resume_differences(load(QUICKSTART, sets + changed)) == [
+        "stop.training_iteration (500 -> 7)", "training.lr (0.001 -> 0.5)"]
+    argv = [QUICKSTART, "--resume", *sum((["--set", s] for s in sets + changed), [])]
+    assert one_line_cli_error(capsys, main, *argv) == (
+        "error: --resume: the run goes on with the config it started with, and this one differs: "
+        "stop.training_iteration (500 -> 7), training.lr (0.001 -> 0.5); give the run's own config "
+        "(or a new tune.name for a new run)")

@@ -1,0 +1,62 @@
+"""What `--resume` continues: the experiment's own config. Tune restores a run with the
+settings it started with (its search space, stop criteria, schedulers), whatever the YAML given
+to `--resume` says; so a fresh run saves its validated config beside the experiment
+(`run_config.json`), and `--resume` refuses, in one line before Ray starts, a config that
+differs from it anywhere but in what the resuming process itself applies (APPLIED_ON_RESUME)."""
+from __future__ import annotations
+
+import json
+import os
+
+RUN_CONFIG = "run_config.json"
+# Read by the resuming process, not restored by Tune: the closing samples, the progress line's
+# evaluation marks, the ranking metric of the summary, W&B and the dashboard, state saves.
+APPLIED_ON_RESUME = ("generate.", "tune.metric", "tune.mode", "tune.wandb", "tune.dashboard",
+                     "checkpoint.state_every_s")
+
+
+def experiment_dir(cfg: dict) -> str:
+    """A named run's experiment directory (as agents.train makes it)."""
+    return os.path.join(os.path.abspath(cfg["tune"]["storage_path"]), cfg["tune"]["name"])
+
+
+def _as_json(cfg: dict) -> dict:
+    return json.loads(json.dumps(cfg, default=str, sort_keys=True))
+
+
+def save_run_config(cfg: dict, experiment: str) -> None:
+    """Writes the run's validated config into its experiment directory (whole, then renamed into place)."""
+    path = os.path.join(experiment, RUN_CONFIG)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(_as_json(cfg), f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
+def _leaves(node, prefix: str = "") -> dict:
+    if isinstance(node, dict) and node:
+        return {k: v for key, value in node.items() for k, v in _leaves(value, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): node}
+
+
+def resume_differences(cfg: dict) -> list[str]:
+    """The keys where `cfg` differs from the config the experiment started with, as
+    "key (then -> now)"; [] when they agree or the experiment saved none (made before it did)."""
+    path = os.path.join(experiment_dir(cfg), RUN_CONFIG)
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        then = _leaves(json.load(f))
+    now = _leaves(_as_json(cfg))
+    return [f"{key} ({then.get(key, '(unset)')!r} -> {now.get(key, '(unset)')!r})"
+            for key in sorted(set(then) | set(now))
+            if then.get(key) != now.get(key) and not key.startswith(APPLIED_ON_RESUME)]
+
+
+def check_resume_config(cfg: dict) -> None:
+    """Refuses a `--resume` whose config differs from the run's own, naming the keys."""
+    changed = resume_differences(cfg)
+    if changed:
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise ValueError(f"--resume: the run goes on with the config it started with, and this one differs: "
+                         f"{', '.join(changed[:3])}{more}; give the run's own config (or a new tune.name for a new run)")
