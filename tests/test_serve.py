@@ -615,3 +615,21 @@ def test_a_refused_body_is_read_to_its_end_before_the_413(declared):
     assert events[:8] == ["chunk"] * 8 and events[8] == 413  # the whole body, then the answer
     if declared:  # a declared body beyond the drain limit is refused at once
         assert refused(5000)[0] == 413
+
+
+def test_null_takes_a_fields_default_as_in_openais_api():
+    """OpenAI clients send null for a field they leave at its default; a required field stays required."""
+    from pydantic import ValidationError
+
+    from agents.serve.requests import ChatRequest, CompletionRequest, GenerateRequest
+
+    nulls = CompletionRequest.model_validate({"prompt": "3 7", "n": None, "temperature": None, "top_p": None,
+                                             "stream": None, "max_tokens": None, "seed": None})
+    assert nulls == CompletionRequest.model_validate({"prompt": "3 7"})
+    assert GenerateRequest.model_validate({"prompt": "3", "num_samples": None, "greedy": None}) == \
+        GenerateRequest.model_validate({"prompt": "3"})
+    messages = [{"role": "user", "content": "3 7"}]
+    assert ChatRequest.model_validate({"messages": messages, "n": None, "temperature": None}) == \
+        ChatRequest.model_validate({"messages": messages})
+    with pytest.raises(ValidationError, match="got null"):
+        CompletionRequest.model_validate({"prompt": None})

@@ -254,7 +254,8 @@ def _messages(value):
 
 
 class _StrictFields(BaseModel):
-    """Refuses a field it does not know, naming it (before any other check)."""
+    """Refuses a field it does not know, naming it (before any other check); takes null for a
+    field's default."""
 
     model_config = ConfigDict(extra="forbid")
     other_route_names: ClassVar[dict[str, str]] = {}  # a field of the other route -> a hint
@@ -271,6 +272,9 @@ class _StrictFields(BaseModel):
                 if hint:
                     reason += f"; {hint}"
                 raise PydanticCustomError("unknown_field", "{reason}", {"field": name, "reason": reason})
+            # null means the default, as in OpenAI's API: a field with one is left out
+            data = {k: v for k, v in data.items()
+                    if not (v is None and not cls.model_fields[k].is_required() and cls.model_fields[k].default is not None)}
         return data
 
 
