@@ -199,3 +199,13 @@ class Sampler:
         if self.name == "mirostat":
             return mirostat_mask(logits, state, self.min_tokens_to_keep)
         return self.fn(logits, *self.params.values(), self.min_tokens_to_keep)
+
+
+def sampler_value_error(name: str, param: str, value) -> str | None:
+    """What a sampler's parameter needs beyond its field's range ("param: ..."), or None; the
+    configs' samplers and a served request's take the same check."""
+    if name == "typical" and param == "p" and value >= 1.0:
+        return f"p: typical sampling needs p < 1, got {value!r}"
+    if param in ("epsilon", "eta") and value >= 1.0:
+        return f"{param}: expected a number in (0, 1), got {value!r}"
+    return None

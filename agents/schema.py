@@ -334,6 +334,8 @@ def _check_section(path: str, key: str, spec: dict, value) -> dict:
         _check_sampler(path, section)
     return section
 def _check_sampler(path: str, s: dict) -> None:
+    from agents.samplers import sampler_value_error
+
     if _is_search_space(s["name"]):
         raise ConfigError(f"{path}.name: search over whole sampler mappings instead "
                           f"(sampler: {{grid_search: [{{name: top_p, p: 0.9}}, ...]}})")
@@ -345,14 +347,11 @@ def _check_sampler(path: str, s: dict) -> None:
     for param in needs:
         if s[param] is None:
             raise ConfigError(f"{path}.{param}: the {name!r} sampler needs it")
-    if name == "typical":
-        for v in _candidates(s["p"]):
-            if v >= 1.0:
-                raise ConfigError(f"{path}.p: typical sampling needs p < 1, got {v!r}")
-    for param in ("epsilon", "eta"):
-        for v in _candidates(s[param]) if s[param] is not None else []:
-            if v >= 1.0:
-                raise ConfigError(f"{path}.{param}: expected a number in (0, 1), got {v!r}")
+    for param in needs:
+        for v in _candidates(s[param]):
+            error = sampler_value_error(name, param, v)
+            if error:
+                raise ConfigError(f"{path}.{error}")
 
 
 def _or(names) -> str:

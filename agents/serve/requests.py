@@ -206,6 +206,7 @@ def _stops(value):
 
 def _sampler(value):
     """A request's truncation sampler: {"name": one of the project's samplers, its parameters}."""
+    from agents.samplers import sampler_value_error
     from agents.schema import GENERIC_SCHEMA, SAMPLER_PARAMS
 
     if value is None:
@@ -226,6 +227,8 @@ def _sampler(value):
             out[p] = fields[p].check(p, value.get(p, fields[p].default), error=ValueError)
         except ValueError as e:
             raise _invalid(str(e)) from None
+        if sampler_value_error(name, p, out[p]):
+            raise _invalid(sampler_value_error(name, p, out[p]))
     return out
 
 
