@@ -414,6 +414,9 @@ def resolve_env_config(config_path: str | None, overrides: list[str], models: li
             return env_config(load(config_path, overrides))
         except ConfigError as e:
             raise EvalError(str(e)) from None
+    if overrides:  # they would be dropped: a checkpoint's settings are its own
+        raise EvalError(f"--set: changes --config's values, and no --config was given (a checkpoint's task and "
+                        f"lengths are its own; give an RL YAML with --config to change them): {overrides[0]}")
     for model in models:
         if model.env_config is not None:
             return model.env_config

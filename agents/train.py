@@ -115,16 +115,17 @@ def check_storage(path: str) -> None:
 
 
 def preflight_guide(cfg: dict, env) -> None:
-    """Builds the guide here and asks it for the next token of the env's first state, so an
-    unknown guide, a vocabulary mismatch or a callable's malformed answer fails in one line."""
+    """Builds the guide here and asks it for the next tokens of two of the env's first states, so
+    an unknown guide, a vocabulary mismatch or a callable's malformed answer (one continuation
+    whatever the number of prefixes, say) fails in one line."""
     import torch
 
     from agents.guides import build_guide
 
-    obs, _ = env.reset(seed=0)
+    states = [env.reset(seed=seed)[0] for seed in (0, 1)]
     guide = build_guide(cfg["guide"], env.tokenizer, max_positions=env.seq_len)
-    batch = {k: torch.as_tensor(v)[None] for k, v in obs.items()}
-    guide.next_tokens(batch, torch.tensor([0]))
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in states]) for k in states[0]}
+    guide.next_tokens(batch, torch.tensor([0, 1]))
 
 
 def population_runs_at_once(cfg: dict, available: dict) -> bool:

@@ -159,6 +159,8 @@ def test_cli_bad_input_is_one_line(setup, tmp_path, capsys):
     assert _cli_error(capsys, setup["dirs"][0], "--config", str(tmp_path / "x.yaml")).endswith(
         "x.yaml: no such config file")
     assert _cli_error(capsys, setup["dirs"][0], "--num-samples", "0").startswith("error: --num-samples")
+    assert _cli_error(capsys, setup["dirs"][0], "--set", "env.max_new_tokens=4").startswith(
+        "error: --set: changes --config's values, and no --config was given")
     assert _cli_error(capsys, setup["dirs"][0], "--seed", "-1") == "error: --seed: expected an integer in [0, 2147483647], got -1"
     (tmp_path / "afile").write_text("x")  # refused before anything is evaluated
     assert _cli_error(capsys, setup["dirs"][0], "--out", str(tmp_path / "afile" / "sub")) == \

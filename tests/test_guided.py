@@ -187,6 +187,19 @@ def test_malformed_callable_output_is_one_clear_error(fn, message):
         guide.next_tokens(batch, torch.tensor([0, 1]))
 
 
+def test_the_train_preflight_asks_the_guide_about_two_prefixes(capsys):
+    """A callable answering one continuation whatever it is asked is refused before Ray starts."""
+    import os
+
+    from agents.train import main
+    from tests.conftest import ROOT, one_line_cli_error
+
+    line = one_line_cli_error(capsys, main, os.path.join(ROOT, "tune_configs", "ppo_pp_synthetic.yaml"),
+                              "--set", "guide.callable=tests.test_guided:wrong_length_guide")
+    assert line.startswith("error: guide.callable: tests.test_guided:wrong_length_guide must return a list with one "
+                           "continuation per prefix (2), got list of length 1"), line
+
+
 def test_lm_guide_with_another_vocabulary_is_refused_and_a_matching_one_acts(tmp_path):
     policy_tok = TokenGenerationEnv(ENV_CFG).tokenizer
     other = word_level_tokenizer(["a", "b", "c"])
