@@ -7,6 +7,7 @@ the EnvRunner and the config -> the tools (train, evaluate, generate, serve, exp
 """
 from __future__ import annotations
 
+import logging
 import random
 
 import numpy as np
@@ -64,3 +65,16 @@ def cpu_copy(x):
 def on_device(x, device):
     """A restored tensor on the module's device (None, or no device given: as it is)."""
     return None if x is None or device is None else x.to(device)
+
+
+class DropLogLines(logging.Filter):
+    """A logging filter dropping the records whose message holds `fragment`: a library's notice a
+    user of the CLIs can do nothing about (RLlib's deprecation of the config its own RLModules
+    are built through; its note that the new API stack is on, which the project always uses)."""
+
+    def __init__(self, fragment: str):
+        super().__init__()
+        self.fragment = fragment
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.fragment not in record.getMessage()

@@ -17,6 +17,8 @@ import torch
 from ray.rllib.core import (COMPONENT_LEARNER, COMPONENT_LEARNER_GROUP, COMPONENT_RL_MODULE,
                             DEFAULT_MODULE_ID)
 
+from agents.core import DropLogLines
+
 # Where an Algorithm checkpoint keeps the trained policy (RLlib's component names).
 MODULE_SUBDIR = os.path.join(COMPONENT_LEARNER_GROUP, COMPONENT_LEARNER, COMPONENT_RL_MODULE, DEFAULT_MODULE_ID)
 
@@ -31,21 +33,12 @@ def find_module_dir(path: str) -> str:
     raise FileNotFoundError(f"--checkpoint: {path} holds no policy (looked for {MODULE_SUBDIR})")
 
 
-class _DropRLModuleConfigWarning(logging.Filter):
-    """RLlib builds every RLModule through its deprecated `RLModuleConfig` and logs a
-    DeprecationWarning for it: a line a user of generate, evaluate, export or serve can do
-    nothing about, printed above their output."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "RLModuleConfig" not in record.getMessage()
-
-
 def load_policy(checkpoint: str):
     """The RLModule stored in `checkpoint`, in eval mode, in float32."""
     from ray.rllib.core.rl_module.rl_module import RLModule
 
     where = find_module_dir(checkpoint)
-    quiet = _DropRLModuleConfigWarning()
+    quiet = DropLogLines("RLModuleConfig")  # RLlib builds every RLModule through it, and warns
     deprecation_log = logging.getLogger("ray._common.deprecation")
     deprecation_log.addFilter(quiet)
     try:

@@ -90,6 +90,8 @@ def validate(raw) -> dict:
         raise ConfigError("output_dir: missing (the directory to write the model and tokenizer to)")
     if directory_error("output_dir", cfg["output_dir"]):  # refused before training, not after
         raise ConfigError(directory_error("output_dir", cfg["output_dir"]))
+    if cfg["training"]["device"] == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device: cuda, but torch sees no CUDA device here (auto takes CUDA when present)")
     d = cfg["data"]
     if (d["source_field"] is None) != (d["target_field"] is None):
         raise ConfigError("data.target_field: give both data.source_field and data.target_field, or neither")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import logging
 import math
 import os
 import sys
@@ -440,7 +441,10 @@ def main(argv=None, prog: str = "python -m agents.train") -> int:
     args = parser.parse_args(argv)
 
     from agents.config import ConfigError, load
+    from agents.core import DropLogLines
 
+    # RLlib's note, once per algorithm, that it runs on the new API stack (the project always does)
+    logging.getLogger("ray.rllib.algorithms.algorithm_config").addFilter(DropLogLines("on the new API stack!"))
     try:
         cfg = load(args.config, args.overrides)
     except ConfigError as e:

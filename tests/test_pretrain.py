@@ -148,6 +148,9 @@ def test_backward_model_trains_on_target_to_source(tmp_path):
     ({"output_dir": "o", "data": {"dataset": "x.jsonl", "source_field": "s"}}, r"^data\.target_field: give both"),
     ({"output_dir": "o", "backward": True, "data": {"dataset": "x.jsonl"}}, r"^backward: needs pairs"),
     ({"output_dir": "o", "data": {"dataset": 3}}, r"^data\.dataset: expected a hub name"),
+    pytest.param({"output_dir": "o", "data": {"dataset": "x.jsonl"}, "training": {"device": "cuda"}},
+                 r"^training\.device: cuda, but torch sees no CUDA device", marks=pytest.mark.skipif(
+                     __import__("torch").cuda.is_available(), reason="a CUDA device is here")),
     ({"output_dir": __file__, "data": {"dataset": "x.jsonl"}}, r"^output_dir: .*test_pretrain\.py is a file, not a directory$"),
 ])
 def test_config_mistakes_name_the_field(raw, message):

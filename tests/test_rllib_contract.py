@@ -481,3 +481,12 @@ def test_tune_strict_metric_check_wording_read_by_the_train_cli():
 
     src = inspect.getsource(TuneController._validate_result_metrics)
     assert "did not include the" in src and "specified metric(s)" in src and "Result: {}" in src
+
+
+def test_new_api_stack_note_quieted_by_the_train_cli():
+    # agents/train.py main drops RLlib's "You are running X on the new API stack!" note through a
+    # filter on this logger and this fragment of its message
+    from ray.rllib.algorithms import algorithm_config
+
+    assert algorithm_config.logger.name == "ray.rllib.algorithms.algorithm_config"
+    assert "on the new API stack! " in inspect.getsource(algorithm_config.AlgorithmConfig)
