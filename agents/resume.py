@@ -2,17 +2,19 @@
 settings it started with (its search space, stop criteria, schedulers), whatever the YAML given
 to `--resume` says; so a fresh run saves its validated config beside the experiment
 (`run_config.json`), and `--resume` refuses, in one line before Ray starts, a config that
-differs from it anywhere but in what the resuming process itself applies (APPLIED_ON_RESUME)."""
+differs from it anywhere but in what the resuming process itself applies, or where the
+experiment is stored (APPLIED_ON_RESUME)."""
 from __future__ import annotations
 
 import json
 import os
 
 RUN_CONFIG = "run_config.json"
-# Read by the resuming process, not restored by Tune: the closing samples, the progress line's
-# evaluation marks, the ranking metric of the summary, W&B and the dashboard, state saves.
+# Read by the resuming process, not restored by Tune: the closing samples, the ranking metric
+# of the summary, W&B and the dashboard, state saves; and where the experiment is (its storage
+# may have been moved or copied, e.g. to another machine, before the resume).
 APPLIED_ON_RESUME = ("generate.", "tune.metric", "tune.mode", "tune.wandb", "tune.dashboard",
-                     "checkpoint.state_every_s")
+                     "checkpoint.state_every_s", "tune.storage_path")
 
 
 def experiment_dir(cfg: dict) -> str:

@@ -466,6 +466,9 @@ def test_resume_refuses_a_config_that_differs_from_the_runs_own(tmp_path, capsys
     save_run_config(cfg, experiment_dir(cfg))
     assert resume_differences(load(QUICKSTART, sets)) == []
     assert resume_differences(load(QUICKSTART, sets + ["generate.num_samples=0", "tune.metric=x/y"])) == []
+    moved = tmp_path / "moved"  # the experiment's storage copied elsewhere, then resumed there
+    save_run_config(cfg, str(moved / "r"))
+    assert resume_differences(load(QUICKSTART, ["tune.name=r", f"tune.storage_path={moved}"])) == []
     changed = ["training.lr=0.5", "stop.training_iteration=7"]
     assert resume_differences(load(QUICKSTART, sets + changed)) == [
         "stop.training_iteration (500 -> 7)", "training.lr (0.001 -> 0.5)"]
