@@ -67,6 +67,9 @@ def on_device(x, device):
     return None if x is None or device is None else x.to(device)
 
 
+MAX_SEED = 2**31 - 1  # the largest seed a user gives (generate, evaluate, serve); row i samples from seed + i
+
+
 class DropLogLines(logging.Filter):
     """A logging filter dropping the records whose message holds `fragment`: a library's notice a
     user of the CLIs can do nothing about (RLlib's deprecation of the config its own RLModules

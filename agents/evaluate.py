@@ -453,10 +453,9 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
         from agents.generate import check_seed
         from env.validation import directory_error
 
-        if directory_error("--out", args.out):  # refused before evaluating, not after
-            raise EvalError(directory_error("--out", args.out))
-        if check_seed(args.seed):
-            raise EvalError(check_seed(args.seed))
+        for error in (directory_error("--out", args.out), check_seed(args.seed)):  # before evaluating
+            if error:
+                raise EvalError(error)
         if args.num_samples < 1:
             raise EvalError(f"--num-samples: expected an integer >= 1, got {args.num_samples}")
         if args.max_examples is not None and args.max_examples < 1:

@@ -76,8 +76,8 @@ def _check_out_dir(out_dir: str, force: bool) -> str:
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     from env.validation import directory_error
 
-    if directory_error("--out", out_dir) and not os.path.exists(out_dir):  # a file above it
-        raise FileExistsError(directory_error("--out", out_dir))
+    if not os.path.exists(out_dir) and (error := directory_error("--out", out_dir)):  # a file above it
+        raise FileExistsError(error)
     if os.path.exists(out_dir):
         if not os.path.isdir(out_dir):
             raise FileExistsError(f"--out: {out_dir} exists and is not a directory")

@@ -17,7 +17,7 @@ import torch
 from ray.rllib.core import (COMPONENT_LEARNER, COMPONENT_LEARNER_GROUP, COMPONENT_RL_MODULE,
                             DEFAULT_MODULE_ID)
 
-from agents.core import DropLogLines
+from agents.core import MAX_SEED, DropLogLines
 
 # Where an Algorithm checkpoint keeps the trained policy (RLlib's component names).
 MODULE_SUBDIR = os.path.join(COMPONENT_LEARNER_GROUP, COMPONENT_LEARNER, COMPONENT_RL_MODULE, DEFAULT_MODULE_ID)
@@ -164,9 +164,6 @@ def _generate_rows(module, env_config, prompts, metas, greedy, seed, score, temp
                               "reward": returns[i] if scored else None, "prompt_tokens": len(envs[i].prompt_ids),
                               "num_generated": info["num_generated"], "eos": action == envs[i].eos_id}
     return results
-
-
-MAX_SEED = 2**31 - 1  # row i samples from seed + i
 
 
 def check_seed(seed: int) -> str | None:

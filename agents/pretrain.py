@@ -88,8 +88,8 @@ def validate(raw) -> dict:
         cfg[key] = check_section(key, spec, value, extra=DATA_OPTIONS if key == "data" else None)
     if not cfg["output_dir"]:
         raise ConfigError("output_dir: missing (the directory to write the model and tokenizer to)")
-    if directory_error("output_dir", cfg["output_dir"]):  # refused before training, not after
-        raise ConfigError(directory_error("output_dir", cfg["output_dir"]))
+    if error := directory_error("output_dir", cfg["output_dir"]):  # refused before training, not after
+        raise ConfigError(error)
     if cfg["training"]["device"] == "cuda" and not torch.cuda.is_available():
         raise ConfigError("training.device: cuda, but torch sees no CUDA device here (auto takes CUDA when present)")
     d = cfg["data"]

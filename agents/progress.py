@@ -6,12 +6,18 @@ from __future__ import annotations
 import math
 
 
-def _metric(result: dict, path: str):
+def _lookup(result: dict, path: str):
+    """The value at an "a/b/c" path of a result, None where the path leads nowhere."""
     node = result
     for part in path.split("/"):
         if not isinstance(node, dict) or part not in node:
             return None
         node = node[part]
+    return node
+
+
+def _metric(result: dict, path: str):
+    node = _lookup(result, path)
     try:
         value = float(node)
     except (TypeError, ValueError):
@@ -49,14 +55,17 @@ def unreported_metric(metric: str, result: dict) -> str | None:
     (`metric_can_be_judged`) lacks, or None."""
     if not metric_can_be_judged(metric, result):
         return None
-    node = result
-    for part in metric.split("/"):
-        node = node.get(part) if isinstance(node, dict) else None
+    node = _lookup(result, metric)
     if isinstance(node, (int, float)) and not isinstance(node, bool):
         return None
+    return _unknown_metric_line(metric, _numeric_paths(result))
+
+
+def _unknown_metric_line(metric: str, paths: list[str]) -> str:
+    """The tune.metric error, with the closest of the results' `paths` as a hint."""
     import difflib
 
-    hint = difflib.get_close_matches(metric, _numeric_paths(result), n=1, cutoff=0.5)
+    hint = difflib.get_close_matches(metric, paths, n=1, cutoff=0.5)
     return (f"tune.metric: {metric!r} is not a number in the trials' results, so nothing ranks the trials"
             + (f" (did you mean {hint[0]!r}?)" if hint else " (e.g. 'env_runners/episode_return_mean')"))
 
@@ -72,12 +81,8 @@ def metric_error(error: BaseException, metric: str) -> ValueError | None:
         if "did not include the specified metric" in str(error):
             import re
 
-            paths = re.findall(r"'([A-Za-z0-9_/.-]+)': ", str(error))  # the flat result's keys
-            import difflib
-
-            hint = difflib.get_close_matches(metric, paths, n=1, cutoff=0.5)
-            return ValueError(f"tune.metric: {metric!r} is not a number in the trials' results, so nothing ranks "
-                              "the trials" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+            # the hint from the flat result's keys Tune's message quotes
+            return ValueError(_unknown_metric_line(metric, re.findall(r"'([A-Za-z0-9_/.-]+)': ", str(error))))
         error = error.__cause__ or error.__context__
     return None
 

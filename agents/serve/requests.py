@@ -73,8 +73,9 @@ from typing import Annotated, ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from agents.core import MAX_SEED
+
 MAX_PROMPT_CHARS = 10_000
-MAX_SEED = 2**31 - 1
 MAX_REFERENCES = 64
 MAX_STOPS = 4
 CHAT_ROLES = ("system", "user", "assistant")
@@ -227,8 +228,8 @@ def _sampler(value):
             out[p] = fields[p].check(p, value.get(p, fields[p].default), error=ValueError)
         except ValueError as e:
             raise _invalid(str(e)) from None
-        if sampler_value_error(name, p, out[p]):
-            raise _invalid(sampler_value_error(name, p, out[p]))
+        if error := sampler_value_error(name, p, out[p]):
+            raise _invalid(error)
     return out
 
 
