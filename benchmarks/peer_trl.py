@@ -173,7 +173,9 @@ class PhaseTimer:
         timer = self
 
         def timed(*args, **kwargs):
-            if timer._depth:
+            # inside a CUDA graph's capture a device sync would invalidate the capture (and a
+            # captured call's time is its replay's, timed by the outer call)
+            if timer._depth or capturing():
                 return orig(*args, **kwargs)
             timer._depth += 1
             timer._sync()
@@ -211,6 +213,13 @@ def phase_split(start: dict, end: dict, wall: float, tokens: int) -> dict:
 
 
 # -- (a) TRL ---------------------------------------------------------------------------
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (never without CUDA)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
 
 def device_sync(device: str):
     """A function that waits for `device`'s queued work (None on the CPU)."""
@@ -385,10 +394,13 @@ def run_project(cfg: dict, seconds: float, threads: int, device: str = "cpu") ->
         phases.wrap(module_cls, "act", "generation")
         if hasattr(module_cls, "act_steps"):  # env_runners.decode_block > 1: k steps per call
             phases.wrap(module_cls, "act_steps", "generation")
-        for name in ("forward_train",):
-            phases.wrap(module_cls, name, "training passes")
-        for name in ("compute_losses", "compute_gradients", "apply_gradients"):
-            phases.wrap(learner_cls, name, "training passes")
+        if cfg["training"].get("static_update"):  # the update is one function, replayed as a CUDA graph
+            phases.wrap(learner_cls, "_update", "training passes")
+        else:
+            for name in ("forward_train",):
+                phases.wrap(module_cls, name, "training passes")
+            for name in ("compute_losses", "compute_gradients", "apply_gradients"):
+                phases.wrap(learner_cls, name, "training passes")
         if hasattr(module_cls, "reference_logp"):
             phases.wrap(module_cls, "reference_logp", "reference pass")
         points = []  # (seconds since train start, episode_return_mean, env steps sampled)
