@@ -25,8 +25,12 @@
 # (env_runners.precision; its default, auto, is bf16 on a GPU with bf16, so peer is peer_bf16 there);
 # rollouts_tf32: fp32 weights with TF32 matmuls on every path (as a training run's process has them).
 #   static     the static update's tests (the CUDA one: captured replays against eager updates),
-#              then ppo_profile with RLlib's update and with training.static_update (about 2 min;
-#              not yet run)
+#              then ppo_profile with RLlib's update and with training.static_update (126 s on
+#              2026-11-27)
+#   static_long  the project side of peer_trl.py alone (its peer settings) for 120 s, with RLlib's
+#              update and with training.static_update, for each seed in SEEDS (default "0"):
+#              whether the captured update's reward holds as long as RLlib's does (about 140 s a
+#              run; not yet run)
 # STATIC=1 runs peer, seeds and ppo_profile with training.static_update true (the learner's update
 # captured as CUDA graphs); their logs are then named <step>_static.
 # BLOCK=k runs rollouts, peer and ppo_profile with env_runners.decode_block k (k module steps per
@@ -88,6 +92,13 @@ for step in "${steps[@]}"; do
              --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
              --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
              --set training.lr=1e-4 --set env_runners.precision="$precision" "${block_set[@]}" ;;
+    static_long) for seed in ${SEEDS:-0}; do for update in false true; do
+             run "static_long_${update}_seed$seed$tag_only" 200 $PY benchmarks/peer_trl.py --device cuda \
+             --model gpt2-small-shaped --seconds 120 --project-only --plot "$OUT/static_long_${update}_seed$seed.png" \
+             --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
+             --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
+             --set training.lr=1e-4 --set training.static_update=$update --set seed="$seed" "${block_only[@]}"
+           done; done ;;
     learner_pass) run learner_pass 120 $PY benchmarks/learner_pass.py --device cuda --reps 20 ;;
     profile) run profile 170 $PY benchmarks/decode_step_profile.py ;;
     ppo_profile) run "ppo_profile$tag" 240 $PY benchmarks/ppo_profile.py --device cuda --model gpt2-small-shaped \
@@ -106,7 +117,7 @@ for step in "${steps[@]}"; do
              --requests 200 --stream off --ingress direct
            run serve_gpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
              --requests 200 --stream off --ingress direct --serve-args "--num-gpus 1" ;;
-    *) echo "unknown step: $step (tests static captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve)" >&2
+    *) echo "unknown step: $step (tests static static_long captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve)" >&2
        exit 2 ;;
   esac
 done
