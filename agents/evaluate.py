@@ -113,7 +113,8 @@ class Model:
             self.env_config = dict(self.policy.model_config["env"])
             self.tokenizer_spec = self.env_config.get("tokenizer")
         else:
-            from agents.models import disable_dropout, is_encoder_decoder, load_pretrained_lm
+            from agents.model_edits import cut_logits, disable_dropout
+            from agents.models import is_encoder_decoder, load_pretrained_lm
             from env.tokenization import load_tokenizer
 
             if not any(os.path.isfile(os.path.join(self.path, f)) for f in ("config.json", "adapter_config.json")):
@@ -124,6 +125,7 @@ class Model:
                 seq2seq = is_encoder_decoder(self.lm)
                 self.tokenizer = load_tokenizer(self.path)
                 disable_dropout(self.lm)
+                cut_logits(self.lm, len(self.tokenizer))  # a padded vocabulary draws only the tokenizer's tokens
                 self.policy = HFSeq2SeqPolicy(self.lm) if seq2seq else HFPolicy(self.lm)
             except (OSError, ValueError) as e:
                 raise EvalError(f"{path}: cannot load the model or its tokenizer: {first_line(e)}") from None

@@ -24,6 +24,8 @@ from env.tasks import make_task
 from env.text_env import env_setting
 from env.tokenization import load_tokenizer
 
+from agents.model_edits import cut_logits, disable_dropout, fuse_activations
+
 # In-project configurations: GPT-2 shapes, vocabulary taken from the tokenizer.
 BUILTIN_CONFIGS = {
     "tiny-gpt2": dict(n_layer=2, n_head=4, n_embd=64),
@@ -173,12 +175,13 @@ def build_causal_lm(model_config: dict, tokenizer, *, seed: int = 0, max_positio
 
 
 def _check_embeddings(model: PreTrainedModel, name: str, tokenizer) -> PreTrainedModel:
-    """The model, if it has an embedding for every token of the tokenizer."""
+    """The model, if it has an embedding for every token of the tokenizer, its logits cut to them."""
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         raise ValueError(
             f"model.name_or_path: {name!r} has {model.get_input_embeddings().num_embeddings} "
             f"embeddings but the tokenizer has {len(tokenizer)} tokens"
         )
+    cut_logits(model, len(tokenizer))
     return model
 
 
@@ -228,46 +231,6 @@ def decoder_start_id(model: PreTrainedModel) -> int:
     return int(model.config.pad_token_id)
 
 
-class TanhGELU(torch.nn.Module):
-    """The tanh approximation of GELU (GPT-2's `gelu_new`) as PyTorch's one fused op."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.gelu(x, approximate="tanh")
-
-
-def fuse_activations(model: torch.nn.Module) -> None:
-    """Replaces transformers' `NewGELUActivation` (GPT-2's and T5 v1.1's `gelu_new`: five
-    elementwise ops and their backward) with `TanhGELU`, the same function in one op (equal up to
-    float rounding). At a tiny model's size it was about 7% of a PPO iteration. The config is left
-    as it is, so a saved model loads as before."""
-    from transformers.activations import NewGELUActivation
-
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is NewGELUActivation:
-                setattr(parent, name, TanhGELU())
-
-
-def disable_dropout(model: PreTrainedModel) -> None:
-    """Sets every dropout probability to 0.
-
-    With dropout on, the log-prob of an action at rollout time and in the
-    learner differ by noise, so PPO's ratio and the KL estimate are wrong.
-    Covers `nn.Dropout` modules and the config fields that functional dropout
-    reads (`attention_dropout`, `attn_pdrop`, ...).
-    """
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    for key, value in list(vars(model.config).items()):
-        if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
-            setattr(model.config, key, 0.0)
-    for module in model.modules():
-        for attr in ("attention_dropout", "dropout"):
-            if isinstance(getattr(module, attr, None), float):
-                setattr(module, attr, 0.0)
-
-
 # -- parameter-efficient policies and precision ----------------------------------------------
 
 def _lora_fields() -> dict:
@@ -307,6 +270,7 @@ def add_lora(lm: PreTrainedModel, lora: dict, *, seed: int = 0) -> PreTrainedMod
         from env.validation import first_line
 
         raise ValueError(f"model.lora.target_modules: {first_line(e)}") from None
+    cut_logits(lm)  # on the head as it is now, should the adapters wrap it
     names = {name.rpartition(".")[2] for name, _ in lm.named_modules()}
     for name in lora["modules_to_save"] or []:
         if name not in names:

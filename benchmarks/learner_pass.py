@@ -26,7 +26,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agents.models import fuse_activations  # noqa: E402
+from agents.model_edits import fuse_activations  # noqa: E402
 from agents.modules.kv_cache import gpt2_forward, position_ids_for  # noqa: E402
 
 

@@ -313,7 +313,7 @@ def test_fused_gelu_gives_gpt2s_gelu_new():
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.activations import NewGELUActivation
 
-    from agents.models import TanhGELU, fuse_activations
+    from agents.model_edits import TanhGELU, fuse_activations
 
     torch.manual_seed(0)
     plain = GPT2LMHeadModel(GPT2Config(vocab_size=30, n_positions=16, n_layer=2, n_head=2, n_embd=16)).eval()

@@ -13,7 +13,7 @@ from tests.conftest import ROOT
 # The layers, lowest first; a module is placed by its longest matching prefix.
 LAYERS = [
     ("env", ["env"]),
-    ("core", ["agents.core", "agents.models", "agents.samplers", "agents", "agents.modules.kv_cache",
+    ("core", ["agents.core", "agents.models", "agents.model_edits", "agents.samplers", "agents", "agents.modules.kv_cache",
               "agents.modules.prefill_store"]),
     ("modules", ["agents.modules", "agents.guides"]),
     ("algorithms", ["agents.algorithms", "agents.weight_sync"]),

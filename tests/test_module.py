@@ -197,3 +197,66 @@ def test_exploration_samples_in_the_module_and_returns_only_action_logp_and_valu
     assert out[Columns.VF_PREDS].shape == out[Columns.ACTIONS].shape
     want = torch.log_softmax(logits, -1).gather(-1, out[Columns.ACTIONS][:, None])[:, 0]
     torch.testing.assert_close(out[Columns.ACTION_LOGP], want, atol=1e-5, rtol=1e-5)
+
+
+def _padded_model(path, tokens: int, padding: int = 12):
+    """A GPT-2 with `padding` output rows past the tokenizer's `tokens` (as T5's 32,128 outputs for
+    32,100 tokens), weighted so that an uncut head draws a padding row almost surely."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=tokens + padding, n_positions=32, n_embd=16, n_layer=1, n_head=2,
+                                       tie_word_embeddings=False))
+    with torch.no_grad():
+        model.lm_head.weight[:tokens] = 0.0  # every real token's logit 0; the padding rows' large
+        model.lm_head.weight[tokens:] = torch.randn(padding, 16) * 100
+    model.save_pretrained(path)
+    return path
+
+
+def test_a_padded_vocabulary_draws_only_the_tokenizers_tokens(tmp_path):
+    """More model outputs than tokenizer tokens (T5, Pythia): every logits path is cut to the tokens,
+    so no rollout, train pass or reference pass sees a token the tokenizer lacks; the saved weights
+    keep their rows (an export is the model as loaded)."""
+    vocab = TokenGenerationEnv(ENV_CFG).vocab_size
+    path = _padded_model(tmp_path / "padded", vocab)
+    env, module = make_module(inference_only=True, name_or_path=str(path))
+    obs, seq, actions = rollout_obs(env, episodes=6)
+    with torch.no_grad():
+        drawn = module.forward_exploration({Columns.OBS: obs})[Columns.ACTIONS]
+        assert module.forward_inference({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS].shape[-1] == vocab
+    assert int(drawn.max()) < vocab
+    # uncut, the same model's most likely token is a padding row: the test's model shows the bug
+    with torch.no_grad():
+        hidden = module.lm.transformer(input_ids=obs["input_ids"][:4]).last_hidden_state[:, -1]
+        assert bool(((hidden @ module.lm.lm_head.weight.T).argmax(-1) >= vocab).all())
+        # the cut is no graph break in the rollout step's tail (a CUDA graph can capture it)
+        torch._dynamo.reset()
+        tail = torch.compile(lambda h, u: module._sample(h, u), fullgraph=True, backend="aot_eager")
+        uniform = torch.rand(4, 1, dtype=torch.float64)
+        torch.testing.assert_close(tail(hidden, uniform)[Columns.ACTIONS], module._sample(hidden, uniform)[Columns.ACTIONS])
+    _, learner = make_module(name_or_path=str(path))
+    out = learner.forward_train({Columns.OBS: obs, "seq_id": seq, Columns.ACTIONS: actions})
+    assert out[Columns.ACTION_DIST_INPUTS].shape == (len(actions), vocab)
+    assert learner.lm(input_ids=obs["input_ids"][:2]).logits.shape[-1] == vocab
+    ref = learner.reference_logp({Columns.OBS: obs, "seq_id": seq, Columns.ACTIONS: actions})
+    assert ref.shape == actions.shape and bool(torch.isfinite(ref).all())
+    assert learner.lm.state_dict()["lm_head.weight"].shape[0] == vocab + 12
+
+
+def test_ppo_trains_on_a_model_with_a_padded_vocabulary(tmp_path, ray_local):
+    """The run a user starts on such a model: before the cut, the rollouts drew a padding row and
+    the env stopped the run ("action N outside [0, V)")."""
+    from agents.config import algorithm_config, env_config, load
+    from tests.conftest import QUICKSTART
+
+    tokens = TokenGenerationEnv(env_config(load(QUICKSTART))).vocab_size
+    path = _padded_model(tmp_path / "padded", tokens)
+    cfg = load(QUICKSTART, [f"model.name_or_path={path}", "training.train_batch_size=256",
+                            "training.minibatch_size=128", "training.num_epochs=1"])
+    algo = algorithm_config(cfg).build_algo()
+    try:
+        results = [algo.train() for _ in range(2)]
+    finally:
+        algo.stop()
+    assert results[-1]["env_runners"]["num_env_steps_sampled_lifetime"] >= 512
