@@ -223,8 +223,11 @@ def test_perplexity_under_the_built_in_tiny_model(models):
 
 
 def test_a_model_that_cannot_load_is_reported(tmp_path):
+    (tmp_path / "empty").mkdir()  # a directory with no model in it (a missing one is refused at build)
     with pytest.raises(RewardError, match=r"'sentiment' \(reward\): could not load its model"):
-        make_reward({"name": "sentiment", "model": str(tmp_path / "missing")})(["p"], ["text"], None)
+        make_reward({"name": "sentiment", "model": str(tmp_path / "empty")})(["p"], ["text"], None)
+    with pytest.raises(RewardConfigError, match=r"^reward\.model: no such directory"):
+        make_reward({"name": "sentiment", "model": str(tmp_path / "missing")})
 
 
 def test_mmi_equals_direct_log_probs(models):
@@ -323,6 +326,15 @@ def test_weighted_sum_equals_weighted_components():
     ({"sum": []}, r"^reward\.sum: expected a non-empty list"),
     ({"sum": [{"name": "bleu", "weight": 1}], "name": "bleu"}, r"^reward\.name: a sum takes only 'sum'"),
     ([1, 2], r"^reward: expected a mapping"),
+    # model paths and devices, before any model loads (a hub name or a GPU is looked for where it scores)
+    ({"name": "sentiment", "model": "./no/such/classifier"}, r"^reward\.model: no such directory '\./no/such/classifier'$"),
+    ({"name": "mmi", "forward_model": "gpt2", "backward_model": "/no/such"},
+     r"^reward\.backward_model: no such directory '/no/such'$"),
+    ({"name": "perplexity", "model": "gpt2", "tokenizer": "~/no/such/tokenizer"}, r"^reward\.tokenizer: no such directory"),
+    ({"name": "sentiment", "model": "README.md"}, r"^reward\.model: 'README\.md' is a file; expected a save_pretrained"),
+    ({"name": "sentiment", "model": "org/classifier", "device": "banana"},
+     r"^reward\.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got 'banana'$"),
+    ({"name": "cosine", "device": "gpu"}, r"^reward\.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'$"),
 ])
 def test_bad_config_names_the_field(spec, message):
     with pytest.raises(RewardConfigError, match=message):
@@ -337,6 +349,21 @@ def test_fields_are_checked_by_the_config_field_rules():
     assert weighted.reward.terms[0][0] == 0.5
     # A config error is a ConfigError (one vocabulary with the experiment config's).
     assert issubclass(RewardConfigError, ConfigError)
+
+
+def test_a_cuda_reward_device_is_looked_for_where_the_reward_scores(monkeypatch):
+    """A driver without a GPU may start EnvRunners that have one: 'cuda' is built, and refused in
+    one line by the process that loads the model when it has no CUDA device."""
+    import torch
+
+    from env.rewards.base import resolve_device
+
+    reward = make_reward({"name": "sentiment", "model": "org/classifier", "device": "cuda:0"})
+    assert reward.reward.device == "cuda:0"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^reward device: 'cuda:0', but the process that scores .* has no CUDA device"):
+        resolve_device("cuda:0")
+    assert resolve_device("auto") == "cpu"
 
 
 def test_config_error_uses_the_callers_path():

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
+import re
 
 from env.plugins import entry_point_names, import_object, load_entry_point
-from env.validation import ConfigError, Field, check_keywords, unknown_name
+from env.validation import ConfigError, Field, check_keywords, missing_local_path, unknown_name
 
 
 class RewardConfigError(ConfigError):
@@ -136,10 +138,34 @@ def references_of(meta: dict) -> list[str]:
 
 
 def resolve_device(device: str) -> str:
+    """A reward model's device in the process that scores: 'auto' is its GPU if it has one."""
+    import torch
+
     if device == "auto":
-        import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"reward device: {device!r}, but the process that scores (an EnvRunner) has no "
+                         "CUDA device; set device: auto or cpu, or give the EnvRunners a GPU")
     return device
+
+
+# Reward fields naming a model or tokenizer (checked as paths before anything loads) and a device.
+MODEL_FIELDS = re.compile(r"(.*_)?(model|tokenizer)")
+DEVICES = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+def field_problem(key: str, value) -> str | None:
+    """What is wrong with a reward's `device` or model/tokenizer field, found without loading
+    anything (a CUDA device is looked for where the reward scores, not here: a driver without a
+    GPU may start EnvRunners that have one); None if nothing."""
+    if key == "device" and not (isinstance(value, str) and DEVICES.fullmatch(value)):
+        return f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}"
+    if MODEL_FIELDS.fullmatch(key) and isinstance(value, str):
+        if os.path.isfile(os.path.expanduser(value)):
+            return f"{value!r} is a file; expected a save_pretrained directory or a hub name"
+        if missing_local_path(value):
+            return f"no such directory {value!r}"
+    return None
 
 
 def check_field(field: str, value, kind, **bounds):
@@ -307,9 +333,13 @@ def make_reward(spec, path: str = "reward") -> CheckedReward:
     aliases = getattr(factory, "FIELD_ALIASES", {})  # YAML key -> parameter (e.g. lambda -> lambda_)
     fields = {k: v for k, v in spec.items() if k != "name"}
     kwargs = check_keywords(factory, fields, path, f"reward {name!r}", error=RewardConfigError, aliases=aliases)
+    back = {v: k for k, v in aliases.items()}
     try:
+        for key, value in kwargs.items():
+            problem = field_problem(key, value)
+            if problem:
+                raise FieldError(key, problem)
         reward = factory(**kwargs)
     except FieldError as e:
-        back = {v: k for k, v in aliases.items()}
         raise RewardConfigError(f"{path}.{back.get(e.field, e.field)}: {e.message}") from None
     return CheckedReward(reward, f"{name!r} ({path})")
