@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import warnings
 
@@ -73,9 +74,47 @@ def check_overrides(model_config: dict) -> None:
             raise ValueError(f"model.overrides.{key}: set from the tokenizer and the env's lengths, not an override")
         if key in shape and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"model.overrides.{key}: expected an integer >= 1, got {value!r}")
+        if isinstance(getattr(config, key), float) and isinstance(value, str):  # YAML 1.1 reads 1e-5 as a string
+            try:
+                overrides[key] = value = float(value)
+            except ValueError:
+                pass
+        problem = _override_problem(key, value, getattr(config, key))
+        if problem:
+            raise ValueError(f"model.overrides.{key}: {problem}")
     merged = {**shape, **overrides}
     if name in BUILTIN_CONFIGS and merged["n_embd"] % merged["n_head"]:
         raise ValueError(f"model.overrides: n_embd ({merged['n_embd']}) must be a multiple of n_head ({merged['n_head']})")
+    from transformers import BartForConditionalGeneration, T5ForConditionalGeneration
+
+    model_cls = {GPT2Config: GPT2LMHeadModel, T5Config: T5ForConditionalGeneration}.get(type(config),
+                                                                                      BartForConditionalGeneration)
+    try:  # whatever else transformers refuses, on the meta device (no memory, no time)
+        with torch.device("meta"):
+            model_cls(type(config)(**merged))
+    except Exception as e:
+        raise ValueError(f"model.overrides: the model does not build with them: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]}") from None
+
+
+def _override_problem(key: str, value, default) -> str | None:
+    """What is wrong with one override, judged by its config default's type and the field's range."""
+    from transformers.activations import ACT2FN
+
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, bool) and not isinstance(value, bool):
+        return f"expected true or false, got {value!r}"
+    if isinstance(default, float) and not (number and math.isfinite(value)):
+        return f"expected a number, got {value!r}"
+    if isinstance(default, str) and not isinstance(value, str):
+        return f"expected a string, got {value!r}"
+    if ("pdrop" in key or "dropout" in key) and number and not 0 <= value <= 1:
+        return f"expected a probability in [0, 1], got {value!r}"
+    if "epsilon" in key and number and value <= 0:
+        return f"expected a number > 0, got {value!r}"
+    if key == "activation_function" and value not in ACT2FN:
+        return f"unknown activation {value!r} (one of {', '.join(sorted(ACT2FN))})"
+    return None
 
 
 def check_local_path(field: str, name) -> None:

@@ -52,6 +52,14 @@ def test_quickstart_config_is_valid_and_builds_an_rllib_config():
         ({"model": {"overrides": {"n_head": 5}}}, "model.overrides: n_embd (64) must be a multiple of n_head (5)"),
         ({"model": {"name_or_path": "tiny-t5", "overrides": {"d_model": 0}}}, "model.overrides.d_model: expected an integer >= 1"),
         ({"model": {"overrides": {"n_positions": 16}}}, "model.overrides.n_positions: set from the tokenizer and the env's"),
+        ({"model": {"overrides": {"activation_function": "foo"}}}, "model.overrides.activation_function: unknown activation 'foo' (one of "),
+        ({"model": {"overrides": {"resid_pdrop": 2}}}, "model.overrides.resid_pdrop: expected a probability in [0, 1], got 2"),
+        ({"model": {"overrides": {"layer_norm_epsilon": -1}}}, "model.overrides.layer_norm_epsilon: expected a number > 0, got -1"),
+        ({"model": {"overrides": {"layer_norm_epsilon": "tiny"}}}, "model.overrides.layer_norm_epsilon: expected a number, got 'tiny'"),
+        ({"model": {"overrides": {"scale_attn_weights": "yes"}}}, "model.overrides.scale_attn_weights: expected true or false"),
+        ({"model": {"overrides": {"n_inner": "x"}}}, "model.overrides: the model does not build with them: "),
+        ({"model": {"name_or_path": "tiny-t5", "overrides": {"feed_forward_proj": "banana"}}},
+         "model.overrides: the model does not build with them: "),
     ],
 )
 def test_bad_values_name_the_field(raw, message):
@@ -74,6 +82,8 @@ def test_sampler_search_spaces_over_whole_samplers_and_over_parameters():
 
 def test_numbers_written_without_a_dot_are_numbers():
     assert validate({"training": {"lr": "1e-3"}})["training"]["lr"] == pytest.approx(1e-3)
+    # a float field of a built-in shape's config too (YAML 1.1 reads 1e-5 as a string)
+    assert validate({"model": {"overrides": {"layer_norm_epsilon": "1e-5"}}})["model"]["overrides"] == {"layer_norm_epsilon": 1e-5}
 
 
 def test_overrides_and_search_spaces(tmp_path):
