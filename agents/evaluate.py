@@ -41,13 +41,10 @@ import sys
 import numpy as np
 import torch
 
+from agents.curves import EvalError, plot_curves
 from env.validation import first_line
 
 SENTIMENT_REWARDS = ("sentiment", "vader")
-
-
-class EvalError(ValueError):
-    """Bad input to the evaluation, one line naming what is wrong."""
 
 
 # -- models -------------------------------------------------------------------------------
@@ -329,83 +326,6 @@ def markdown_summary(result: dict) -> str:
             markdown_table(result["breakdown_columns"], result["breakdown"]))
 
 
-# -- training curves ------------------------------------------------------------------------------
-
-def find_trials(run: str) -> list[str]:
-    """Trial directories (holding result.json or progress.csv) at or under `run`."""
-    if not os.path.isdir(run):
-        raise EvalError(f"--curves: {run}: no such run directory")
-    found = sorted(root for root, _, files in os.walk(run) if "result.json" in files or "progress.csv" in files)
-    if not found:
-        raise EvalError(f"--curves: {run}: no result.json or progress.csv under it")
-    return found
-
-
-def read_curves(trial: str) -> list[dict]:
-    """The trial's results, one flat dict per iteration (nested keys joined with '/')."""
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            if isinstance(v, dict):
-                out.update(flat(v, f"{prefix}{k}/"))
-            else:
-                out[prefix + k] = v
-        return out
-
-    path = os.path.join(trial, "result.json")
-    if os.path.isfile(path) and os.path.getsize(path) > 0:
-        with open(path, encoding="utf-8") as f:
-            return [flat(json.loads(line)) for line in f if line.strip()]
-    with open(os.path.join(trial, "progress.csv"), newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
-
-
-def _metric_key(rows: list[dict], metric: str, trial: str) -> str:
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    if metric in keys:
-        return metric
-    matches = [k for k in keys if k.split("/")[-1] == metric or k.endswith("/" + metric)]
-    if len(matches) == 1:
-        return matches[0]
-    if matches:  # prefer the shortest (env_runners/x over env_runners/module/x)
-        return min(matches, key=len)
-    import difflib
-
-    hint = difflib.get_close_matches(metric, [k.split("/")[-1] for k in keys], n=1)
-    raise EvalError(f"--metric: {metric!r} is not logged in {trial}" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
-
-
-def plot_curves(runs: list[str], metrics: list[str], out_dir: str) -> list[str]:
-    """One PNG per metric, the metric against training_iteration, one line per trial."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    trials = [(run, t) for run in runs for t in find_trials(run)]
-    data = [(run, t, read_curves(t)) for run, t in trials]
-    os.makedirs(out_dir, exist_ok=True)
-    paths = []
-    for metric in metrics:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for run, trial, rows in data:
-            key = _metric_key(rows, metric, trial)
-            points = [(float(r["training_iteration"]), float(r[key])) for r in rows
-                      if r.get(key) not in (None, "") and r.get("training_iteration") not in (None, "")]
-            label = os.path.relpath(trial, os.path.dirname(os.path.abspath(run).rstrip(os.sep)))
-            ax.plot([p[0] for p in points], [p[1] for p in points], label=label[:60])
-        ax.set_xlabel("training iteration")
-        ax.set_ylabel(metric)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"curve_{metric.replace('/', '_')}.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
 # -- CLI ---------------------------------------------------------------------------------------
 
 def resolve_env_config(config_path: str | None, overrides: list[str], models: list[Model]) -> dict:
@@ -446,8 +366,8 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not args.models and not args.curves:
         parser.error("give models to evaluate, --curves RUN, or both")
-    if args.threads:
-        torch.set_num_threads(max(1, args.threads))
+    if args.threads and args.threads > 0:
+        torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no "Loading weights" bars between the output lines
@@ -458,6 +378,10 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
         for error in (directory_error("--out", args.out), check_seed(args.seed)):  # before evaluating
             if error:
                 raise EvalError(error)
+        if args.threads is not None and args.threads < 1:
+            raise EvalError(f"--threads: expected an integer >= 1, got {args.threads}")
+        if args.metric and not args.curves:
+            raise EvalError("--metric: chooses what --curves plots; give --curves RUN")
         if args.num_samples < 1:
             raise EvalError(f"--num-samples: expected an integer >= 1, got {args.num_samples}")
         if args.max_examples is not None and args.max_examples < 1:
@@ -467,6 +391,10 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
         if args.models:
             names = args.names or [None] * len(args.models)
             models = [Model(p, n) for p, n in zip(args.models, names)]
+            twice = next((m.name for i, m in enumerate(models) if m.name in [o.name for o in models[:i]]), None)
+            if twice is not None:  # their rows would be one
+                raise EvalError(f"--names: {twice!r} names two models" + ("" if args.names else
+                                                                         " (their paths end alike); give --names"))
             env_cfg = resolve_env_config(args.config, args.overrides, models)
             reference = Model(args.reference) if args.reference else None
             result = evaluate(models, env_cfg, split=args.split, greedy=args.greedy, num_samples=args.num_samples,

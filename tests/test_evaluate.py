@@ -3,6 +3,7 @@ import csv
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -142,8 +143,47 @@ def test_curves_png_per_metric(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     paths = plot_curves([str(tmp_path / "run")], ["ref_kl"], str(tmp_path / "plots"))
     assert os.path.getsize(paths[0]) > 5000
-    with pytest.raises(EvalError, match=r"^--metric: 'episode_reward' is not logged in .*trial_a"):
+    with pytest.raises(EvalError, match=r"^--metric: 'episode_reward' is not logged in any of the 2 trials "
+                                        r"\(did you mean 'episode_return_mean'\?\)$"):
         plot_curves([str(tmp_path / "run")], ["episode_reward"], str(tmp_path / "plots"))
+    with pytest.raises(EvalError, match=r"^--metric: 'ref_kl' is not logged in .*other$"):
+        plot_curves([str(other)], ["ref_kl"], str(tmp_path / "plots"))
+
+
+def test_curves_of_an_experiment_with_broken_and_unfinished_trials(tmp_path, capsys):
+    """A trial that stopped before its first result, one whose last line was cut mid-write, and a
+    metric that only some trials log are plotted around, each with a note; a bad line inside a
+    result.json is named with its file and line."""
+    run = tmp_path / "run"
+    write_trial(run / "done", [0.5, 0.6, 0.8], [0.0, 1.0, 2.0])
+    write_trial(run / "cut", [0.4, 0.7], [0.0, 0.5])
+    with open(run / "cut" / "result.json", "a") as f:
+        f.write('{"training_iteration": 3, "env_run')
+    os.makedirs(run / "failed_early")
+    open(run / "failed_early" / "result.json", "w").close()
+    with open(run / "failed_early" / "params.json", "w") as f:  # written by Tune before any result
+        f.write("{}")
+    os.makedirs(run / "no_kl")
+    with open(run / "no_kl" / "result.json", "w") as f:
+        f.write(json.dumps({"training_iteration": 1, "env_runners": {"episode_return_mean": 0.2}}) + "\n")
+    capsys.readouterr()
+    paths = plot_curves([str(run)], ["episode_return_mean", "ref_kl"], str(tmp_path / "plots"))
+    assert [os.path.basename(p) for p in paths] == ["curve_episode_return_mean.png", "curve_ref_kl.png"]
+    err = capsys.readouterr().err
+    assert "failed_early: no results yet (it stopped before its first iteration); not plotted" in err
+    assert "cut/result.json: its last line is cut short" in err
+    with open(run / "done" / "result.json") as f:
+        lines = f.readlines()
+    lines[1] = "{not json\n"
+    with open(run / "done" / "result.json", "w") as f:
+        f.writelines(lines)
+    with pytest.raises(EvalError, match=r"^--curves: .*done/result\.json: line 2 is not valid JSON \(Expecting "):
+        plot_curves([str(run)], ["episode_return_mean"], str(tmp_path / "plots"))
+    shutil.rmtree(run)
+    os.makedirs(run / "failed_early")
+    open(run / "failed_early" / "result.json", "w").close()
+    with pytest.raises(EvalError, match=r"^--curves: no trial under .*run has a result yet$"):
+        plot_curves([str(run)], ["episode_return_mean"], str(tmp_path / "plots"))
 
 
 def _cli_error(capsys, *argv):
@@ -156,6 +196,11 @@ def test_cli_bad_input_is_one_line(setup, tmp_path, capsys):
     assert "neither a checkpoint" in _cli_error(capsys, str(tmp_path))
     assert _cli_error(capsys, setup["dirs"][0]).startswith("error: --config: needed to know the task")
     assert _cli_error(capsys, "--curves", missing) == f"error: --curves: {missing}: no such run directory"
+    assert _cli_error(capsys, setup["dirs"][0], "--metric", "ref_kl").endswith(
+        "error: --metric: chooses what --curves plots; give --curves RUN")
+    assert _cli_error(capsys, setup["dirs"][0], "--threads", "0").endswith("error: --threads: expected an integer >= 1, got 0")
+    assert _cli_error(capsys, setup["dirs"][0], setup["dirs"][0]).startswith(
+        "error: --names: ")
     assert _cli_error(capsys, setup["dirs"][0], "--config", str(tmp_path / "x.yaml")).endswith(
         "x.yaml: no such config file")
     assert _cli_error(capsys, setup["dirs"][0], "--num-samples", "0").startswith("error: --num-samples")
