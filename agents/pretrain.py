@@ -141,7 +141,8 @@ def load_pairs(cfg: dict, split: str) -> list[tuple[str, str]]:
     return [(t, s) for s, t in pairs] if cfg["backward"] else pairs
 
 
-def build_tokenizer(cfg: dict, texts: list[str]):
+def build_tokenizer(cfg: dict, pairs: list[tuple[str, str]]):
+    """The model's tokenizer (a built-in model without one: a word-level one over the data's words)."""
     from agents.models import is_builtin
     from env.tokenization import load_tokenizer, word_level_tokenizer
 
@@ -149,13 +150,29 @@ def build_tokenizer(cfg: dict, texts: list[str]):
     if not m["tokenizer"] and is_builtin(m["name_or_path"]):
         from env.tokenization import EOS_TOKEN, PAD_TOKEN
 
-        words = sorted({w for t in texts for w in t.split()} - {EOS_TOKEN, PAD_TOKEN})
+        words = sorted({w for pair in pairs for t in pair for w in t.split()} - {EOS_TOKEN, PAD_TOKEN})
         return word_level_tokenizer(words)
     field, name = ("model.tokenizer", m["tokenizer"]) if m["tokenizer"] else ("model.name_or_path", m["name_or_path"])
     try:
-        return load_tokenizer(name)
+        tok = load_tokenizer(name)
     except (OSError, ValueError) as e:
         raise ValueError(f"{field}: cannot load a tokenizer from {name!r}: {first_line(e)}") from None
+    check_known_words(tok, pairs, field)
+    return tok
+
+
+def check_known_words(tok, pairs: list[tuple[str, str]], field: str) -> None:
+    """Refuses training examples with words the tokenizer only knows as its unknown token (a
+    word-level tokenizer's is EOS: the model would learn to end mid-text). A subword tokenizer
+    knows every word."""
+    from env.tokenization import unknown_words
+
+    bad = [(i, words) for i, pair in enumerate(pairs) if (words := [w for t in pair for w in unknown_words(tok, t)])]
+    if bad:
+        (first, words), = bad[:1]
+        raise ValueError(f"{field}: its tokenizer does not know words of {len(bad):,} of the {len(pairs):,} training "
+                         f"examples (the first: {words[0]!r} in example {first + 1}); they would train as its unknown token. "
+                         "Use a tokenizer that has them (or, with a built-in model, none: one is built from the data)")
 
 
 def encode_example(tok, context: str, text: str, separator: str | None, max_len: int):
@@ -306,7 +323,7 @@ def pretrain(cfg: dict, log=print) -> dict:
     torch.manual_seed(cfg["seed"])
     train = load_pairs(cfg, "train")
     held = load_pairs(cfg, cfg["data"]["eval_split"]) if cfg["data"]["eval_split"] else []
-    tok = build_tokenizer(cfg, [x for pair in train for x in pair])
+    tok = build_tokenizer(cfg, train)
     seq2seq = model_kind(cfg["model"]) == "seq2seq"
     try:
         if seq2seq:

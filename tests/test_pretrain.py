@@ -182,6 +182,13 @@ def test_cli_bad_input_is_one_line(tmp_path, corpus, capsys):
     assert err.startswith("error: training.lr: expected a number > 0.0, got -1")
     err = _cli_error(capsys, str(cfg), "--set", "data.text_field=text", "--set", "model.overrides={n_embd: 0}")
     assert err == "error: model.overrides.n_embd: expected an integer >= 1, got 0"
+    # a word-level tokenizer that lacks the data's words would train them as its unknown token (EOS)
+    from env.tokenization import word_level_tokenizer
+
+    word_level_tokenizer(["the", "film", "was"]).save_pretrained(tmp_path / "few_words")
+    err = _cli_error(capsys, str(cfg), "--set", "data.text_field=text", "--set", f"model.tokenizer={tmp_path / 'few_words'}")
+    assert err.startswith("error: model.tokenizer: its tokenizer does not know words of ")
+    assert "of the 400 training examples (the first: " in err and "in example 1)" in err
 
 
 @pytest.mark.slow
