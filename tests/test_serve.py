@@ -199,6 +199,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "3", "logprobs": 1}, "logprobs"), ({"prompt": "3", "stop": []}, "stop"),
     ({"prompt": "3", "stop": ["1", "2", "3", "4", "5"]}, "stop"), ({"prompt": "3", "stop": [""]}, "stop"),
     ({"prompt": "3", "stream_options": {"usage": True}}, "stream_options"), ({"prompt": "3", "echo": True}, "echo"),
+    ({"prompt": "3", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true, as OpenAI
     ({"prompt": "3", "sampler": {"name": "eta"}}, "sampler"), ({"prompt": "3", "sampler": {"name": "top_p", "p": 2}}, "sampler"),
     ({"prompt": "3", "sampler": {"name": "typical", "p": 1.0}}, "sampler"),  # as a config's sampler is refused
     ({"prompt": "3", "sampler": {"name": "eta", "eta": 1.0}}, "sampler"),

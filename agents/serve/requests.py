@@ -344,6 +344,13 @@ class _SamplingFields(_StrictFields):
     user: Annotated[Optional[str], BeforeValidator(lambda v: v if v is None else _text(v))] = Field(
         None, description="ignored")
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:  # as OpenAI's API answers it
+            raise PydanticCustomError("field_conflict", "{reason}", {
+                "field": "stream_options", "reason": "only applies with stream: true"})
+        return self
+
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions: the OpenAI completions request (the fields this policy can honour)."""
@@ -428,6 +435,8 @@ def error_line(errors: list[dict]) -> str:
         if e["type"] == "unknown_field":
             return f"{e['ctx']['field']}: {e['msg']}"
     e = errors[0]
+    if e["type"] == "field_conflict":  # a field that other fields' values rule out
+        return f"{e['ctx']['field']}: {e['msg']}"
     field = field_of(e)
     if e["type"] == "json_invalid":
         return f"request body: not valid JSON ({(e.get('ctx') or {}).get('error', e['msg'])})"
