@@ -115,6 +115,11 @@ class Model:
             from env.tokenization import load_tokenizer
 
             if not any(os.path.isfile(os.path.join(self.path, f)) for f in ("config.json", "adapter_config.json")):
+                from agents.generate import checkpoints_under
+
+                inside = checkpoints_under(self.path)
+                if inside:
+                    raise EvalError(f"{path}: a run directory, not a checkpoint; its newest checkpoint is {inside[-1]}")
                 raise EvalError(f"{path}: neither a checkpoint from agents.train nor a model directory "
                                 "(no config.json or adapter_config.json)")
             try:

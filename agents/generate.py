@@ -21,6 +21,7 @@ from agents.core import MAX_SEED, DropLogLines
 
 # Where an Algorithm checkpoint keeps the trained policy (RLlib's component names).
 MODULE_SUBDIR = os.path.join(COMPONENT_LEARNER_GROUP, COMPONENT_LEARNER, COMPONENT_RL_MODULE, DEFAULT_MODULE_ID)
+MAX_N = 1000  # generations per prompt, all printed (evaluate samples more and writes them to files)
 
 
 def find_module_dir(path: str) -> str:
@@ -30,7 +31,22 @@ def find_module_dir(path: str) -> str:
             os.path.join(candidate, "module_state.pkl")
         ):
             return candidate
+    inside = checkpoints_under(path)
+    if inside:  # an experiment or trial directory: name its newest checkpoint
+        more = f" (and {len(inside) - 1} older)" if len(inside) > 1 else ""
+        raise FileNotFoundError(f"--checkpoint: {path} is a run directory, not a checkpoint; its newest checkpoint "
+                                f"is {inside[-1]}{more}")
     raise FileNotFoundError(f"--checkpoint: {path} holds no policy (looked for {MODULE_SUBDIR})")
+
+
+def checkpoints_under(path: str) -> list[str]:
+    """The checkpoint directories (holding a policy) under `path`, oldest first."""
+    found = set()
+    for root, dirs, files in os.walk(path):
+        if root.endswith(os.sep + MODULE_SUBDIR) and {"module_state.pt", "module_state.pkl"} & set(files):
+            found.add(root[:-len(os.sep + MODULE_SUBDIR)])
+            dirs.clear()
+    return sorted(found, key=lambda d: (os.path.getmtime(d), d))
 
 
 def load_policy(checkpoint: str):
@@ -195,8 +211,9 @@ def main(argv=None, prog: str = "python -m agents.generate") -> int:
     parser.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.n < 1:
-        parser.error("-n must be >= 1")
+    if not 1 <= args.n <= MAX_N:
+        parser.error(f"-n: expected an integer in [1, {MAX_N}] (for larger samples: python -m agents.evaluate "
+                     f"--num-samples), got {args.n}")
     bad_seed = check_seed(args.seed)
     if bad_seed:
         print(f"error: {bad_seed}", file=sys.stderr)

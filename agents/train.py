@@ -39,7 +39,7 @@ def preflight(cfg: dict) -> None:
     from env.text_env import TokenGenerationEnv
 
     guided = cfg.get("guide") and algorithm_spec(cfg).section == "guide"
-    check_storage(cfg["tune"]["storage_path"])
+    check_storage(cfg["tune"]["storage_path"], cfg["tune"]["name"])
     check_pretrained("model.name_or_path", cfg["model"]["name_or_path"])
     check_pretrained("env.tokenizer", cfg["env"]["tokenizer"], tokenizer=True)
     if guided:
@@ -105,14 +105,17 @@ def _saved_tokenizer_size(name: str) -> int | None:
         return None
 
 
-def check_storage(path: str) -> None:
+def check_storage(path: str, name: str | None = None) -> None:
     """Refuses, in one line, a `tune.storage_path` that cannot become a directory (a file stands
-    at it or above it)."""
+    at it or above it), and a `tune.name` that is not one directory's name inside it."""
     from env.validation import directory_error
 
     error = directory_error("tune.storage_path", path)
     if error:
         raise ValueError(error)
+    if name is not None and (name in ("", ".", "..") or "/" in name or os.sep in name):
+        raise ValueError(f"tune.name: the experiment's directory name inside tune.storage_path (no '/', not '.' "
+                         f"or '..'), got {name!r}")
 
 
 def preflight_guide(cfg: dict, env) -> None:

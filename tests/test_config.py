@@ -144,6 +144,11 @@ def test_a_config_that_is_not_a_readable_yaml_mapping_is_refused_in_one_line(tmp
     # a storage path under a file cannot become a directory: refused before Ray starts
     assert one_line_cli_error(capsys, main, QUICKSTART, "--set", f"tune.storage_path={listed}/runs") == (
         f"error: tune.storage_path: {listed} is a file, so {listed}/runs cannot be a directory")
+    # an experiment name that would leave the storage path
+    assert one_line_cli_error(capsys, main, QUICKSTART, "--set", f"tune.storage_path={tmp_path / 'runs'}",
+                              "--set", "tune.name=../../elsewhere") == (
+        "error: tune.name: the experiment's directory name inside tune.storage_path (no '/', not '.' or '..'), "
+        "got '../../elsewhere'")
 
 
 def test_lora_modules_the_model_lacks_are_refused_before_ray_starts(capsys):
@@ -218,6 +223,22 @@ def test_generate_rejects_a_path_without_a_policy(tmp_path, capsys):
     assert main(["--checkpoint", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "holds no policy" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    # an experiment directory: its newest checkpoint is named
+    import time
+
+    from agents.generate import MODULE_SUBDIR
+
+    for n in (5, 10):
+        policy = tmp_path / "exp" / "trial_0" / f"checkpoint_{n:06d}" / MODULE_SUBDIR
+        policy.mkdir(parents=True)
+        (policy / "module_state.pt").write_bytes(b"")
+        time.sleep(0.01)
+    assert one_line_cli_error(capsys, main, "--checkpoint", str(tmp_path / "exp")) == (
+        f"error: --checkpoint: {tmp_path / 'exp'} is a run directory, not a checkpoint; its newest checkpoint is "
+        f"{tmp_path / 'exp' / 'trial_0' / 'checkpoint_000010'} (and 1 older)")
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", str(tmp_path), "-n", "1001"])
+    assert "-n: expected an integer in [1, 1000]" in capsys.readouterr().err
 
 
 def test_a_time_or_step_budget_is_not_cut_at_the_default_100_iterations():
