@@ -81,3 +81,11 @@ class DropLogLines(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return self.fragment not in record.getMessage()
+
+
+def no_transformers_bars() -> None:
+    """Turns off transformers' progress bars ("Loading weights", "Writing model shards") in this
+    process: a CLI's own lines are its output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()

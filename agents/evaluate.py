@@ -373,9 +373,9 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
         parser.error("give models to evaluate, --curves RUN, or both")
     if args.threads and args.threads > 0:
         torch.set_num_threads(args.threads)
-    from transformers.utils import logging as hf_logging
+    from agents.core import no_transformers_bars
 
-    hf_logging.disable_progress_bar()  # no "Loading weights" bars between the output lines
+    no_transformers_bars()
     try:
         from agents.generate import check_seed
         from env.validation import directory_error

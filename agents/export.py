@@ -164,6 +164,9 @@ def main(argv=None, prog: str = "python -m agents.export") -> int:
                              "PEFT adapter directory")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from agents.core import no_transformers_bars
+
+    no_transformers_bars()  # no "Writing model shards" bar above the summary
     try:
         result = export_policy(args.checkpoint, args.out, force=args.force, lora=args.lora)
     except (FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError, ValueError) as e:

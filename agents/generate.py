@@ -219,9 +219,9 @@ def main(argv=None, prog: str = "python -m agents.generate") -> int:
         print(f"error: {bad_seed}", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers.utils import logging as hf_logging
+    from agents.core import no_transformers_bars
 
-    hf_logging.disable_progress_bar()  # no "Loading weights" bar above the generations
+    no_transformers_bars()
     try:
         module = load_policy(args.checkpoint)
     except (FileNotFoundError, OSError, ValueError) as e:

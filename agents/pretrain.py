@@ -401,9 +401,9 @@ def pretrain(cfg: dict, log=print) -> dict:
     model.config.use_cache = True  # off for training in agents.models; generate() wants it
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = pad
-    from transformers.utils import logging as hf_logging
+    from agents.core import no_transformers_bars
 
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar between the progress lines
+    no_transformers_bars()
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return {"output_dir": out, "eval_before": eval_before, "eval_after": eval_after,

@@ -329,6 +329,9 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float) -> int:
         best = None
     n = cfg["generate"]["num_samples"]
     if best is not None and best.checkpoint and n:
+        from agents.core import no_transformers_bars
+
+        no_transformers_bars()  # no "Loading weights" bar above the samples
         module = load_policy(best.checkpoint.path)
         seed = cfg["seed"] if isinstance(cfg["seed"], int) else 0  # a searched seed: any fixed one
         samples = generate(module, module.model_config["env"], [None] * n, seed=seed)

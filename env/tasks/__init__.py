@@ -17,12 +17,19 @@ an unknown key, a missing one or a value of the wrong type is one line naming `t
 from __future__ import annotations
 
 import inspect
+import warnings
 
 from env.tasks.combination_lock import CombinationLockTask
 from env.tasks.increasing_numbers import IncreasingNumbersTask
 from env.tasks.sort_numbers import SortNumbersTask
 from env.tasks.text_tasks import TEXT_TASKS  # imdb, commongen, dialogue, summarization, text (data sets)
 from env.validation import ConfigError, check_keywords, first_line, unknown_name
+
+# `python -m env.tasks.sort_numbers OUT_DIR` (its data files) runs a module this package imports:
+# runpy's warning about that (given once the package has imported) is harmless here, since the
+# second copy only writes the files
+warnings.filterwarnings("ignore", message=r"'env\.tasks\.\w+' found in sys\.modules after import of package",
+                        category=RuntimeWarning)
 
 TASKS = {IncreasingNumbersTask.name: IncreasingNumbersTask, CombinationLockTask.name: CombinationLockTask,
          SortNumbersTask.name: SortNumbersTask, **TEXT_TASKS}

@@ -96,4 +96,5 @@ def write_dataset(out_dir: str, **task_options) -> dict:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python -m env.tasks.sort_numbers OUT_DIR")
-    print(write_dataset(sys.argv[1]))
+    for split, path in write_dataset(sys.argv[1]).items():
+        print(f"{split}: {path}")
