@@ -29,8 +29,8 @@
 #              2026-11-27)
 #   static_long  the project side of peer_trl.py alone (its peer settings) for 120 s, with RLlib's
 #              update and with training.static_update, for each seed in SEEDS (default "0"):
-#              whether the captured update's reward holds as long as RLlib's does (about 140 s a
-#              run; not yet run)
+#              whether the captured update's reward holds as long as RLlib's does, over time and
+#              by the updates made ("reward by iteration"; about 140 s a run; not yet run)
 # STATIC=1 runs peer, seeds and ppo_profile with training.static_update true (the learner's update
 # captured as CUDA graphs); their logs are then named <step>_static.
 # BLOCK=k runs rollouts, peer and ppo_profile with env_runners.decode_block k (k module steps per

@@ -468,6 +468,9 @@ def report(res: dict, unit: str, target: float):
           f"{c['own']:.2f}, whole machine {c['machine']:.2f} of {os.cpu_count()} (the difference is other load"
           f"{', Ray daemons included' if 'lr' not in res else ''})")
     print(f"  reward vs wall-clock: {_fmt_curve(res['curve'])}")
+    if unit == "iteration" and len(res["curve"]) >= 100:  # one point per update: runs compared by updates made
+        print("  reward by iteration: " + " ".join(f"({k}, {res['curve'][k - 1][1]:.3f})"
+                                                  for k in range(100, len(res["curve"]) + 1, 100)))
     if "phases" in res:
         total = sum(res["phases"].values())
         print("  time per completion token (timed part): " + ", ".join(

@@ -38,6 +38,36 @@ def test_nested_timed_calls_count_once_and_patches_are_undone():
     assert abs(sum(split.values()) - 100.0) < 1e-9  # microseconds per token of 0.1 s over 1,000 tokens
 
 
+
+def test_a_call_inside_a_cuda_graph_capture_is_neither_synced_nor_timed(monkeypatch):
+    """A device sync inside a capture would invalidate it (the static update captures the module's
+    forward); the replay's time is the outer call's."""
+    import benchmarks.peer_trl as peer
+
+    syncs = []
+    timer = PhaseTimer(sync=lambda: syncs.append(1))
+    timer.wrap(Worker, "inner", "training passes")
+    try:
+        monkeypatch.setattr(peer, "capturing", lambda: True)
+        assert Worker().inner() == 1 and not syncs and timer.snapshot()["training passes"] == 0
+        monkeypatch.setattr(peer, "capturing", lambda: False)
+        assert Worker().inner() == 1 and len(syncs) == 2 and timer.snapshot()["training passes"] > 0
+    finally:
+        timer.restore()
+
+
+def test_a_project_run_reports_its_reward_by_iteration(capsys):
+    """Runs of different speeds compared by the updates they made (every 100 iterations)."""
+    from benchmarks.peer_trl import report
+
+    curve = [(0.1 * i, i / 1000) for i in range(1, 251)]
+    res = {"name": "project PPO", "steps": 250, "wall": 25.0, "warmup": 0.1, "tokens": 1000, "tok_s": 40.0,
+           "timed_wall": 24.9, "first": 0.001, "final": 0.25, "best": 0.25, "curve": curve, "threads": 1,
+           "cpu": {"own": 1.0, "machine": 1.0}}
+    report(res, "iteration", 0.8)
+    assert "  reward by iteration: (100, 0.100) (200, 0.200)\n" in capsys.readouterr().out
+
+
 PROJECT_RUN = """
 import json
 from agents.config import load
