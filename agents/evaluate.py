@@ -97,8 +97,8 @@ class Model:
         try:
             find_module_dir(self.path)
             self.kind = "checkpoint"
-        except FileNotFoundError:
-            self.kind = "hf"
+        except FileNotFoundError as e:
+            self.kind, not_a_checkpoint = "hf", e
         if self.kind == "checkpoint":
             from agents.generate import load_policy
 
@@ -110,16 +110,15 @@ class Model:
             self.env_config = dict(self.policy.model_config["env"])
             self.tokenizer_spec = self.env_config.get("tokenizer")
         else:
-            from agents.model_edits import cut_logits, disable_dropout
+            from agents.model_edits import disable_dropout, mask_padded_vocabulary
             from agents.models import is_encoder_decoder, load_pretrained_lm
             from env.tokenization import load_tokenizer
 
             if not any(os.path.isfile(os.path.join(self.path, f)) for f in ("config.json", "adapter_config.json")):
-                from agents.generate import checkpoints_under
+                from agents.generate import RunDirectoryError
 
-                inside = checkpoints_under(self.path)
-                if inside:
-                    raise EvalError(f"{path}: a run directory, not a checkpoint; its newest checkpoint is {inside[-1]}")
+                if isinstance(not_a_checkpoint, RunDirectoryError):  # MODEL is positional, not --checkpoint
+                    raise EvalError(str(not_a_checkpoint).removeprefix("--checkpoint: "))
                 raise EvalError(f"{path}: neither a checkpoint from agents.train nor a model directory "
                                 "(no config.json or adapter_config.json)")
             try:
@@ -127,7 +126,7 @@ class Model:
                 seq2seq = is_encoder_decoder(self.lm)
                 self.tokenizer = load_tokenizer(self.path)
                 disable_dropout(self.lm)
-                cut_logits(self.lm, len(self.tokenizer))  # a padded vocabulary draws only the tokenizer's tokens
+                mask_padded_vocabulary(self.lm, len(self.tokenizer))  # draws only the tokenizer's tokens
                 self.policy = HFSeq2SeqPolicy(self.lm) if seq2seq else HFPolicy(self.lm)
             except (OSError, ValueError) as e:
                 raise EvalError(f"{path}: cannot load the model or its tokenizer: {first_line(e)}") from None

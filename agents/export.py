@@ -19,7 +19,9 @@ becomes the directory's generation config (`do_sample=True` with `top_k`,
 (NLPO, where the mask comes from a delayed copy of the policy) and
 `min_tokens_to_keep` other than 1 have no `transformers` equivalent and are
 reported, not exported. The exported config turns the LM's KV cache back on
-(`use_cache=True`) for `generate`; the weights and logits are the policy's.
+(`use_cache=True`) for `generate`; the weights and logits are the policy's. A padded vocabulary
+(more outputs than tokens: T5, Pythia) keeps all its outputs, and the generation config's
+`suppress_tokens` lists those past the tokenizer's, which the policy never drew.
 
 A LoRA policy (`model.lora`) is exported merged by default (`--lora merge`: each adapter folded
 into its base weight, a plain model as above). `--lora adapter` writes the PEFT adapter instead
@@ -110,6 +112,11 @@ def export_policy(checkpoint: str, out_dir: str, *, force: bool = False, lora: s
     if has_lora(lm) and not adapter:
         lm = without_adapters(lm, merge=True)
     fields, notes = generation_settings(module.model_config.get("sampler"))
+    from agents.model_edits import padded_tokens
+
+    padding = padded_tokens(module.lm)
+    if padding:  # a padded vocabulary: generate() never draws the outputs the tokenizer lacks, as the policy
+        fields["suppress_tokens"] = padding
     lm.config.use_cache = True  # training turned it off; generate() wants it
     for key, value in fields.items():
         setattr(lm.generation_config, key, value)

@@ -34,9 +34,13 @@ def find_module_dir(path: str) -> str:
     inside = checkpoints_under(path)
     if inside:  # an experiment or trial directory: name its newest checkpoint
         more = f" (and {len(inside) - 1} older)" if len(inside) > 1 else ""
-        raise FileNotFoundError(f"--checkpoint: {path} is a run directory, not a checkpoint; its newest checkpoint "
+        raise RunDirectoryError(f"--checkpoint: {path} is a run directory, not a checkpoint; its newest checkpoint "
                                 f"is {inside[-1]}{more}")
     raise FileNotFoundError(f"--checkpoint: {path} holds no policy (looked for {MODULE_SUBDIR})")
+
+
+class RunDirectoryError(FileNotFoundError):
+    """A checkpoint was asked for, and the path is a run (experiment or trial) directory holding some."""
 
 
 def checkpoints_under(path: str) -> list[str]:

@@ -1,6 +1,6 @@
 """Edits made to a loaded model, weights and their names untouched (a saved or exported model loads
-as before): dropout off, GPT-2's GELU as one op, and a padded vocabulary's logits cut to the
-tokenizer's tokens."""
+as before): dropout off, GPT-2's GELU as one op, and a padded vocabulary's outputs past the tokenizer's
+tokens masked."""
 from __future__ import annotations
 
 import torch
@@ -46,22 +46,33 @@ def disable_dropout(model: torch.nn.Module) -> None:
                 setattr(module, attr, 0.0)
 
 
-class _FirstLogits:
+class _PaddingMasked:
+    """A forward hook on an output head: the logits of the outputs from `n` on set to the dtype's
+    lowest value in place (a probability of exactly 0), at the head's full width."""
+
     def __init__(self, n: int):
         self.n = n
 
     def __call__(self, head, args, logits):
-        return logits[..., :self.n]
+        logits[..., self.n:] = torch.finfo(logits.dtype).min
 
 
-def cut_logits(model: torch.nn.Module, n: int | None = None) -> None:
-    """A padded vocabulary (more outputs than tokens: T5's 32,128 for 32,100, Pythia's) gets its
-    output head's logits cut to the first `n`, so nothing can draw a token the tokenizer lacks. A
-    forward hook: the weights, their names and an export stay whole. n None: again on the head as it
-    is now (after LoRA wraps it)."""
-    n, old = getattr(model, "_logit_cut", (n, None))
+def mask_padded_vocabulary(model: torch.nn.Module, n: int | None = None) -> None:
+    """A padded vocabulary (more outputs than tokens: T5's 32,128 for 32,100, Pythia's) gets the
+    logits of its outputs past the tokenizer's `n` tokens masked wherever its output head runs (the
+    project's passes and the model's own forward, where BART then adds its full-width bias), so
+    nothing draws a token the tokenizer lacks. A forward hook: the weights, their names and an
+    export stay whole. n None: again on the head as it is now (after LoRA wraps it)."""
+    stored, old = getattr(model, "_padding_mask", (None, None))
+    n = n if n is not None else stored
     if old is not None:
         old.remove()
     head = model.get_output_embeddings()
     if n is not None and head is not None and head.weight.shape[0] > n:
-        model._logit_cut = (n, head.register_forward_hook(_FirstLogits(n)))
+        model._padding_mask = (n, head.register_forward_hook(_PaddingMasked(n)))
+
+
+def padded_tokens(model: torch.nn.Module) -> list[int]:
+    """The output ids `mask_padded_vocabulary` masks in `model` (none for a model it left alone)."""
+    n, _ = getattr(model, "_padding_mask", (None, None))
+    return [] if n is None else list(range(n, model.get_output_embeddings().weight.shape[0]))

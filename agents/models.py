@@ -25,7 +25,7 @@ from env.tasks import make_task
 from env.text_env import env_setting
 from env.tokenization import load_tokenizer
 
-from agents.model_edits import cut_logits, disable_dropout, fuse_activations
+from agents.model_edits import disable_dropout, fuse_activations, mask_padded_vocabulary
 
 # In-project configurations: GPT-2 shapes, vocabulary taken from the tokenizer.
 BUILTIN_CONFIGS = {
@@ -74,8 +74,8 @@ def check_overrides(model_config: dict) -> None:
             raise ValueError(f"model.overrides.{key}: set from the tokenizer and the env's lengths, not an override")
         if key in shape and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"model.overrides.{key}: expected an integer >= 1, got {value!r}")
-        if isinstance(getattr(config, key), float) and isinstance(value, str):  # YAML 1.1 reads 1e-5 as a string
-            try:
+        if isinstance(getattr(config, key), float) and isinstance(value, (str, int)) and not isinstance(value, bool):
+            try:  # a float field written 1 or 1e-5 (which YAML 1.1 reads as a string)
                 overrides[key] = value = float(value)
             except ValueError:
                 pass
@@ -102,6 +102,8 @@ def _override_problem(key: str, value, default) -> str | None:
     from transformers.activations import ACT2FN
 
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if value is None:  # the config class says whether a field may be null (the build below)
+        return None
     if isinstance(default, bool) and not isinstance(value, bool):
         return f"expected true or false, got {value!r}"
     if isinstance(default, float) and not (number and math.isfinite(value)):
@@ -214,13 +216,13 @@ def build_causal_lm(model_config: dict, tokenizer, *, seed: int = 0, max_positio
 
 
 def _check_embeddings(model: PreTrainedModel, name: str, tokenizer) -> PreTrainedModel:
-    """The model, if it has an embedding for every token of the tokenizer, its logits cut to them."""
+    """The model, if it has an embedding for every token of the tokenizer, its outputs past them masked."""
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         raise ValueError(
             f"model.name_or_path: {name!r} has {model.get_input_embeddings().num_embeddings} "
             f"embeddings but the tokenizer has {len(tokenizer)} tokens"
         )
-    cut_logits(model, len(tokenizer))
+    mask_padded_vocabulary(model, len(tokenizer))
     return model
 
 
@@ -309,7 +311,7 @@ def add_lora(lm: PreTrainedModel, lora: dict, *, seed: int = 0) -> PreTrainedMod
         from env.validation import first_line
 
         raise ValueError(f"model.lora.target_modules: {first_line(e)}") from None
-    cut_logits(lm)  # on the head as it is now, should the adapters wrap it
+    mask_padded_vocabulary(lm)  # on the head as it is now, should the adapters wrap it
     names = {name.rpartition(".")[2] for name, _ in lm.named_modules()}
     for name in lora["modules_to_save"] or []:
         if name not in names:

@@ -162,17 +162,23 @@ def build_tokenizer(cfg: dict, pairs: list[tuple[str, str]]):
 
 
 def check_known_words(tok, pairs: list[tuple[str, str]], field: str) -> None:
-    """Refuses training examples with words the tokenizer only knows as its unknown token (a
-    word-level tokenizer's is EOS: the model would learn to end mid-text). A subword tokenizer
-    knows every word."""
+    """Training examples with text the tokenizer only knows as its unknown token: refused for a
+    word-level tokenizer (whole words lost; the project's own word-level tokenizers' unknown token
+    is EOS, so the model would learn to end mid-text), a note for a subword one (T5's SentencePiece
+    and BERT's WordPiece lack some symbols and characters, which their models learned as unknown)."""
     from env.tokenization import unknown_words
 
     bad = [(i, words) for i, pair in enumerate(pairs) if (words := [w for t in pair for w in unknown_words(tok, t)])]
-    if bad:
-        (first, words), = bad[:1]
-        raise ValueError(f"{field}: its tokenizer does not know words of {len(bad):,} of the {len(pairs):,} training "
-                         f"examples (the first: {words[0]!r} in example {first + 1}); they would train as its unknown token. "
-                         "Use a tokenizer that has them (or, with a built-in model, none: one is built from the data)")
+    if not bad:
+        return
+    (first, words), = bad[:1]
+    what = (f"its tokenizer does not know words of {len(bad):,} of the {len(pairs):,} training examples (the first: "
+            f"{words[0]!r} in example {first + 1})")
+    backend = getattr(getattr(tok, "backend_tokenizer", None), "model", None)
+    if type(backend).__name__ == "WordLevel":
+        raise ValueError(f"{field}: {what}; they would train as its unknown token. Use a tokenizer that has them "
+                         "(or, with a built-in model, none: one is built from the data)")
+    print(f"note: {field}: {what}; they train as its unknown token", file=sys.stderr)
 
 
 def encode_example(tok, context: str, text: str, separator: str | None, max_len: int):

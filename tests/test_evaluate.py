@@ -200,7 +200,7 @@ def test_cli_bad_input_is_one_line(setup, tmp_path, capsys):
     policy.mkdir(parents=True)
     (policy / "module_state.pt").write_bytes(b"")
     assert _cli_error(capsys, str(tmp_path / "exp")) == (
-        f"error: {tmp_path / 'exp'}: a run directory, not a checkpoint; its newest checkpoint is "
+        f"error: {tmp_path / 'exp'} is a run directory, not a checkpoint; its newest checkpoint is "
         f"{tmp_path / 'exp' / 'trial_0' / 'checkpoint_000003'}")
     assert _cli_error(capsys, setup["dirs"][0]).startswith("error: --config: needed to know the task")
     assert _cli_error(capsys, "--curves", missing) == f"error: --curves: {missing}: no such run directory"

@@ -214,38 +214,69 @@ def _padded_model(path, tokens: int, padding: int = 12):
     return path
 
 
+def _masked(logits: torch.Tensor, tokens: int) -> bool:
+    """Whether the outputs from `tokens` on have the lowest logit (probability exactly 0)."""
+    return bool((logits[..., tokens:] == torch.finfo(logits.dtype).min).all())
+
+
 def test_a_padded_vocabulary_draws_only_the_tokenizers_tokens(tmp_path):
-    """More model outputs than tokenizer tokens (T5, Pythia): every logits path is cut to the tokens,
-    so no rollout, train pass or reference pass sees a token the tokenizer lacks; the saved weights
-    keep their rows (an export is the model as loaded)."""
+    """More model outputs than tokenizer tokens (T5, Pythia): every logits path masks the outputs
+    past the tokens, so no rollout, train pass or reference pass draws or weighs a token the
+    tokenizer lacks; the saved weights keep their rows (an export is the model as loaded)."""
     vocab = TokenGenerationEnv(ENV_CFG).vocab_size
     path = _padded_model(tmp_path / "padded", vocab)
     env, module = make_module(inference_only=True, name_or_path=str(path))
     obs, seq, actions = rollout_obs(env, episodes=6)
     with torch.no_grad():
         drawn = module.forward_exploration({Columns.OBS: obs})[Columns.ACTIONS]
-        assert module.forward_inference({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS].shape[-1] == vocab
+        assert _masked(module.forward_inference({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS], vocab)
     assert int(drawn.max()) < vocab
-    # uncut, the same model's most likely token is a padding row: the test's model shows the bug
+    # unmasked, the same model's most likely token is a padding row: the test's model shows the bug
     with torch.no_grad():
         hidden = module.lm.transformer(input_ids=obs["input_ids"][:4]).last_hidden_state[:, -1]
         assert bool(((hidden @ module.lm.lm_head.weight.T).argmax(-1) >= vocab).all())
-        # the cut is no graph break in the rollout step's tail (a CUDA graph can capture it)
+        # the mask is no graph break in the rollout step's tail (a CUDA graph can capture it)
         torch._dynamo.reset()
         tail = torch.compile(lambda h, u: module._sample(h, u), fullgraph=True, backend="aot_eager")
         uniform = torch.rand(4, 1, dtype=torch.float64)
         torch.testing.assert_close(tail(hidden, uniform)[Columns.ACTIONS], module._sample(hidden, uniform)[Columns.ACTIONS])
     _, learner = make_module(name_or_path=str(path))
     out = learner.forward_train({Columns.OBS: obs, "seq_id": seq, Columns.ACTIONS: actions})
-    assert out[Columns.ACTION_DIST_INPUTS].shape == (len(actions), vocab)
-    assert learner.lm(input_ids=obs["input_ids"][:2]).logits.shape[-1] == vocab
+    assert _masked(out[Columns.ACTION_DIST_INPUTS], vocab)
+    entropy = learner.get_train_action_dist_cls().from_logits(out[Columns.ACTION_DIST_INPUTS]).entropy()
+    assert bool(torch.isfinite(entropy).all())
+    out[Columns.ACTION_DIST_INPUTS].sum().backward()  # the in-place mask keeps the graph differentiable
+    assert float(learner.lm.lm_head.weight.grad[vocab:].abs().max()) == 0.0
+    assert _masked(learner.lm(input_ids=obs["input_ids"][:2]).logits, vocab)  # the model's own forward too
     ref = learner.reference_logp({Columns.OBS: obs, "seq_id": seq, Columns.ACTIONS: actions})
     assert ref.shape == actions.shape and bool(torch.isfinite(ref).all())
     assert learner.lm.state_dict()["lm_head.weight"].shape[0] == vocab + 12
 
 
+def test_a_padded_bart_vocabulary_is_masked_before_its_full_width_bias(tmp_path):
+    """BART's forward adds `final_logits_bias` (one per output) after the head: the mask keeps the
+    head's width, so the model's own forward, the windowed check and generate() all run."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    from agents.models import SEQ2SEQ_CONFIGS, build_seq2seq_lm
+    from env.tokenization import word_level_tokenizer
+
+    tok = word_level_tokenizer(["a", "b", "c", "d"])
+    tokens = len(tok)
+    BartForConditionalGeneration(BartConfig(vocab_size=tokens + 10, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+                                            decoder_start_token_id=1, forced_eos_token_id=None,
+                                            max_position_embeddings=64, **SEQ2SEQ_CONFIGS["tiny-bart"])
+                                 ).save_pretrained(tmp_path / "bart")
+    model = build_seq2seq_lm({"name_or_path": str(tmp_path / "bart")}, tok)  # runs its own forward: no shape error
+    ids = torch.tensor([[2, 3, 4, 1]])
+    with torch.no_grad():
+        assert _masked(model(input_ids=ids, decoder_input_ids=torch.tensor([[1, 2]])).logits, tokens)
+        out = model.generate(input_ids=ids, do_sample=True, max_new_tokens=8, min_new_tokens=8)
+    assert int(out.max()) < tokens
+
+
 def test_ppo_trains_on_a_model_with_a_padded_vocabulary(tmp_path, ray_local):
-    """The run a user starts on such a model: before the cut, the rollouts drew a padding row and
+    """The run a user starts on such a model: before the mask, the rollouts drew a padding row and
     the env stopped the run ("action N outside [0, V)")."""
     from agents.config import algorithm_config, env_config, load
     from tests.conftest import QUICKSTART
@@ -257,6 +288,19 @@ def test_ppo_trains_on_a_model_with_a_padded_vocabulary(tmp_path, ray_local):
     algo = algorithm_config(cfg).build_algo()
     try:
         results = [algo.train() for _ in range(2)]
+        checkpoint = algo.save(str(tmp_path / "checkpoint")).checkpoint.path
     finally:
         algo.stop()
     assert results[-1]["env_runners"]["num_env_steps_sampled_lifetime"] >= 512
+    # its export keeps every output; generate() suppresses those the policy never drew
+    from transformers import AutoModelForCausalLM
+
+    from agents.export import export_policy
+
+    export_policy(checkpoint, str(tmp_path / "export"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert exported.config.vocab_size == tokens + 12
+    assert list(exported.generation_config.suppress_tokens) == list(range(tokens, tokens + 12))
+    out = exported.generate(input_ids=torch.tensor([[0, 0, 0, 0, 0]]), do_sample=True, max_new_tokens=10,
+                            min_new_tokens=10, num_return_sequences=8)
+    assert int(out.max()) < tokens

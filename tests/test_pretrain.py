@@ -205,3 +205,24 @@ def test_cli_runs_and_ends_with_the_output_dir(tmp_path, corpus):
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
     bad = run_module("agents.pretrain", str(cfg), "--set", "training.steps=0", timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: training.steps: expected an integer >= 1, got 0"
+
+
+def test_a_subword_tokenizers_unknown_pieces_are_a_note_not_an_error(capsys):
+    """T5's and BERT's tokenizers encode some symbols as their unknown token, as their models were
+    trained: pretraining goes on with a note; a word-level tokenizer losing whole words is refused."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from agents.pretrain import check_known_words
+    from env.tokenization import word_level_tokenizer
+
+    vocab = {"[UNK]": 0, "the": 1, "film": 2, "##s": 3, "was": 4, "good": 5}
+    core = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordpiece = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]")
+    pairs = [("", "the films was good"), ("", "the film was good {}")]
+    check_known_words(wordpiece, pairs, "model.tokenizer")
+    assert capsys.readouterr().err == ("note: model.tokenizer: its tokenizer does not know words of 1 of the 2 "
+                                       "training examples (the first: '{}' in example 2); they train as its unknown token\n")
+    with pytest.raises(ValueError, match=r"^model\.tokenizer: its tokenizer does not know words of 1 of the 2 .*'\{\}'"):
+        check_known_words(word_level_tokenizer(["the", "film", "films", "was", "good"]), pairs, "model.tokenizer")

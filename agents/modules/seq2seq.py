@@ -107,7 +107,7 @@ def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden * (model.config.d_model ** -0.5)
     logits = model.get_output_embeddings()(hidden)
     bias = getattr(model, "final_logits_bias", None)  # BART
-    return logits + bias[..., :logits.shape[-1]] if bias is not None else logits  # the head's may be cut
+    return logits + bias if bias is not None else logits
 
 
 def encode(model, enc_ids: torch.Tensor, enc_mask: torch.Tensor) -> torch.Tensor:

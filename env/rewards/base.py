@@ -149,17 +149,21 @@ def resolve_device(device: str) -> str:
     return device
 
 
-# Reward fields naming a model or tokenizer (checked as paths before anything loads) and a device.
+# A built-in reward's fields naming a model or tokenizer (checked as paths before anything loads).
 MODEL_FIELDS = re.compile(r"(.*_)?(model|tokenizer)")
-DEVICES = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
 def field_problem(key: str, value) -> str | None:
-    """What is wrong with a reward's `device` or model/tokenizer field, found without loading
-    anything (a CUDA device is looked for where the reward scores, not here: a driver without a
-    GPU may start EnvRunners that have one); None if nothing."""
-    if key == "device" and not (isinstance(value, str) and DEVICES.fullmatch(value)):
-        return f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}"
+    """What is wrong with a built-in reward's `device` or model/tokenizer field, found without
+    loading anything (a CUDA device is looked for where the reward scores, not here: a driver
+    without a GPU may start EnvRunners that have one); None if nothing."""
+    if key == "device" and value != "auto":
+        import torch
+
+        try:
+            torch.device(value)
+        except (RuntimeError, TypeError):
+            return f"expected 'auto' or a torch device ('cpu', 'cuda', 'cuda:1', 'mps', ...), got {value!r}"
     if MODEL_FIELDS.fullmatch(key) and isinstance(value, str):
         if os.path.isfile(os.path.expanduser(value)):
             return f"{value!r} is a file; expected a save_pretrained directory or a hub name"
@@ -335,7 +339,7 @@ def make_reward(spec, path: str = "reward") -> CheckedReward:
     kwargs = check_keywords(factory, fields, path, f"reward {name!r}", error=RewardConfigError, aliases=aliases)
     back = {v: k for k, v in aliases.items()}
     try:
-        for key, value in kwargs.items():
+        for key, value in kwargs.items() if factory is REWARDS.get(name) else ():  # a plugin's fields are its own
             problem = field_problem(key, value)
             if problem:
                 raise FieldError(key, problem)
