@@ -155,7 +155,7 @@ PINNED = {
     "_schedule_tracked_actor_task", "_tracked_actor", "_actor_task_events", "_tracked_futures",
     "_tracked_actors_to_task_futures", "_forward_hooks", "_forward_pre_hooks", "_foreach_copy_",
     "_FilesystemSyncer", "_sync_up_command", "_get_clip_function", "_lr_scheduler_classes", "_params",
-    "_foreach_norm", "_foreach_mul_", "_update", "_compute_off_policyness",
+    "_foreach_norm", "_foreach_mul_", "_update", "_compute_off_policyness", "_worker_logs_enabled",
 }
 THIRD_PARTY_PRIVATE_OK = {"_model"}  # bert_score's scorer (env/rewards/bertscore.py), not Ray's or transformers'
 
@@ -490,3 +490,12 @@ def test_new_api_stack_note_quieted_by_the_train_cli():
 
     assert algorithm_config.logger.name == "ray.rllib.algorithms.algorithm_config"
     assert "on the new API stack! " in inspect.getsource(algorithm_config.AlgorithmConfig)
+
+
+def test_worker_log_switch_turned_off_by_the_serve_cli_at_shutdown():
+    # agents/serve/cli.py sets it to False before Serve shuts down, so the driver does not print
+    # the raylet's report of the controller task that shutdown kills
+    from ray._private import worker
+
+    assert worker._worker_logs_enabled is True
+    assert "if not _worker_logs_enabled:" in inspect.getsource(worker.print_worker_logs)

@@ -504,6 +504,8 @@ def test_ctrl_c_shuts_the_server_down_cleanly(server):
     os.killpg(server.proc.pid, signal.SIGINT)  # what Ctrl-C in its terminal sends
     server.wait_for(r"^stopped", timeout=120)
     assert server.proc.wait(timeout=60) == 0
+    shutdown = "".join(server.lines.seen).split("shutting down Serve", 1)[1]
+    assert shutdown.strip() == "stopped", shutdown  # no library lines between the two
     with pytest.raises(OSError):  # nothing listens on the port any more
         socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
 

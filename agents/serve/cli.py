@@ -247,6 +247,7 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
     checkpoint = os.path.abspath(os.path.expanduser(args.checkpoint))
 
     import ray
+    from ray._private import worker as ray_worker
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     started = False
@@ -341,6 +342,9 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             if started and ray.is_initialized():
+                # Serve's shutdown kills its controller mid-task, and the raylet reports the killed
+                # task ("... failed. There are infinite retries remaining"): nothing of the user's
+                ray_worker._worker_logs_enabled = False
                 if external:
                     serve.delete(APP_NAME)
                 else:
