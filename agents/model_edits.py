@@ -67,6 +67,7 @@ def mask_padded_vocabulary(model: torch.nn.Module, n: int | None = None) -> None
     n = n if n is not None else stored
     if old is not None:
         old.remove()
+        model._padding_mask = (None, None)
     head = model.get_output_embeddings()
     if n is not None and head is not None and head.weight.shape[0] > n:
         model._padding_mask = (n, head.register_forward_hook(_PaddingMasked(n)))
