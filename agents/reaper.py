@@ -52,10 +52,10 @@ def watch(pid: int, poll_s: float = POLL_S) -> list[int]:
                     seen.setdefault(child.pid, child)
         except psutil.NoSuchProcess:
             pass
-        if not driver.is_running() or driver.status() == psutil.STATUS_ZOMBIE:
+        if not _running(driver):
             break
         time.sleep(poll_s)
-    left = [p for p in seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    left = [p for p in seen.values() if _running(p)]
     for p in left:
         try:
             p.terminate()
@@ -68,6 +68,18 @@ def watch(pid: int, poll_s: float = POLL_S) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return [p.pid for p in left]
+
+
+def _running(process) -> bool:
+    """Whether `process` still runs (not ended, not a zombie). One that ends while asked (the GCS
+    and the raylet stop by themselves as the driver dies) has ended: asking must not stop the
+    watcher before it has stopped the rest."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # ZombieProcess included
+        return False
 
 
 def main(argv=None) -> int:

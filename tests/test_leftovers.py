@@ -152,3 +152,35 @@ def test_a_run_that_ends_is_interrupted_or_killed_leaves_no_process_behind(three
 def test_a_server_beside_three_runs_keeps_answering(three_runs_beside_a_server):
     """Four Ray instances on one machine at once (a server, three runs), no Ray port given to any."""
     assert three_runs_beside_a_server["server_running"] and three_runs_beside_a_server["server_answered"]
+
+
+def test_the_watcher_stops_the_rest_when_a_process_ends_as_it_is_asked(monkeypatch):
+    """The GCS and the raylet stop by themselves as the driver dies, so one of the processes the
+    watcher noted can vanish between its two questions (running? a zombie?): the watcher must
+    still stop the others (it used to raise there and leave the node's agents running)."""
+    from agents.reaper import watch
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, time; a = subprocess.Popen(['sleep', '60']); "
+         "b = subprocess.Popen(['sleep', '60']); print(a.pid, b.pid, flush=True); time.sleep(1.5)"],
+        stdout=subprocess.PIPE, text=True)
+    vanishing, other = map(int, parent.stdout.readline().split())
+    status = psutil.Process.status
+
+    def vanished(self):
+        if self.pid == vanishing:
+            raise psutil.NoSuchProcess(self.pid)
+        return status(self)
+
+    monkeypatch.setattr(psutil.Process, "status", vanished)
+    try:
+        stopped = watch(parent.pid, poll_s=0.1)
+        assert other in stopped and vanishing not in stopped
+        assert not psutil.pid_exists(other) or psutil.Process(other).status() == psutil.STATUS_ZOMBIE
+    finally:
+        parent.wait()
+        for pid in (vanishing, other):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
