@@ -122,12 +122,11 @@ def _override_problem(key: str, value, default) -> str | None:
 def check_local_path(field: str, name) -> None:
     """Refuses a model or tokenizer name written as a local path that is not a directory, in one
     line naming the field (a hub name passes: loading it says what is wrong)."""
-    from env.validation import missing_local_path
+    from env.validation import local_path_problem
 
-    if isinstance(name, str) and os.path.isfile(os.path.expanduser(name)):
-        raise ValueError(f"{field}: {name!r} is a file; expected a save_pretrained directory or a hub name")
-    if missing_local_path(name):
-        raise ValueError(f"{field}: no such directory {name!r}")
+    problem = local_path_problem(name)
+    if problem:
+        raise ValueError(f"{field}: {problem}")
 
 
 def check_pretrained(field: str, name, *, tokenizer: bool = False) -> None:

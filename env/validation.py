@@ -205,6 +205,16 @@ def written_as_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.count("/") >= 2 or "\\" in name
 
 
+def local_path_problem(name) -> str | None:
+    """What is wrong with a model or tokenizer name written as a local path: a file where a
+    `save_pretrained` directory is meant, or a path that does not exist; None otherwise."""
+    if isinstance(name, str) and os.path.isfile(os.path.expanduser(name)):
+        return f"{name!r} is a file; expected a save_pretrained directory or a hub name"
+    if missing_local_path(name):
+        return f"no such directory {name!r}"
+    return None
+
+
 def missing_local_path(name) -> bool:
     """A name written as a local path that does not exist, so the error says "no such directory",
     not the hub's words."""

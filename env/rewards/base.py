@@ -32,11 +32,10 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import re
 
 from env.plugins import entry_point_names, import_object, load_entry_point
-from env.validation import ConfigError, Field, check_keywords, missing_local_path, unknown_name
+from env.validation import ConfigError, Field, check_keywords, local_path_problem, unknown_name
 
 
 class RewardConfigError(ConfigError):
@@ -164,11 +163,8 @@ def field_problem(key: str, value) -> str | None:
             torch.device(value)
         except (RuntimeError, TypeError):
             return f"expected 'auto' or a torch device ('cpu', 'cuda', 'cuda:1', 'mps', ...), got {value!r}"
-    if MODEL_FIELDS.fullmatch(key) and isinstance(value, str):
-        if os.path.isfile(os.path.expanduser(value)):
-            return f"{value!r} is a file; expected a save_pretrained directory or a hub name"
-        if missing_local_path(value):
-            return f"no such directory {value!r}"
+    if MODEL_FIELDS.fullmatch(key):
+        return local_path_problem(value)
     return None
 
 
