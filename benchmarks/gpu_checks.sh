@@ -31,6 +31,11 @@
 #              update and with training.static_update, for each seed in SEEDS (default "0"):
 #              whether the captured update's reward holds as long as RLlib's does, over time and
 #              by the updates made ("reward by iteration"; about 140 s a run; not yet run)
+#   static_graphs  the project side of peer_trl.py with training.static_update for 90 s each with
+#              at most 8 (the default), 0 (the static function run eagerly on the GPU) and 1
+#              captured buckets, each iteration's learner metrics in $OUT/static_graphs_<n>.jsonl:
+#              whether a reward that falls falls with capture, with several graphs in one pool, or
+#              with the static function itself (about 120 s a run)
 # STATIC=1 runs peer, seeds and ppo_profile with training.static_update true (the learner's update
 # captured as CUDA graphs); their logs are then named <step>_static.
 # BLOCK=k runs rollouts, peer and ppo_profile with env_runners.decode_block k (k module steps per
@@ -99,6 +104,14 @@ for step in "${steps[@]}"; do
              --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
              --set training.lr=1e-4 --set training.static_update=$update --set seed="$seed" "${block_only[@]}"
            done; done ;;
+    static_graphs) for graphs in 8 0 1; do
+             run "static_graphs_$graphs$tag_only" 150 $PY benchmarks/peer_trl.py --device cuda \
+             --model gpt2-small-shaped --seconds 90 --project-only --static-max-graphs $graphs \
+             --learner-log "$OUT/static_graphs_$graphs.jsonl" --plot "$OUT/static_graphs_$graphs.png" \
+             --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
+             --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
+             --set training.lr=1e-4 --set training.static_update=true --set seed=0 "${block_only[@]}"
+           done ;;
     learner_pass) run learner_pass 120 $PY benchmarks/learner_pass.py --device cuda --reps 20 ;;
     profile) run profile 170 $PY benchmarks/decode_step_profile.py ;;
     ppo_profile) run "ppo_profile$tag" 240 $PY benchmarks/ppo_profile.py --device cuda --model gpt2-small-shaped \
@@ -117,7 +130,7 @@ for step in "${steps[@]}"; do
              --requests 200 --stream off --ingress direct
            run serve_gpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
              --requests 200 --stream off --ingress direct --serve-args "--num-gpus 1" ;;
-    *) echo "unknown step: $step (tests static static_long captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve)" >&2
+    *) echo "unknown step: $step (tests static static_long static_graphs captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve)" >&2
        exit 2 ;;
   esac
 done

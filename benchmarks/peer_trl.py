@@ -87,6 +87,7 @@ and the project 3-10x slower than idle.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -104,6 +105,7 @@ from agents.env_runner import runner_decode_block  # noqa: E402
 # transformers 5.23 renames gradient_checkpointing; TRL 1.16 still passes the old name.
 warnings.filterwarnings("ignore", message=".*deprecated and will be removed in v6.*", category=FutureWarning)
 
+MODULE_ID = "default_policy"  # RLlib's single module
 WINDOW = 100  # episodes in a reward point (RLlib's default metrics_num_episodes_for_smoothing)
 
 
@@ -372,7 +374,20 @@ def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads:
 
 # -- (b) the project -------------------------------------------------------------------
 
-def run_project(cfg: dict, seconds: float, threads: int, device: str = "cpu") -> dict:
+def learner_record(algo, result: dict, t: float, reward: float) -> dict:
+    """One iteration's learner metrics (scalars) and the static update's buckets, for --learner-log."""
+    learner = algo.learner_group._learner
+    row = {"iteration": result["training_iteration"], "t": round(t, 3), "reward": reward}
+    for key, value in result.get("learners", {}).get(MODULE_ID, {}).items():
+        if isinstance(value, (int, float)):
+            row[key] = float(value)
+    graphs = getattr(learner, "_static_graphs", None) or {}
+    row["static_buckets"] = len(graphs)
+    row["static_graphs"] = sum(1 for entry in graphs.values() if entry.graph)
+    return row
+
+
+def run_project(cfg: dict, seconds: float, threads: int, device: str = "cpu", learner_log: str | None = None) -> dict:
     import ray
     import torch
 
@@ -403,6 +418,7 @@ def run_project(cfg: dict, seconds: float, threads: int, device: str = "cpu") ->
                 phases.wrap(learner_cls, name, "training passes")
         if hasattr(module_cls, "reference_logp"):
             phases.wrap(module_cls, "reference_logp", "reference pass")
+        log = open(learner_log, "w") if learner_log else None  # noqa: SIM115 (closed below)
         points = []  # (seconds since train start, episode_return_mean, env steps sampled)
         cpu = []
         t0 = time.perf_counter()
@@ -415,10 +431,14 @@ def run_project(cfg: dict, seconds: float, threads: int, device: str = "cpu") ->
             if len(points) == 1:
                 phases0 = phases.snapshot()
             progress(t, points[-1][1], points[-1][2])
+            if log is not None:
+                log.write(json.dumps(learner_record(algo, result, t, points[-1][1])) + "\n")
             if t >= seconds:
                 break
         phases1 = phases.snapshot()
         phases.restore()
+        if log is not None:
+            log.close()
         threads_seen = torch.get_num_threads()
         print(f"  [project] done; load average {loadavg()}", flush=True)
         algo.stop()
@@ -517,7 +537,17 @@ def main():
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="both sides on this device")
     p.add_argument("--trl-precision", default="fp32", choices=("fp32", "bf16"),
                    help="TRL's: fp32, or bf16 mixed precision (TRL's default; needs --device cuda)")
+    p.add_argument("--learner-log", default=None,
+                   help="write each project iteration's learner metrics (losses, entropy, clip fraction, "
+                        "gradient norm, the static update's replays and buckets) here as JSON lines")
+    p.add_argument("--static-max-graphs", type=int, default=None,
+                   help="with training.static_update: capture at most this many buckets as CUDA graphs "
+                        "(0: the static update runs eagerly on the GPU); default the learner's (8)")
     args = p.parse_args()
+    if args.static_max_graphs is not None:
+        from agents.algorithms import static_update
+
+        static_update.MAX_GRAPHS = args.static_max_graphs
     if 64 % args.trl_num_generations:
         p.error("--trl-num-generations must divide 64")
 
@@ -548,7 +578,7 @@ def main():
                 report(res, "step", args.target)
                 trl_runs.append(res)
     if not args.trl_only:
-        project = run_project(cfg, args.seconds, args.threads, args.device)
+        project = run_project(cfg, args.seconds, args.threads, args.device, args.learner_log)
         report(project, "iteration", args.target)
 
     print("\n== summary")
