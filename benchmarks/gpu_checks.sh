@@ -15,10 +15,10 @@
 #   serve      serve_load.py, one replica on the CPU and one on the GPU, on the replica's own port
 #              (agents.serve --direct-port; not yet run)
 #   learner_pass  learner_pass.py: a bf16 learner pass at the peer shape, transformers' forward against
-#              the tensor-op pass the learner takes under bf16 autocast (not yet run)
+#              the tensor-op pass the learner takes under bf16 autocast (run 2026-11-26)
 #   seeds      the project side of peer_trl.py alone (its peer settings, 60 s each) with fp32 and
 #              bf16 rollouts, for each seed in SEEDS (default "1 2"): whether bf16 rollouts reach
-#              fp32's reward (about 75 s a run; not yet run)
+#              fp32's reward (about 75 s a run; run 2026-11-26)
 #   ppo_profile  ppo_profile.py: a colocated PPO iteration's time by phase, host clock, synced and
 #              under torch.profiler (36-45 s)
 # rollouts_bf16, peer_bf16 and peer_fp32: the same with the rollouts' weights in bf16 or fp32
@@ -30,12 +30,16 @@
 #   static_long  the project side of peer_trl.py alone (its peer settings) for 120 s, with RLlib's
 #              update and with training.static_update, for each seed in SEEDS (default "0"):
 #              whether the captured update's reward holds as long as RLlib's does, over time and
-#              by the updates made ("reward by iteration"; about 140 s a run; not yet run)
+#              by the updates made ("reward by iteration"; about 140 s a run; run 9)
 #   static_graphs  the project side of peer_trl.py with training.static_update for 90 s each with
 #              at most 8 (the default), 0 (the static function run eagerly on the GPU) and 1
 #              captured buckets, each iteration's learner metrics in $OUT/static_graphs_<n>.jsonl:
 #              whether a reward that falls falls with capture, with several graphs in one pool, or
 #              with the static function itself (about 120 s a run)
+#   static_verify  the same with 8 graphs for 120 s, every update also run eagerly from the same
+#              state and compared (benchmarks/static_verify.py; training goes on from the replay's
+#              result): whether any replay's update departs from the eager one, and when
+#              ("replay checks" line; each iteration's checks in $OUT/static_verify.jsonl)
 # STATIC=1 runs peer, seeds and ppo_profile with training.static_update true (the learner's update
 # captured as CUDA graphs); their logs are then named <step>_static.
 # BLOCK=k runs rollouts, peer and ppo_profile with env_runners.decode_block k (k module steps per
@@ -112,6 +116,12 @@ for step in "${steps[@]}"; do
              --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
              --set training.lr=1e-4 --set training.static_update=true --set seed=0 "${block_only[@]}"
            done ;;
+    static_verify) run "static_verify$tag_only" 200 $PY benchmarks/peer_trl.py --device cuda \
+             --model gpt2-small-shaped --seconds 120 --project-only --static-verify-every 1 \
+             --learner-log "$OUT/static_verify.jsonl" --plot "$OUT/static_verify.png" \
+             --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
+             --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
+             --set training.lr=1e-4 --set training.static_update=true --set seed=0 "${block_only[@]}" ;;
     learner_pass) run learner_pass 120 $PY benchmarks/learner_pass.py --device cuda --reps 20 ;;
     profile) run profile 170 $PY benchmarks/decode_step_profile.py ;;
     ppo_profile) run "ppo_profile$tag" 240 $PY benchmarks/ppo_profile.py --device cuda --model gpt2-small-shaped \
@@ -130,7 +140,7 @@ for step in "${steps[@]}"; do
              --requests 200 --stream off --ingress direct
            run serve_gpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
              --requests 200 --stream off --ingress direct --serve-args "--num-gpus 1" ;;
-    *) echo "unknown step: $step (tests static static_long static_graphs captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve)" >&2
+    *) echo "unknown step: $step (tests static static_long static_graphs static_verify captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve)" >&2
        exit 2 ;;
   esac
 done

@@ -99,6 +99,8 @@ import warnings
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.static_verify
+
 from agents.config import algorithm_config, env_config, load  # noqa: E402
 from agents.env_runner import runner_decode_block  # noqa: E402
 
@@ -374,8 +376,9 @@ def run_trl(cfg: dict, lr: float, seconds: float, num_generations: int, threads:
 
 # -- (b) the project -------------------------------------------------------------------
 
-def learner_record(algo, result: dict, t: float, reward: float) -> dict:
-    """One iteration's learner metrics (scalars) and the static update's buckets, for --learner-log."""
+def learner_record(algo, result: dict, t: float, reward: float, checks: list = ()) -> dict:
+    """One iteration's learner metrics (scalars), the static update's buckets and the replay
+    checks made in it (--static-verify-every), for --learner-log."""
     learner = algo.learner_group._learner
     row = {"iteration": result["training_iteration"], "t": round(t, 3), "reward": reward}
     for key, value in result.get("learners", {}).get(MODULE_ID, {}).items():
@@ -384,14 +387,31 @@ def learner_record(algo, result: dict, t: float, reward: float) -> dict:
     graphs = getattr(learner, "_static_graphs", None) or {}
     row["static_buckets"] = len(graphs)
     row["static_graphs"] = sum(1 for entry in graphs.values() if entry.graph)
+    if checks:
+        row["replay_checks"] = checks
     return row
 
 
-def run_project(cfg: dict, seconds: float, threads: int, device: str = "cpu", learner_log: str | None = None) -> dict:
+def report_checks(checked: list) -> None:
+    """--static-verify-every: how far the checked replays' updates were from the eager ones."""
+    if not checked:
+        print("  [project] replay checks: none made (no update was served by a captured graph)", flush=True)
+        return
+    worst_it, worst = max(checked, key=lambda ic: ic[1]["apart_over_moved"])
+    ratios = sorted(c["apart_over_moved"] for _, c in checked)
+    print(f"  [project] replay checks: {len(checked)} ({sum(c['replayed'] for _, c in checked)} replays); "
+          f"|replay - eager| / |eager update| median {ratios[len(ratios) // 2]:.3g}, largest "
+          f"{worst['apart_over_moved']:.3g} at iteration {worst_it} (loss {worst['loss']:.5g} against eager "
+          f"{worst['eager_loss']:.5g})", flush=True)
+
+
+def run_project(cfg: dict, seconds: float, threads: int, device: str = "cpu", learner_log: str | None = None,
+                verify_every: int | None = None) -> dict:
     import ray
     import torch
 
     progress = Progress("project")
+    check = None  # --static-verify-every's ReplayCheck
     ray.init(num_cpus=2, num_gpus=1 if device == "cuda" else 0, include_dashboard=False, logging_level="ERROR",
              log_to_driver=False)
     try:
@@ -419,6 +439,12 @@ def run_project(cfg: dict, seconds: float, threads: int, device: str = "cpu", le
         if hasattr(module_cls, "reference_logp"):
             phases.wrap(module_cls, "reference_logp", "reference pass")
         log = open(learner_log, "w") if learner_log else None  # noqa: SIM115 (closed below)
+        checked = []
+        if verify_every:
+            from benchmarks.static_verify import ReplayCheck
+
+            check = ReplayCheck(verify_every)
+            check.install()
         points = []  # (seconds since train start, episode_return_mean, env steps sampled)
         cpu = []
         t0 = time.perf_counter()
@@ -431,18 +457,25 @@ def run_project(cfg: dict, seconds: float, threads: int, device: str = "cpu", le
             if len(points) == 1:
                 phases0 = phases.snapshot()
             progress(t, points[-1][1], points[-1][2])
+            checks = check.take() if check else []
+            checked += [(len(points), c) for c in checks]
             if log is not None:
-                log.write(json.dumps(learner_record(algo, result, t, points[-1][1])) + "\n")
+                log.write(json.dumps(learner_record(algo, result, t, points[-1][1], checks)) + "\n")
             if t >= seconds:
                 break
         phases1 = phases.snapshot()
         phases.restore()
+        if check is not None:
+            check.remove()
+            report_checks(checked)
         if log is not None:
             log.close()
         threads_seen = torch.get_num_threads()
         print(f"  [project] done; load average {loadavg()}", flush=True)
         algo.stop()
     finally:
+        if check is not None:
+            check.remove()
         ray.shutdown()
     if len(points) < 2:
         raise RuntimeError(f"the project ran {len(points)} iteration(s) in {seconds}s; raise --seconds")
@@ -543,7 +576,12 @@ def main():
     p.add_argument("--static-max-graphs", type=int, default=None,
                    help="with training.static_update: capture at most this many buckets as CUDA graphs "
                         "(0: the static update runs eagerly on the GPU); default the learner's (8)")
+    p.add_argument("--static-verify-every", type=int, default=None,
+                   help="with training.static_update: check every N-th update a captured graph serves "
+                        "against the same update run eagerly (benchmarks/static_verify.py)")
     args = p.parse_args()
+    if args.static_verify_every is not None and args.static_verify_every < 1:
+        p.error(f"--static-verify-every: must be at least 1 (got {args.static_verify_every})")
     if args.static_max_graphs is not None:
         from agents.algorithms import static_update
 
@@ -578,7 +616,8 @@ def main():
                 report(res, "step", args.target)
                 trl_runs.append(res)
     if not args.trl_only:
-        project = run_project(cfg, args.seconds, args.threads, args.device, args.learner_log)
+        project = run_project(cfg, args.seconds, args.threads, args.device, args.learner_log,
+                              args.static_verify_every)
         report(project, "iteration", args.target)
 
     print("\n== summary")
