@@ -37,7 +37,9 @@ import numpy as np
 import torch
 
 from agents.core import GUIDE_ROLE, cpu_copy, on_device  # noqa: F401  (GUIDE_ROLE: the column of the roles below)
-from agents.modules.kv_cache import WindowKVCache, rows_that_continue
+from agents.modules.decode_engine import RingKVCache
+from agents.modules.kv_cache import continuing_rows, rows_that_continue
+from agents.samplers import sample_rows
 from env.validation import first_line
 
 POLICY, GUIDE, DEVIATION = 0, 1, 2
@@ -50,7 +52,9 @@ class GuideError(ValueError):
 # -- guides ---------------------------------------------------------------------------
 
 class LMGuide:
-    """A causal LM sharing the policy's vocabulary; samples (or takes the argmax of) its next token."""
+    """A causal LM sharing the policy's vocabulary; samples (or takes the argmax of) its next token.
+    It follows the policy onto its rollout device and samples there, from its own generator on
+    that device (no host read: the draw is `sample_rows`' inverse CDF at a uniform from it)."""
 
     def __init__(self, name_or_path: str, tokenizer, *, greedy: bool = False, seed: int = 0, max_positions: int = 1024):
         from agents.models import build_causal_lm
@@ -62,24 +66,39 @@ class LMGuide:
         except (OSError, ValueError) as e:
             raise GuideError(f"guide.name_or_path: cannot load {name_or_path!r}: {first_line(e)}") from None
         self.greedy = greedy
-        self.cache = WindowKVCache()
-        self.generator = torch.Generator().manual_seed(seed)
+        self.cache = RingKVCache()  # the policy's decode engine: a static step (captured on CUDA) for continuing rows
+        self.seed(seed)
 
     def seed(self, seed: int) -> None:
-        self.generator.manual_seed(int(seed))
+        self._seed, self._pending = int(seed), None
+        self.generator = torch.Generator(self.lm.device).manual_seed(self._seed)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The sampling generator on `device`: made anew from the seed where the guide moved, with
+        a restored state for that device where one waits (`set_state`)."""
+        if self.generator.device.type != device.type:
+            self.generator = torch.Generator(device).manual_seed(self._seed)
+        if self._pending is not None and self._pending["device"] == device.type:
+            self.generator.set_state(self._pending["generator"])
+            self._pending = None
+        return self.generator
 
     def get_state(self) -> dict:
-        """The sampling generator (the KV cache is rebuilt: see `GuidedRollout.get_state`)."""
-        return {"generator": self.generator.get_state()}
+        """The sampling generator and its device (the KV cache is rebuilt: see `GuidedRollout.get_state`)."""
+        if self._pending is not None:  # restored and not sampled since: the state as restored
+            return dict(self._pending)
+        return {"generator": self.generator.get_state(), "device": self.generator.device.type}
 
     def set_state(self, state: dict, device=None) -> None:
-        self.generator.set_state(state["generator"])
+        self._pending = {"generator": state["generator"], "device": state.get("device", "cpu")}
+        self._generator(self.generator.device)  # applied now where the devices agree, else when it moves there
         self.cache.forget_rows()  # the guide's weights never change: its stored prefills hold
 
     @torch.no_grad()
     def next_tokens(self, obs: dict, rows: torch.Tensor, cont=None) -> torch.Tensor:
-        if self.lm.device != obs["input_ids"].device:  # follow the policy onto its EnvRunner's device
-            self.lm.to(obs["input_ids"].device)
+        device = obs["input_ids"].device
+        if self.lm.device != device:  # follow the policy onto its EnvRunner's device
+            self.lm.to(device)
             self.cache.invalidate()
         # Every row goes through the guide (not just `rows`), so its KV cache keeps continuing
         # rows and each step costs one incremental forward.
@@ -87,8 +106,8 @@ class LMGuide:
         logits = self.lm.get_output_embeddings()(hidden[rows]).float()
         if self.greedy:
             return logits.argmax(-1)
-        probs = torch.softmax(logits, -1).cpu()
-        return torch.multinomial(probs, 1, generator=self.generator)[:, 0].to(logits.device)
+        uniform = torch.rand(logits.shape[0], 1, dtype=torch.float64, device=device, generator=self._generator(device))
+        return sample_rows(torch.softmax(logits, -1), uniform)
 
 
 class CallableGuide:
@@ -113,7 +132,7 @@ class CallableGuide:
 
     def set_state(self, state: dict, device=None) -> None:
         self.plans = {int(r): list(p) for r, p in state["plans"].items()}
-        self.prev_ids, self.prev_mask = on_device(state["prev_ids"], device), on_device(state["prev_mask"], device)
+        self.prev_ids, self.prev_mask = state["prev_ids"], state["prev_mask"]  # kept on the host
 
     def continuations(self, prefixes: list[str]) -> list[list[int]]:
         """The function's answers as token-id lists, or GuideError naming what is wrong."""
@@ -138,20 +157,25 @@ class CallableGuide:
         return result
 
     def next_tokens(self, obs: dict, rows: torch.Tensor, cont=None) -> torch.Tensor:
-        ids, mask = obs["input_ids"], obs["attention_mask"]
-        cont = rows_that_continue(self.prev_ids, self.prev_mask, ids, mask, cont)
+        """The function runs on the host: the windows come over once per call, wherever the
+        rollouts run, and the plans work on host copies."""
+        device = obs["input_ids"].device
+        ids, mask = obs["input_ids"].cpu().clone(), obs["attention_mask"].cpu().clone()
+        cont = rows_that_continue(self.prev_ids, self.prev_mask, ids, mask, None if cont is None else cont.cpu())
+        last = ids[:, -1].tolist()
         plans = {}
         for r in range(ids.shape[0]):  # a plan stays valid while its row appended the planned token
             plan = self.plans.get(r)
-            if plan and cont[r] and int(ids[r, -1]) == plan[0] and len(plan) > 1:
+            if plan and cont[r] and last[r] == plan[0] and len(plan) > 1:
                 plans[r] = plan[1:]
-        ask = [int(r) for r in rows if int(r) not in plans]
+        rows = rows.tolist()
+        ask = [r for r in rows if r not in plans]
         if ask:
             texts = [self.tokenizer.decode(ids[r][mask[r].bool()].tolist(), skip_special_tokens=True) for r in ask]
             for r, plan in zip(ask, self.continuations(texts)):
                 plans[r] = plan
-        self.plans, self.prev_ids, self.prev_mask = plans, ids.clone(), mask.clone()
-        return torch.tensor([plans[int(r)][0] for r in rows], dtype=torch.long, device=ids.device)
+        self.plans, self.prev_ids, self.prev_mask = plans, ids, mask
+        return torch.tensor([plans[r][0] for r in rows], dtype=torch.long).to(device)
 
 
 def import_callable(spec: str):
@@ -262,13 +286,22 @@ class GuidedRollout:
             kind, limit = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         return kind, limit
 
+    def _continuing(self, ids: torch.Tensor, mask: torch.Tensor, cont) -> torch.Tensor:
+        """Which rows continue the previous call's episode, on the host: `cont` where the caller
+        knows it (the EnvRunner's, already on the host), else from the windows (one host read)."""
+        if self.prev_ids is not None and self.prev_ids.device != ids.device:  # the rollouts moved device
+            self.prev_ids, self.prev_mask = self.prev_ids.to(ids.device), self.prev_mask.to(ids.device)
+        if cont is not None and self.prev_ids is not None and self.prev_ids.shape == ids.shape:
+            return torch.as_tensor(cont, dtype=torch.bool).cpu()
+        return continuing_rows(self.prev_ids, self.prev_mask, ids, mask).cpu()
+
     def __call__(self, obs: dict, policy_actions: torch.Tensor, cont=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The actions to take (guide tokens where the plan says so) and each row's role.
         `cont`: which rows continue the previous call's episode, when the caller knows."""
         ids, mask = obs["input_ids"], obs["attention_mask"]
         n = ids.shape[0]
-        cont_rows = rows_that_continue(self.prev_ids, self.prev_mask, ids, mask, cont)
-        cont = cont_rows.cpu().numpy()
+        cont_rows = self._continuing(ids, mask, cont)
+        cont = cont_rows.numpy()
         t = np.zeros(n, dtype=np.int64)
         kind, limit = self._new_plans(n)
         if cont.any():

@@ -40,7 +40,7 @@ def copy_module_weights(dst: torch.nn.Module, src: torch.nn.Module) -> int:
     to `src`'s device first where they differ (the first colocated sync of a GPU learner).
     What is copied is `synced_tensors(dst)`: what any weight sync carries."""
     device = next(src.parameters()).device
-    if next(dst.parameters()).device != device and getattr(dst, "can_move_device", True):
+    if next(dst.parameters()).device != device:
         dst.to(device)
         if hasattr(dst, "settle_rollout_precision"):  # env_runners.precision auto: by its new device
             dst.settle_rollout_precision()

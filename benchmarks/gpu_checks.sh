@@ -3,7 +3,7 @@
 #   source .gpu/env.sh; benchmarks/gpu_checks.sh [STEP ...]
 # Steps (default: tests rollouts peer weights), with their wall time on 2026-11-26 (one H100; the
 # machine's start took about 30 s more):
-#   tests      the CUDA-only tests and their files (79 s)
+#   tests      the CUDA-only tests and their files (79 s before the guided ones were added)
 #   captured   the tests that the captured CUDA graph step and a block of steps give the eager
 #              steps' tokens (23 s)
 #   rollouts   rollout_throughput.py at GPT-2-small shape, batch 128, --reps ${REPS:-3} (97 s; 100 s
@@ -81,7 +81,9 @@ for step in "${steps[@]}"; do
   case $step in
     tests) run tests 180 $PY -m pytest -q -p no:cacheprovider tests/test_decode_engine.py tests/test_weight_sync.py \
              tests/test_static_update.py \
-             "tests/test_serve_batching.py::test_a_replica_on_a_gpu_writes_what_the_cpu_replica_writes" ;;
+             "tests/test_serve_batching.py::test_a_replica_on_a_gpu_writes_what_the_cpu_replica_writes" \
+             "tests/test_guided.py::test_lm_guide_samples_its_distribution_on_the_rollout_device_from_its_own_generator" \
+             "tests/test_guided.py::test_ppo_pp_with_an_lm_guide_trains_with_its_rollouts_on_the_learners_device" ;;
     rollouts|rollouts_bf16|rollouts_tf32) precision=$([ "$step" = rollouts_bf16 ] && echo bf16 || echo fp32)
              tf32=$([ "$step" = rollouts_tf32 ] && echo --tf32 || true)
              run "$step$tag" 200 $PY benchmarks/rollout_throughput.py --device cuda --batch 128 \

@@ -229,6 +229,78 @@ def test_lm_guide_with_another_vocabulary_is_refused_and_a_matching_one_acts(tmp
     assert guide.cache.stats["prefill_computed_rows"] == computed + 1  # the two rows share one window
 
 
+def _sampling_lm_guide(tmp_path) -> tuple[LMGuide, dict]:
+    policy_tok = TokenGenerationEnv(ENV_CFG).tokenizer
+    from agents.models import build_causal_lm
+    lm = build_causal_lm({"name_or_path": "tiny-gpt2"}, policy_tok, max_positions=16)
+    lm.save_pretrained(tmp_path / "guide")
+    policy_tok.save_pretrained(tmp_path / "guide")
+    obs, _ = TokenGenerationEnv(ENV_CFG).reset(seed=0)
+    return LMGuide(str(tmp_path / "guide"), policy_tok, seed=3), {k: torch.as_tensor(np.stack([v] * 64)) for k, v in obs.items()}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_lm_guide_samples_its_distribution_on_the_rollout_device_from_its_own_generator(tmp_path, device):
+    """The guide follows the rollouts' device and draws there, with no host read; its draws come
+    from its own generator (torch's global one does not move them), follow its softmax, and a
+    saved state repeats them."""
+    from tests.test_gradients import HostReads
+
+    guide, batch = _sampling_lm_guide(tmp_path)
+    with torch.no_grad():  # a peaked next-token distribution, so a wrong draw shows
+        guide.lm.get_output_embeddings().weight.mul_(3.0)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    rows, cont = torch.arange(64, device=device), torch.ones(64, dtype=torch.bool)  # cont on the host, as the roll-in gives it
+    guide.next_tokens(batch, rows)  # moves the guide, prefills its cache
+    assert guide.get_state()["device"] == device
+    reads = {}
+    for greedy in (True, False):  # the draw adds no host read to the step's (the cache's host-side bookkeeping)
+        guide.greedy = greedy
+        with HostReads() as counter:
+            step = guide.next_tokens(batch, rows, cont)
+        reads[greedy] = counter.count
+    assert reads[False] == reads[True] and step.device.type == device
+    # the same windows anew (each call below starts the rows: `set_state` forgets them too)
+    guide.cache.forget_rows()
+    state = guide.get_state()
+    first = guide.next_tokens(batch, rows)
+    torch.manual_seed(123)  # the global generator: not the guide's
+    guide.set_state(state)
+    assert torch.equal(guide.next_tokens(batch, rows), first)
+    draws = []
+    for _ in range(100):  # 6,400 draws of one state
+        guide.cache.forget_rows()
+        draws.append(guide.next_tokens(batch, rows).cpu())
+    draws = torch.cat(draws)
+    guide.cache.forget_rows()
+    hidden = guide.cache.hidden_at_last_token(guide.lm.base_model, batch)
+    probs = torch.softmax(guide.lm.get_output_embeddings()(hidden[:1]).float(), -1)[0].cpu()
+    freq, p = torch.bincount(draws, minlength=len(probs)).double() / len(draws), probs.double()
+    assert p.max() > 0.2 and p.max() < 0.9, p.max()
+    assert ((freq - p).abs() <= 5 * (p * (1 - p) / len(draws)).sqrt() + 1e-3).all()  # each token within 5 sigma
+    assert freq[p < 1e-5].sum() == 0
+
+
+def test_an_lm_guide_state_saved_on_one_device_waits_for_it(tmp_path):
+    """A checkpoint's guide state from another device (a GPU run resumed before its rollouts
+    moved) is kept, not applied to the CPU generator, and given back as it was saved."""
+    guide, batch = _sampling_lm_guide(tmp_path)
+    theirs = {"generator": torch.Generator("cpu").manual_seed(9).get_state(), "device": "cuda"}
+    guide.set_state(theirs)
+    assert guide.get_state()["device"] == "cuda" and torch.equal(guide.get_state()["generator"], theirs["generator"])
+    rows = torch.arange(64)
+    guide.next_tokens(batch, rows)  # on the CPU: its generator from the seed, the CUDA state still kept
+    assert guide.get_state()["device"] == "cuda"
+    old = {"generator": torch.Generator().manual_seed(5).get_state()}  # a checkpoint from before devices were saved
+    guide.set_state(old)  # taken as the CPU's, applied at once
+    saved = guide.get_state()
+    assert saved["device"] == "cpu" and torch.equal(saved["generator"], old["generator"])
+    first = guide.next_tokens(batch, rows)
+    guide.set_state(old)
+    assert torch.equal(guide.next_tokens(batch, rows), first)
+
+
 def test_rollout_with_mode_switch_keeps_started_episodes_plans():
     class FixedGuide:
         def next_tokens(self, obs, rows, cont=None):
@@ -304,6 +376,37 @@ def test_dlols_run_switches_modes_and_masks_guide_steps(ray_local):
         # Every policy step is a loss step (terminated episodes get no artificial bootstrap row).
         assert len(mask) == sum(len(e) for e in episodes)
         assert int(mask.sum()) == int((roles == POLICY).sum())
+    finally:
+        algo.stop()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_ppo_pp_with_an_lm_guide_trains_with_its_rollouts_on_the_learners_device(ray_local, tmp_path, device):
+    """PPO++ with a causal-LM guide: two iterations train, the guide rolls in (its steps out of the
+    loss), and with a GPU learner the rollouts, the guide included, run on the learner's GPU."""
+    from agents.config import algorithm_config
+    from agents.models import build_causal_lm
+
+    tokenizer = TokenGenerationEnv(ENV_CFG).tokenizer
+    build_causal_lm({"name_or_path": "tiny-gpt2"}, tokenizer, seed=5, max_positions=16).save_pretrained(tmp_path / "g")
+    tokenizer.save_pretrained(tmp_path / "g")
+    raw = {"algorithm": "ppo_pp", "task": ENV_CFG["task"], "env": {"max_prompt_len": 5, "max_new_tokens": 8},
+           "guide": {"name_or_path": str(tmp_path / "g"), "beta": 1.0},
+           "training": {"train_batch_size": 128, "minibatch_size": 64, "num_epochs": 1},
+           "env_runners": {"num_envs_per_env_runner": 4}}
+    if device == "cuda":
+        raw["learners"] = {"num_gpus_per_learner": 1}
+    algo = algorithm_config(validate(raw)).build_algo()
+    try:
+        results = [algo.train() for _ in range(2)]
+        module = algo.env_runner.module
+        assert next(module.parameters()).device.type == device
+        assert module.guided.guide.lm.device.type == device
+        episodes = algo.env_runner.sample(num_episodes=4, random_actions=False)
+        roles = np.concatenate([e.get_extra_model_outputs(GUIDE_ROLE) for e in episodes])
+        assert (roles == GUIDE).any() and (roles == POLICY).any()
+        assert all(np.isfinite(r["learners"]["default_policy"]["total_loss"]) for r in results)
     finally:
         algo.stop()
 

@@ -114,22 +114,42 @@ def _sampled(episodes):
              e.get_extra_model_outputs("action_logp").tolist()) for e in episodes]
 
 
-@pytest.mark.parametrize("guided", [False, True])
-def test_env_runner_state_restores_the_next_sample_exactly(guided):
+def _lm_guide(raw: dict, directory) -> str:
+    """A tiny causal LM with the task's tokenizer saved in `directory` (an LM guide for `raw`)."""
+    from agents.config import env_config
+    from agents.models import build_causal_lm
+    from env.text_env import TokenGenerationEnv
+
+    tokenizer = TokenGenerationEnv(env_config(validate(raw))).tokenizer
+    build_causal_lm({"name_or_path": "tiny-gpt2"}, tokenizer, seed=7, max_positions=16).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("guided", [None, "callable", "lm"])
+def test_env_runner_state_restores_the_next_sample_exactly(guided, tmp_path):
     """An EnvRunner built afresh and given another's state samples what that one samples next
     (after a weight sync, as in training): the same prompts, tokens and log-probs,
-    including the episodes carried over, the guide's roll-in plans and the process generators."""
+    including the episodes carried over, the guide's roll-in plans, an LM guide's draws and the
+    process generators."""
     from agents.env_runner import ROLLOUT_STATE, FastTokenEnvRunner
 
     raw = {"task": {"name": "increasing_numbers", "num_numbers": 20}, "model": {"name_or_path": "tiny-gpt2"},
            "env": {"max_prompt_len": 4, "max_new_tokens": 6}, "seed": 3,
            "training": {"train_batch_size": 40, "minibatch_size": 40},
            "env_runners": {"num_env_runners": 0, "num_envs_per_env_runner": 5}}
-    if guided:
+    if guided == "callable":
         raw.update(algorithm="ppo_pp", guide={"callable": GUIDE_SPEC, "beta": 0.7})
+    elif guided == "lm":
+        raw.update(algorithm="ppo_pp", guide={"name_or_path": _lm_guide(raw, tmp_path / "guide"), "beta": 0.7})
     config = algorithm_config(validate(raw))
     first = FastTokenEnvRunner(config=config)
-    first.sample()
+    if guided:  # the algorithm sets the roll-in mode each iteration (a runner starts at none)
+        from agents.algorithms.guided import _set_guide_mode
+        _set_guide_mode(first, "ppo_pp")
+    episodes = first.sample()
+    if guided:  # the guide took steps
+        assert sum(int((e.get_extra_model_outputs("guide_role") != 0).sum()) for e in episodes) > 0
     assert first._rollout.active.any()  # episodes are carried over to the next call
     state = first.get_state()
     assert ROLLOUT_STATE in state

@@ -118,7 +118,7 @@ class Acting:
         return self._forward_exploration(batch, **kwargs) if explore else self._forward(batch, **kwargs)
 
     def can_act_in_blocks(self) -> bool:
-        return self.guided is None  # a guide's roll-in plays on the host
+        return self.guided is None  # a guide's roll-in plans are drawn on the host, step by step
 
     @torch.no_grad()
     def act_steps(self, batch, steps: int) -> dict:
@@ -179,11 +179,6 @@ class Acting:
         if guide is not None:
             actions, extra[GUIDE_ROLE] = guide(actions)
         return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: logp_all.gather(-1, actions[:, None])[:, 0], **extra}
-
-    @property
-    def can_move_device(self) -> bool:
-        """Whether rollouts may move to the learner's device (a guide acts on the CPU)."""
-        return self.guided is None
 
     # -- rollout state (EnvRunner side): seeded per EnvRunner, saved in its checkpoints --------
 

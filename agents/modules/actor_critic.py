@@ -128,8 +128,7 @@ class CausalLMActorCritic(Acting, SyncedState, TorchRLModule, ValueFunctionAPI, 
         """`env_runners.precision: auto`, once this rollout module is on its device: its LM in
         bf16 on a GPU that has bf16 in hardware, else in fp32 (as built). EnvRunners call it after
         RLlib moves the module to their device, colocated syncs after moving it to the learner's;
-        a module that stays on the CPU (a guided algorithm's, the evaluation EnvRunner's) stays
-        fp32."""
+        a module that stays on the CPU (the evaluation EnvRunner's) stays fp32."""
         if not self.inference_only or self.model_config.get("rollout_precision") != "auto":
             return
         dtype = auto_rollout_dtype(next(self.lm.parameters()).device)
