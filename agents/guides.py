@@ -73,13 +73,16 @@ class LMGuide:
         self._seed, self._pending = int(seed), None
         self.generator = torch.Generator(self.lm.device).manual_seed(self._seed)
 
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def _generator(self, device: torch.device, drawing: bool = True) -> torch.Generator:
         """The sampling generator on `device`: made anew from the seed where the guide moved, with
-        a restored state for that device where one waits (`set_state`)."""
-        if self.generator.device.type != device.type:
+        a restored state for that device where one waits (`set_state`). A restored state of
+        another device is dropped at the first draw here (the run goes on from this generator)."""
+        if self.generator.device != device:
             self.generator = torch.Generator(device).manual_seed(self._seed)
         if self._pending is not None and self._pending["device"] == device.type:
             self.generator.set_state(self._pending["generator"])
+            self._pending = None
+        elif drawing:
             self._pending = None
         return self.generator
 
@@ -91,7 +94,7 @@ class LMGuide:
 
     def set_state(self, state: dict, device=None) -> None:
         self._pending = {"generator": state["generator"], "device": state.get("device", "cpu")}
-        self._generator(self.generator.device)  # applied now where the devices agree, else when it moves there
+        self._generator(self.generator.device, drawing=False)  # applied now where the devices agree, else when it moves there
         self.cache.forget_rows()  # the guide's weights never change: its stored prefills hold
 
     @torch.no_grad()

@@ -5,6 +5,7 @@ launch on a GPU) a rollout step runs when no row restarts and when 16 of them re
 prefill, as the fast EnvRunner calls it (`--restart-ops-only`: just those, on any device).
 
     python benchmarks/decode_step_profile.py [--model gpt2-small-shaped] [--vocab 50257] [--batch 128] [--device cuda]
+    python benchmarks/decode_step_profile.py --compile   # the step as it is against through torch.compile
 
 Prints measured figures only. The step is the one `rollout_throughput.py` (e) times.
 """
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.rollout_throughput import engine_module, sync  # noqa: E402
 
 
-def build(args, precision: str, capture: bool):
+def build(args, precision: str, capture: bool, compile_step: bool = False):
     from ray.rllib.core.columns import Columns
 
     args.precision = precision
@@ -34,7 +35,7 @@ def build(args, precision: str, capture: bool):
         uniform = torch.rand(args.batch, 1, dtype=torch.float64, device=device)
         out = cache.hidden_at_last_token(trunk, obs, None, tail=module._sample, tail_inputs=(uniform,), key=key)
     engine = cache.engine
-    engine.capture = capture
+    engine.capture, engine.compile_step = capture, compile_step
     token = out[Columns.ACTIONS].clone()
 
     def whole():
@@ -98,6 +99,24 @@ def restart_ops(args) -> None:
                   flush=True)
 
 
+def compile_rows(args) -> None:
+    """The whole step as the engine runs it (captured on CUDA, in bf16 there) against the same step
+    through torch.compile (`DecodeEngine.compile_step`, inductor) and then captured: milliseconds
+    per step and the seconds of the first step (the compile and the capture)."""
+    cuda = args.device == "cuda"
+    precision = "bf16" if cuda else "fp32"
+    for compile_step in (False, True):
+        torch._dynamo.reset()
+        whole, _, device = build(args, precision, cuda, compile_step)
+        start = time.perf_counter()
+        with torch.no_grad():
+            whole()
+        sync(device)
+        first = time.perf_counter() - start
+        print(f"{precision} {'captured' if cuda else 'eager'} {'compiled' if compile_step else 'as is   '}: whole step "
+              f"{time_ms(whole, device):7.3f} ms   first step (compile and capture) {first:6.1f} s", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt2-small-shaped")
@@ -107,7 +126,13 @@ def main():
     p.add_argument("--new", type=int, default=48)
     p.add_argument("--device", default="cuda")
     p.add_argument("--restart-ops-only", action="store_true", help="only the eager ops of a rollout step")
+    p.add_argument("--compile", action="store_true",
+                   help="only the whole step as it is against through torch.compile (bf16 and captured on CUDA)")
     args = p.parse_args()
+    if args.compile:
+        name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        print(f"model={args.model} vocab={args.vocab} batch={args.batch} window={args.prompt + args.new} device={name}")
+        return compile_rows(args)
     if args.restart_ops_only:
         return restart_ops(args)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

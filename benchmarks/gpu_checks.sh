@@ -12,6 +12,9 @@
 #              the bundle: install benchmarks/requirements-peers.txt before bundle.sh)
 #   weights    weight_sync.py, colocated and one remote EnvRunner (32 + 44 s)
 #   profile    decode_step_profile.py: the step by precision, its kernels, a restart step's ops (98 s)
+#   compiled_step  decode_step_profile.py --compile: the bf16 captured step as it is and through
+#              torch.compile (inductor), with the compile's seconds, then the compiled step's CUDA
+#              test (not yet run)
 #   serve      serve_load.py, one replica on the CPU and one on the GPU, on the replica's own port
 #              (agents.serve --direct-port; not yet run)
 #   learner_pass  learner_pass.py: a bf16 learner pass at the peer shape, transformers' forward against
@@ -126,6 +129,9 @@ for step in "${steps[@]}"; do
              --set training.lr=1e-4 --set training.static_update=true --set seed=0 "${block_only[@]}" ;;
     learner_pass) run learner_pass 120 $PY benchmarks/learner_pass.py --device cuda --reps 20 ;;
     profile) run profile 170 $PY benchmarks/decode_step_profile.py ;;
+    compiled_step) run compiled_step 300 $PY benchmarks/decode_step_profile.py --compile
+             run compiled_step_test 200 $PY -m pytest -q -p no:cacheprovider \
+             "tests/test_decode_engine.py::test_a_compiled_step_gives_the_eager_steps_tokens" ;;
     ppo_profile) run "ppo_profile$tag" 240 $PY benchmarks/ppo_profile.py --device cuda --model gpt2-small-shaped \
              --iters 6 --trace "$OUT/ppo_trace$tag.json" "${block_set[@]}" ;;
     static) run static_tests 120 $PY -m pytest -q -p no:cacheprovider tests/test_static_update.py
@@ -142,7 +148,7 @@ for step in "${steps[@]}"; do
              --requests 200 --stream off --ingress direct
            run serve_gpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
              --requests 200 --stream off --ingress direct --serve-args "--num-gpus 1" ;;
-    *) echo "unknown step: $step (tests static static_long static_graphs static_verify captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve)" >&2
+    *) echo "unknown step: $step (tests static static_long static_graphs static_verify compiled_step captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve)" >&2
        exit 2 ;;
   esac
 done

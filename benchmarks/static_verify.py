@@ -50,7 +50,7 @@ def _put_state(optimizer, params: list, states: list, live: list) -> None:
     them) where the state had them; a state that was empty (before the first step) is emptied."""
     for p, state, tensors in zip(params, states, live):
         if not state:
-            optimizer.state[p] = {}
+            optimizer.state.pop(p, None)
             continue
         optimizer.state[p] = tensors
         for k, v in state.items():
@@ -94,7 +94,7 @@ class ReplayCheck:
         optimizer, params = _params(learner, module_id)
         before, before_state = _copy(params), _copy_state(optimizer, params)
         out, replayed = original(learner, module_id, bucket, inputs)
-        live = [optimizer.state[p] for p in params]  # the state's own tensors (updated in place)
+        live = [optimizer.state.get(p) for p in params]  # the state's own tensors (updated in place)
         mine, mine_state = _copy(params), _copy_state(optimizer, params)
         _put(params, before)
         _put_state(optimizer, params, before_state, live)

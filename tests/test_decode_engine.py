@@ -160,6 +160,28 @@ def test_captured_cuda_graph_step_gives_the_eager_steps_tokens():
     np.testing.assert_allclose(l1, l2, atol=1e-4)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_compiled_step_gives_the_eager_steps_tokens(device, monkeypatch):
+    """`compile_step` (the experiment of `decode_step_profile.py --compile`): the step through
+    torch.compile, captured on CUDA, gives the eager step's tokens over a rollout with restarts
+    (inductor on CUDA; on the CPU AOT autograd's eager backend, which traces the same graph without
+    the C++ build)."""
+    from agents.modules import decode_engine
+
+    torch._dynamo.reset()
+    if device == "cpu":
+        monkeypatch.setattr(decode_engine, "COMPILE_BACKEND", "aot_eager")
+    compiled = make_module().to(device)
+    plain = copy.deepcopy(compiled)
+    compiled.kv_cache = RingKVCache(compile_step=True)
+    a1, l1 = rollout(compiled, steps=16, device=device)
+    a2, l2 = rollout(plain, steps=16, device=device)
+    assert compiled.kv_cache.engine.compile_step and (compiled.kv_cache.engine.compiled or device == "cuda")
+    np.testing.assert_array_equal(a1, a2)
+    np.testing.assert_allclose(l1, l2, atol=1e-4)
+
+
 def test_rollout_benchmark_engine_row_samples_every_token_and_counts_the_bytes_a_step_reads():
     """benchmarks/rollout_throughput.py (e): the engine alone, as the EnvRunner's module runs it."""
     import argparse

@@ -283,15 +283,17 @@ def test_lm_guide_samples_its_distribution_on_the_rollout_device_from_its_own_ge
 
 
 def test_an_lm_guide_state_saved_on_one_device_waits_for_it(tmp_path):
-    """A checkpoint's guide state from another device (a GPU run resumed before its rollouts
-    moved) is kept, not applied to the CPU generator, and given back as it was saved."""
+    """A checkpoint's guide state from another device (a GPU run restored before its guide moved)
+    is kept, not applied to the CPU generator, and given back as it was saved; a draw on another
+    device drops it (the run goes on from that device's generator, as a later save says)."""
     guide, batch = _sampling_lm_guide(tmp_path)
     theirs = {"generator": torch.Generator("cpu").manual_seed(9).get_state(), "device": "cuda"}
     guide.set_state(theirs)
     assert guide.get_state()["device"] == "cuda" and torch.equal(guide.get_state()["generator"], theirs["generator"])
     rows = torch.arange(64)
-    guide.next_tokens(batch, rows)  # on the CPU: its generator from the seed, the CUDA state still kept
-    assert guide.get_state()["device"] == "cuda"
+    guide.next_tokens(batch, rows)  # drawn on the CPU: the CUDA state is dropped
+    after = guide.get_state()
+    assert after["device"] == "cpu" and torch.equal(after["generator"], guide.generator.get_state())
     old = {"generator": torch.Generator().manual_seed(5).get_state()}  # a checkpoint from before devices were saved
     guide.set_state(old)  # taken as the CPU's, applied at once
     saved = guide.get_state()

@@ -32,11 +32,17 @@ from agents.modules.kv_cache import (WindowKVCache, _plain_gpt2_blocks, attentio
 from agents.modules.prefill_store import stack_layers
 
 
+COMPILE_BACKEND = "inductor"  # compile_step's backend
+
+
 class DecodeEngine:
     """Ring-buffer keys/values for `rows` rows of `length` columns of a plain GPT-2 trunk, and its
-    one-token step. `capture`: replay the step as a CUDA graph (default: on CUDA devices)."""
+    one-token step. `capture`: replay the step as a CUDA graph (default: on CUDA devices).
+    `compile_step`: run the step (and a captured graph's contents) through
+    `torch.compile(fullgraph=True)` (inductor: fused kernels; compiled on first use, per tail),
+    an experiment measured by `benchmarks/decode_step_profile.py --compile`; off by default."""
 
-    def __init__(self, trunk, rows: int, length: int, capture: bool | None = None):
+    def __init__(self, trunk, rows: int, length: int, capture: bool | None = None, compile_step: bool = False):
         blocks = _plain_gpt2_blocks(trunk)
         if blocks is None:
             raise TypeError(f"DecodeEngine needs a plain GPT2Model trunk, got {type(trunk).__name__}")
@@ -55,7 +61,9 @@ class DecodeEngine:
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # the newest token's slot
         self.slot_host = 0  # the same, on the host (prefills read it; no sync)
         self.capture = self.device.type == "cuda" if capture is None else capture
+        self.compile_step = compile_step
         self.graphs: dict = {}  # tail key -> (graph, static inputs, static output)
+        self.compiled: dict = {}  # tail key -> the compiled eager step (compile_step without capture)
 
     def matches(self, trunk, rows: int, length: int) -> bool:
         p = trunk.wte.weight
@@ -93,22 +101,29 @@ class DecodeEngine:
         (a function of tensors of fixed shapes; `key` names it among captured graphs). Replays a
         captured CUDA graph where `capture` is on: the outputs are then the graph's own tensors,
         overwritten by its next replay (a caller that keeps them across steps copies them)."""
+        name = key if tail is not None else None
         if not self.capture:
             self.slot_host = (self.slot_host + 1) % self.length
-            hidden = self.step_hidden(token)
-            return hidden if tail is None else tail(hidden, *tail_inputs)
-        name = key if tail is not None else None
+            if not self.compile_step:
+                hidden = self.step_hidden(token)
+                return hidden if tail is None else tail(hidden, *tail_inputs)
+            if name not in self.compiled:
+                self.compiled[name] = self._compiled(lambda token, *inputs: self._whole_step(tail, token, inputs))
+            return self.compiled[name](token, *tail_inputs)
         graph = self.graphs.get(name)
         if graph is None:
             static_inputs = [token.clone(), *(t.clone() for t in tail_inputs)]
-
-            def run():
-                hidden = self.step_hidden(static_inputs[0])
-                return hidden if tail is None else tail(hidden, *static_inputs[1:])
-
-            graph = self.graphs[name] = self._capture(static_inputs, run)
+            step = self._compiled(lambda: self._whole_step(tail, static_inputs[0], static_inputs[1:]))
+            graph = self.graphs[name] = self._capture(static_inputs, step)
         self.slot_host = (self.slot_host + 1) % self.length
         return self._replay(graph, (token, *tail_inputs))
+
+    def _whole_step(self, tail, token: torch.Tensor, tail_inputs):
+        hidden = self.step_hidden(token)
+        return hidden if tail is None else tail(hidden, *tail_inputs)
+
+    def _compiled(self, fn):
+        return torch.compile(fn, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND) if self.compile_step else fn
 
     def tail(self, hidden: torch.Tensor, tail=None, tail_inputs: tuple = (), key=None):
         """`tail(hidden, *tail_inputs)` apart from a step: for a step whose restarted rows' hidden
@@ -192,9 +207,9 @@ class RingKVCache(WindowKVCache):
     written into the ring. `cont` given on the CPU (the fast EnvRunner's `ROW_CONTINUES`) costs
     no device sync."""
 
-    def __init__(self, *args, capture: bool | None = None, **kwargs):
+    def __init__(self, *args, capture: bool | None = None, compile_step: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        self.capture = capture
+        self.capture, self.compile_step = capture, compile_step
         self.engine: DecodeEngine | None = None
         self.use_engine = True  # False: always WindowKVCache's path
 
@@ -214,7 +229,8 @@ class RingKVCache(WindowKVCache):
             return self.engine
         if _plain_gpt2_blocks(trunk) is None:
             return None
-        self.engine, self.loaded = DecodeEngine(trunk, rows, length, capture=self.capture), False
+        self.engine = DecodeEngine(trunk, rows, length, capture=self.capture, compile_step=self.compile_step)
+        self.loaded = False
         return self.engine
 
     def _continuing(self, ids, mask, cont) -> torch.Tensor:
