@@ -165,10 +165,16 @@ def profile_table(prof, cuda: bool) -> None:
         if cuda:
             device_us[phase] += sum(k.duration for k in getattr(e, "kernels", []))
     print(f"  {'phase':24s} {'ranges':>7s} " + " ".join(f"{k:>13s}" for k in counters) + f" {'device ms':>10s}")
+    replayed = False
     for phase in TREE:
         if ranges[phase]:
+            mark = "+" if counts[phase]["graph replays"] else " "  # the replays' kernels are not in the figure
+            replayed |= mark == "+"
             print(f"  {phase:24s} {ranges[phase]:7d} " + " ".join(f"{counts[phase][k]:13d}" for k in counters)
-                  + f" {device_us[phase] / 1e3:10.2f}")
+                  + f" {device_us[phase] / 1e3:9.2f}{mark}")
+    if replayed:
+        print("  +: plus the kernels of the phase's CUDA graph replays, which the profiler does not attribute "
+              "to it (the synced host clock above bounds the phase's device time)")
 
 
 def rollout_path(algo) -> str:

@@ -148,3 +148,25 @@ def test_ppo_profile_times_every_phase_of_a_short_run_and_names_the_decode_path(
         out.stdout
     act = re.search(r"^  act +(\d+) +(\d+) ", out.stdout.split("== torch.profiler", 1)[1], re.M)
     assert act and int(act[1]) > 0 and int(act[2]) > 0, out.stdout
+
+
+def test_ppo_profile_table_marks_device_time_that_misses_graph_replays(capsys):
+    """benchmarks/ppo_profile.py's profiler table: a phase's kernels add up to its device ms; a
+    phase that replayed CUDA graphs gets a "+" (the profiler does not attribute the replays'
+    kernels to it), explained below the table."""
+    from types import SimpleNamespace as Event
+
+    from benchmarks.ppo_profile import profile_table
+
+    act, passes = Event(name="act", cpu_parent=None), Event(name="training passes", cpu_parent=None)
+    kernel = lambda us: Event(duration=us)  # noqa: E731
+    events = [act, passes,
+              Event(name="cudaLaunchKernel", cpu_parent=act, kernels=[kernel(1500.0)]),
+              Event(name="cudaLaunchKernel", cpu_parent=act, kernels=[kernel(500.0)]),
+              Event(name="cudaGraphLaunch", cpu_parent=passes, kernels=[])]
+    profile_table(Event(events=lambda: events), cuda=True)
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert rows["act"][-1] == "2.00" and rows["act"][3] == "2"  # its ranges, ops, then two launches: 2 ms
+    assert rows["training"][-1] == "0.00+" and rows["training"][-4] == "1"  # one replay
+    assert "+: plus the kernels of the phase's CUDA graph replays" in out
