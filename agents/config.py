@@ -182,7 +182,7 @@ def algorithm_config(cfg: dict):
                     "reference_model": _plain(cfg["reward"]["kl_coef"]) > 0, "sampler": c["sampler"],
                     "train_precision": c["training"]["precision"], "rollout_precision": rollout_precision(cfg),
                     "gradient_checkpointing": c["training"]["gradient_checkpointing"],
-                    **spec.module_config(cfg, c)}
+                    "compile_step": er["compile_step"], **spec.module_config(cfg, c)}
     runner_env_cfg = spec.env_config(cfg, c, env_cfg)
     register_env(TOKEN_ENV, make_token_env)  # RLlib builds one row, or the vector env through its entry point
     fast = env_runner_kind(cfg) == "fast"

@@ -102,10 +102,9 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         # that has it, else fp32 (CausalLMActorCritic.settle_rollout_precision)
         "precision": F(str, "auto", choices=["auto"] + PRECISIONS),
         # fast runner: true carries episodes still running at the end of a training call over to
-        # the next (no call waits for its slowest rows; their early steps were sampled by the
-        # weights before the update); false finishes them in the call, so every batch is sampled
-        # by one set of weights, as the stock runner's complete episodes always are (the stock
-        # runner ignores this key)
+        # the next (no call waits for its slowest rows; their early steps were sampled by the weights
+        # before the update); false finishes them in the call, so every batch is sampled by one set
+        # of weights, as the stock runner's complete episodes always are (the stock runner ignores it)
         "carry_episodes": F(bool, True),
         # fast runner: module steps per env round trip while exploring. Above 1, the module runs
         # that many steps on its device, each row appending the token it drew (the env's
@@ -114,6 +113,9 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         # of rows that finish mid-block waiting for the block's end before they restart. Unset:
         # 4 where the rollouts run on a GPU, 1 on a CPU (agents/env_runner.py GPU_DECODE_BLOCK)
         "decode_block": F(int, None, optional=True, **POS_INT),
+        # the decode engine's step through torch.compile (inductor) before it is captured: fused
+        # kernels, after a compile of tens of seconds at the first step; an experiment (docs/configs.md)
+        "compile_step": F(bool, False),
         # rollouts in the learner's process and on its device, each weight sync one in-place device
         # copy (agents/weight_sync.py): unset, wherever it applies (num_env_runners 0 and
         # learners.num_learners 0); true to require it; false for RLlib's sync through the host

@@ -13,8 +13,9 @@
 #   weights    weight_sync.py, colocated and one remote EnvRunner (32 + 44 s)
 #   profile    decode_step_profile.py: the step by precision, its kernels, a restart step's ops (98 s)
 #   compiled_step  decode_step_profile.py --compile: the bf16 captured step as it is and through
-#              torch.compile (inductor), with the compile's seconds, then the compiled step's CUDA
-#              test (not yet run)
+#              torch.compile (inductor; env_runners.compile_step), with the compile's seconds, then
+#              the compiled step's CUDA test (not yet run); where it is faster, COMPILE=1 peer runs
+#              the PPO side with env_runners.compile_step true
 #   serve      serve_load.py, one replica on the CPU and one on the GPU, on the replica's own port
 #              (agents.serve --direct-port; not yet run)
 #   learner_pass  learner_pass.py: a bf16 learner pass at the peer shape, transformers' forward against
@@ -45,6 +46,8 @@
 #              ("replay checks" line; each iteration's checks in $OUT/static_verify.jsonl)
 # STATIC=1 runs peer, seeds and ppo_profile with training.static_update true (the learner's update
 # captured as CUDA graphs); their logs are then named <step>_static.
+# COMPILE=1 does the same with env_runners.compile_step true (the rollout step through torch.compile
+# before capture; the compile falls in the first iteration); logs named <step>_compiled.
 # BLOCK=k runs rollouts, peer and ppo_profile with env_runners.decode_block k (k module steps per
 # env round trip; unset, the config's default: 4 on a GPU); their logs are then named <step>_block<k>.
 # Each step runs under its own time limit and writes its whole output to $OUT/<step>.log (OUT
@@ -59,9 +62,9 @@ BLOCK=${BLOCK:-}
 tag=${BLOCK:+_block$BLOCK}
 block_arg=(${BLOCK:+--decode-block "$BLOCK"})
 block_only=(${BLOCK:+--set env_runners.decode_block="$BLOCK"})
-block_set=("${block_only[@]}" ${STATIC:+--set training.static_update=true})
+block_set=("${block_only[@]}" ${STATIC:+--set training.static_update=true} ${COMPILE:+--set env_runners.compile_step=true})
 tag_only=$tag
-tag=$tag${STATIC:+_static}
+tag=$tag${STATIC:+_static}${COMPILE:+_compiled}
 [ ${#steps[@]} -gt 0 ] || steps=(tests rollouts peer weights)
 
 run() {  # run NAME LIMIT_S CMD...: the command's output into $OUT/NAME.log, its tail and status here

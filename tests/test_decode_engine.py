@@ -182,6 +182,21 @@ def test_a_compiled_step_gives_the_eager_steps_tokens(device, monkeypatch):
     np.testing.assert_allclose(l1, l2, atol=1e-4)
 
 
+def test_env_runners_compile_step_reaches_the_rollout_engine():
+    """`env_runners.compile_step` (default off) is what the fast EnvRunner's rollout cache builds
+    its engine with."""
+    from agents.config import algorithm_config, load
+    from agents.env_runner import FastTokenEnvRunner
+    from tests.conftest import QUICKSTART
+
+    for setting, want in (([], False), (["env_runners.compile_step=true"], True)):
+        runner = FastTokenEnvRunner(config=algorithm_config(load(QUICKSTART, setting)))
+        try:
+            assert runner.module.kv_cache.compile_step is want
+        finally:
+            runner.stop()
+
+
 def test_rollout_benchmark_engine_row_samples_every_token_and_counts_the_bytes_a_step_reads():
     """benchmarks/rollout_throughput.py (e): the engine alone, as the EnvRunner's module runs it."""
     import argparse
