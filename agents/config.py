@@ -168,7 +168,7 @@ def algorithm_config(cfg: dict):
     from ray.tune.registry import register_env
 
     from agents.algorithms.base import module_seed
-    from agents.env_runner import CARRY_EPISODES, DECODE_BLOCK, TOKEN_ENV, FastTokenEnvRunner, StockTokenEnvRunner, make_token_env
+    from agents.env_runner import CARRY_EPISODES, COMPILE_STEP, DECODE_BLOCK, TOKEN_ENV, FastTokenEnvRunner, StockTokenEnvRunner, make_token_env
     from agents.weight_sync import COLOCATED
 
     cfg = with_absolute_paths(cfg)
@@ -182,13 +182,13 @@ def algorithm_config(cfg: dict):
                     "reference_model": _plain(cfg["reward"]["kl_coef"]) > 0, "sampler": c["sampler"],
                     "train_precision": c["training"]["precision"], "rollout_precision": rollout_precision(cfg),
                     "gradient_checkpointing": c["training"]["gradient_checkpointing"],
-                    "compile_step": er["compile_step"], **spec.module_config(cfg, c)}
+                    **spec.module_config(cfg, c)}
     runner_env_cfg = spec.env_config(cfg, c, env_cfg)
     register_env(TOKEN_ENV, make_token_env)  # RLlib builds one row, or the vector env through its entry point
     fast = env_runner_kind(cfg) == "fast"
     if fast:  # the vector env, built through RLlib's vector entry point; the runner resets its rows
         runner_env_cfg = {**runner_env_cfg, "autoreset_mode": "Disabled", CARRY_EPISODES: er["carry_episodes"],
-                          DECODE_BLOCK: er["decode_block"]}
+                          DECODE_BLOCK: er["decode_block"], COMPILE_STEP: er["compile_step"]}
     runner_env_cfg = {**runner_env_cfg, COLOCATED: er["colocated"]}
     config = (
         spec.config_class()()

@@ -1,10 +1,9 @@
 """EnvRunners for the token env.
 
-`FastTokenEnvRunner` (`env_runners.runner: fast`; the default `auto` picks it for every
-algorithm but DQN, which takes the stock runner) samples whole
-episodes from `TokenGenerationVectorEnv` with no per-step connector pipeline
-and no per-row Python in the token loop. Per vector step it makes one batched
-module call and one batched env step:
+`FastTokenEnvRunner` (`env_runners.runner: fast`; the default `auto` picks it for every algorithm
+but DQN, which takes the stock runner) samples whole episodes from `TokenGenerationVectorEnv` with
+no per-step connector pipeline and no per-row Python in the token loop. Per vector step it makes
+one batched module call and one batched env step:
 
   * the module gets every row's window plus `ROW_CONTINUES` (which rows
     continue the previous call's), so its KV cache, mirostat state and guide
@@ -91,6 +90,7 @@ SEED_STRIDE = 1_000_003  # far apart from the per-sub-env (+i) and per-EnvRunner
 TOKEN_ENV = "token_generation"  # the name `make_token_env` is registered under (ray.tune.register_env)
 CARRY_EPISODES = "carry_episodes"  # env_config key: env_runners.carry_episodes (FastTokenEnvRunner)
 DECODE_BLOCK = "decode_block"  # env_config key: env_runners.decode_block (FastTokenEnvRunner)
+COMPILE_STEP = "compile_step"  # env_config key: env_runners.compile_step (FastTokenEnvRunner)
 SEEN_WINDOWS_MAX = 100_000  # windows remembered per weight version (for the restart schedule only)
 # env_runners.decode_block unset: module steps per env round trip where the module is on a GPU
 # (PPO at GPT-2-small shape on an H100, 20-token episodes, one run each: sampling took 128, 93,
@@ -198,11 +198,18 @@ def make_token_env(config):
         row_cls = RepeatedPromptEnv
     cfg.pop(CARRY_EPISODES, None)  # the fast EnvRunner's settings, not the env's
     cfg.pop(DECODE_BLOCK, None)
+    cfg.pop(COMPILE_STEP, None)
     cfg.pop(COLOCATED, None)  # the algorithm's (agents.weight_sync)
     if "num_envs" in cfg:
         return TokenGenerationVectorEnv(cfg, row_env_cls=row_cls)
     cfg.pop("autoreset_mode", None)
     return row_cls(cfg)
+
+
+def compile_rollout_step(cache, env_config: dict) -> None:
+    """`env_runners.compile_step` onto this runner's rollout cache (generate and serve never compile)."""
+    if hasattr(cache, "compile_step"):
+        cache.compile_step = bool(env_config.get(COMPILE_STEP, False))
 
 
 class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
@@ -213,12 +220,12 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         self._rollout = None  # unfinished episodes carried from one sample() call to the next
         self._carry = bool(self.config.env_config.get(CARRY_EPISODES, True))
         self._block = self.config.env_config.get(DECODE_BLOCK)  # None: by the module's device
-        # Windows rows started on since the last weight sync, and whether the last rows that
-        # started all began on one of them: a module whose cache keeps prefills by window
-        # (agents.modules.kv_cache) then restarts them with no pass, so finished rows restart at
-        # once instead of waiting for a quarter of the rows. Decided here, from the windows alone,
-        # so a run samples the same episodes with the cache on or off.
+        # Windows rows started on since the last weight sync, and whether the last rows that started
+        # all began on one of them: a module whose cache keeps prefills by window (agents.modules.
+        # kv_cache) then restarts them with no pass, so finished rows restart at once instead of
+        # waiting for a quarter of the rows. Decided from the windows alone (cache on or off alike).
         self._cache = getattr(self.module, "kv_cache", None) if self.module is not None else None
+        compile_rollout_step(self._cache, self.config.env_config)
         self._reuses_prefills = self.module is not None and (self._cache is None or hasattr(self._cache, "store"))
         self._seen_windows: set[bytes] = set()
         self._restarts_free = False

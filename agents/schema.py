@@ -113,8 +113,8 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         # of rows that finish mid-block waiting for the block's end before they restart. Unset:
         # 4 where the rollouts run on a GPU, 1 on a CPU (agents/env_runner.py GPU_DECODE_BLOCK)
         "decode_block": F(int, None, optional=True, **POS_INT),
-        # the decode engine's step through torch.compile (inductor) before it is captured: fused
-        # kernels, after a compile of tens of seconds at the first step; an experiment (docs/configs.md)
+        # fast runner: its decode engine's step through torch.compile (inductor) before capture:
+        # fused kernels, after a compile of tens of seconds at the first step; an experiment
         "compile_step": F(bool, False),
         # rollouts in the learner's process and on its device, each weight sync one in-place device
         # copy (agents/weight_sync.py): unset, wherever it applies (num_env_runners 0 and

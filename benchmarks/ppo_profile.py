@@ -145,6 +145,7 @@ def profile_table(prof, cuda: bool) -> None:
     counts = {phase: dict.fromkeys(counters, 0) for phase in TREE}
     device_us = dict.fromkeys(TREE, 0.0)
     ranges = dict.fromkeys(TREE, 0)
+    unattributed = dict.fromkeys(TREE, 0)
     for e in prof.events():
         if e.name in TREE:
             ranges[e.name] += 1
@@ -162,13 +163,15 @@ def profile_table(prof, cuda: bool) -> None:
         for key, names in counters.items():
             if names and e.name in names:
                 counts[phase][key] += 1
+        if e.name == "cudaGraphLaunch" and not getattr(e, "kernels", []):
+            unattributed[phase] += 1  # a replay whose kernels the profiler did not link to its launch
         if cuda:
             device_us[phase] += sum(k.duration for k in getattr(e, "kernels", []))
     print(f"  {'phase':24s} {'ranges':>7s} " + " ".join(f"{k:>13s}" for k in counters) + f" {'device ms':>10s}")
     replayed = False
     for phase in TREE:
         if ranges[phase]:
-            mark = "+" if counts[phase]["graph replays"] else " "  # the replays' kernels are not in the figure
+            mark = "+" if unattributed[phase] else " "  # those replays' kernels are not in the figure
             replayed |= mark == "+"
             print(f"  {phase:24s} {ranges[phase]:7d} " + " ".join(f"{counts[phase][k]:13d}" for k in counters)
                   + f" {device_us[phase] / 1e3:9.2f}{mark}")

@@ -169,15 +169,18 @@ def test_a_compiled_step_gives_the_eager_steps_tokens(device, monkeypatch):
     the C++ build)."""
     from agents.modules import decode_engine
 
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     if device == "cpu":
         monkeypatch.setattr(decode_engine, "COMPILE_BACKEND", "aot_eager")
     compiled = make_module().to(device)
     plain = copy.deepcopy(compiled)
     compiled.kv_cache = RingKVCache(compile_step=True)
     a1, l1 = rollout(compiled, steps=16, device=device)
+    assert 1 <= counters["stats"]["unique_graphs"] <= 3  # the exploring step and the restart step's trunk, once each
     a2, l2 = rollout(plain, steps=16, device=device)
-    assert compiled.kv_cache.engine.compile_step and (compiled.kv_cache.engine.compiled or device == "cuda")
     np.testing.assert_array_equal(a1, a2)
     np.testing.assert_allclose(l1, l2, atol=1e-4)
 

@@ -152,8 +152,8 @@ def test_ppo_profile_times_every_phase_of_a_short_run_and_names_the_decode_path(
 
 def test_ppo_profile_table_marks_device_time_that_misses_graph_replays(capsys):
     """benchmarks/ppo_profile.py's profiler table: a phase's kernels add up to its device ms; a
-    phase that replayed CUDA graphs gets a "+" (the profiler does not attribute the replays'
-    kernels to it), explained below the table."""
+    phase with a CUDA graph replay whose kernels the profiler did not link to it gets a "+",
+    explained below the table (a replay with linked kernels is counted and gets none)."""
     from types import SimpleNamespace as Event
 
     from benchmarks.ppo_profile import profile_table
@@ -163,10 +163,11 @@ def test_ppo_profile_table_marks_device_time_that_misses_graph_replays(capsys):
     events = [act, passes,
               Event(name="cudaLaunchKernel", cpu_parent=act, kernels=[kernel(1500.0)]),
               Event(name="cudaLaunchKernel", cpu_parent=act, kernels=[kernel(500.0)]),
-              Event(name="cudaGraphLaunch", cpu_parent=passes, kernels=[])]
+              Event(name="cudaGraphLaunch", cpu_parent=passes, kernels=[]),
+              Event(name="cudaGraphLaunch", cpu_parent=act, kernels=[kernel(250.0)])]  # linked: counted
     profile_table(Event(events=lambda: events), cuda=True)
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
-    assert rows["act"][-1] == "2.00" and rows["act"][3] == "2"  # its ranges, ops, then two launches: 2 ms
+    assert rows["act"][-1] == "2.25" and rows["act"][3] == "2"  # its ranges, ops, then two launches; a linked replay
     assert rows["training"][-1] == "0.00+" and rows["training"][-4] == "1"  # one replay
     assert "+: plus the kernels of the phase's CUDA graph replays" in out

@@ -159,7 +159,7 @@ class CausalLMActorCritic(Acting, SyncedState, TorchRLModule, ValueFunctionAPI, 
         return build_causal_lm(cfg["model"], self.tokenizer, seed=cfg.get("seed", 0), max_positions=seq_len)
 
     def _new_cache(self):
-        return RingKVCache(compile_step=bool(self.model_config.get("compile_step")))
+        return RingKVCache()
 
     @staticmethod
     def _trunk(lm: nn.Module) -> nn.Module:
