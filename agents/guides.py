@@ -38,7 +38,7 @@ import torch
 
 from agents.core import GUIDE_ROLE, cpu_copy, on_device  # noqa: F401  (GUIDE_ROLE: the column of the roles below)
 from agents.modules.decode_engine import RingKVCache
-from agents.modules.kv_cache import continuing_rows, rows_that_continue
+from agents.modules.kv_cache import rows_that_continue
 from agents.samplers import sample_rows
 from env.validation import first_line
 
@@ -164,7 +164,7 @@ class CallableGuide:
         rollouts run, and the plans work on host copies."""
         device = obs["input_ids"].device
         ids, mask = obs["input_ids"].cpu().clone(), obs["attention_mask"].cpu().clone()
-        cont = rows_that_continue(self.prev_ids, self.prev_mask, ids, mask, None if cont is None else cont.cpu())
+        cont = rows_that_continue(self.prev_ids, self.prev_mask, ids, mask, cont, host=True)
         last = ids[:, -1].tolist()
         plans = {}
         for r in range(ids.shape[0]):  # a plan stays valid while its row appended the planned token
@@ -294,9 +294,7 @@ class GuidedRollout:
         knows it (the EnvRunner's, already on the host), else from the windows (one host read)."""
         if self.prev_ids is not None and self.prev_ids.device != ids.device:  # the rollouts moved device
             self.prev_ids, self.prev_mask = self.prev_ids.to(ids.device), self.prev_mask.to(ids.device)
-        if cont is not None and self.prev_ids is not None and self.prev_ids.shape == ids.shape:
-            return torch.as_tensor(cont, dtype=torch.bool).cpu()
-        return continuing_rows(self.prev_ids, self.prev_mask, ids, mask).cpu()
+        return rows_that_continue(self.prev_ids, self.prev_mask, ids, mask, cont, host=True)
 
     def __call__(self, obs: dict, policy_actions: torch.Tensor, cont=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The actions to take (guide tokens where the plan says so) and each row's role.

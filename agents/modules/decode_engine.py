@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from agents.modules.kv_cache import (WindowKVCache, _plain_gpt2_blocks, attention_mask_per_head,
-                                     continuing_rows, window_attention)
+                                     rows_that_continue, window_attention)
 from agents.modules.prefill_store import stack_layers
 
 
@@ -237,9 +237,7 @@ class RingKVCache(WindowKVCache):
         """Which rows continue, on the CPU."""
         if not self.loaded or self.ids is None or self.ids.shape != ids.shape:
             return torch.zeros(ids.shape[0], dtype=torch.bool)
-        if cont is None:
-            return continuing_rows(self.ids, self.mask, ids, mask).cpu()
-        return torch.as_tensor(cont, dtype=torch.bool).cpu()
+        return rows_that_continue(self.ids, self.mask, ids, mask, cont, host=True)
 
     @torch.no_grad()
     def hidden_at_last_token(self, trunk, obs: dict, cont=None, tail=None, tail_inputs: tuple = (), key=None):

@@ -107,11 +107,14 @@ def continuing_rows(prev_ids, prev_mask, ids: torch.Tensor, mask: torch.Tensor) 
     )
 
 
-def rows_that_continue(prev_ids, prev_mask, ids: torch.Tensor, mask: torch.Tensor, cont=None) -> torch.Tensor:
-    """`cont` when the caller knows it (as a bool tensor on ids' device), else `continuing_rows`."""
+def rows_that_continue(prev_ids, prev_mask, ids: torch.Tensor, mask: torch.Tensor, cont=None,
+                       host: bool = False) -> torch.Tensor:
+    """`cont` when the caller knows it (as a bool tensor on ids' device, or on the host with `host`:
+    no round trip for a `cont` the caller holds on the host), else `continuing_rows`."""
     if cont is None or prev_ids is None or prev_ids.shape != ids.shape:
-        return continuing_rows(prev_ids, prev_mask, ids, mask)
-    return torch.as_tensor(cont, dtype=torch.bool, device=ids.device)
+        rows = continuing_rows(prev_ids, prev_mask, ids, mask)
+        return rows.cpu() if host else rows
+    return torch.as_tensor(cont, dtype=torch.bool, device="cpu" if host else ids.device)
 
 
 def step_attention_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
