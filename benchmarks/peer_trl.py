@@ -387,6 +387,8 @@ def learner_record(algo, result: dict, t: float, reward: float, checks: list = (
     graphs = getattr(learner, "_static_graphs", None) or {}
     row["static_buckets"] = len(graphs)
     row["static_graphs"] = sum(1 for entry in graphs.values() if entry.graph)
+    last = getattr(learner, "static_last_bucket", None)  # the bucket's place in the order of first use
+    row["static_bucket"] = list(graphs).index(last) if last in graphs else None
     if checks:
         row["replay_checks"] = checks
     return row

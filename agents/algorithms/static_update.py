@@ -181,6 +181,7 @@ class StaticUpdate:
         """Forgets the captured graphs (they hold the optimizer state's tensors)."""
         self._static_graphs: dict = {}  # bucket -> _Bucket
         self._static_pool = None  # the graphs' shared memory pool (replays run one at a time)
+        self.static_last_bucket = None  # the last static update's bucket
 
     def set_state(self, state):
         super().set_state(state)
@@ -199,6 +200,7 @@ class StaticUpdate:
         (module_id, module_batch), = batch.items()
         entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
         bucket, inputs = static_inputs(module_batch, entropy_coeff)
+        self.static_last_bucket = bucket
         (total, metrics), replayed = self._static_run(module_id, bucket, inputs)
         self.metrics.log_dict(metrics, key=module_id, window=1)
         self.metrics.log_value((module_id, "static_update_replays"), float(replayed), reduce="sum")

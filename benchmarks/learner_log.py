@@ -1,0 +1,98 @@
+"""What `peer_trl.py --learner-log` files say about a run: when the static update captured each
+graph, from which iteration on every batch had one shape (and so every update took the same
+bucket), which buckets served the updates from then on, the reward's falls with the learner's KL,
+gradient norm and entropy at them, and, for several files of the same seed, the first iteration
+where their rewards differ.
+
+    python benchmarks/learner_log.py RUN.jsonl [RUN2.jsonl ...] [--fall 0.05]
+
+A bucket is named by its place in the learner's order of first use (`static_bucket`, logged since
+2026-11-27; older logs give only the counts, `static_buckets` and `static_graphs`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import Counter
+
+BATCH = "module_train_batch_size_mean"
+GRAD_NORM = "gradients_default_optimizer_global_norm"
+
+
+def load(path: str) -> list[dict]:
+    """The log's iterations, in order; one line naming the file and line where one is not JSON."""
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise SystemExit(f"{path}:{n}: not a JSON line ({err.msg})") from None
+    if not rows:
+        raise SystemExit(f"{path}: no iterations")
+    return rows
+
+
+def summarize(rows: list[dict], fall: float = 0.05) -> dict:
+    """The run's captures, the iteration its batch shape settled at, the buckets and replays from
+    then on, and its reward falls (a drop of more than `fall` from one iteration to the next)."""
+    captures, falls = [], []
+    for prev, row in zip([None] + rows[:-1], rows):
+        if prev is not None and row.get("static_graphs", 0) > prev.get("static_graphs", 0):
+            captures.append((row["iteration"], row["static_graphs"], row.get(BATCH)))
+        if prev is not None and prev["reward"] - row["reward"] > fall:
+            falls.append({"iteration": row["iteration"], "from": prev["reward"], "to": row["reward"],
+                          "kl": row.get("mean_kl_loss"), "grad_norm": row.get(GRAD_NORM),
+                          "entropy": row.get("entropy")})
+    sizes = Counter(row.get(BATCH) for row in rows)
+    usual = sizes.most_common(1)[0][0]
+    other = [row["iteration"] for row in rows if row.get(BATCH) != usual]
+    settled = (max(other) + 1) if other else rows[0]["iteration"]
+    after = [row for row in rows if row["iteration"] >= settled]
+    rewards = [row["reward"] for row in rows if not math.isnan(row["reward"])]
+    return {"iterations": len(rows), "final": rows[-1]["reward"], "best": max(rewards, default=math.nan),
+            "captures": captures, "usual_batch": usual, "settled_from": settled,
+            "iterations_after": len(after), "replayed_after": sum(1 for r in after if r.get("static_update_replays", 0) >= 1),
+            "buckets_after": sorted({r["static_bucket"] for r in after if r.get("static_bucket") is not None}),
+            "falls": falls}
+
+
+def first_difference(runs: list[list[dict]]) -> int | None:
+    """The first iteration at which the runs' rewards are not all equal (None: equal throughout
+    their common length)."""
+    for rows in zip(*runs):
+        if len({row["reward"] for row in rows}) > 1:
+            return rows[0]["iteration"]
+    return None
+
+
+def report(path: str, s: dict) -> None:
+    print(f"{path}: {s['iterations']} iterations, reward final {s['final']:.3f}, best {s['best']:.3f}")
+    for it, n, batch in s["captures"]:
+        print(f"  graph {n} captured at iteration {it} (batch of {batch:g} steps)")
+    print(f"  every batch {s['usual_batch']:g} steps from iteration {s['settled_from']}: "
+          f"{s['replayed_after']} of its {s['iterations_after']} updates replayed a graph"
+          + (f", bucket(s) {s['buckets_after']}" if s["buckets_after"] else ""))
+    for f in s["falls"]:
+        extra = "".join(f", {k} {f[k]:.3g}" for k in ("kl", "grad_norm", "entropy") if f[k] is not None)
+        print(f"  fall at iteration {f['iteration']}: {f['from']:.3f} -> {f['to']:.3f}{extra}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("logs", nargs="+")
+    p.add_argument("--fall", type=float, default=0.05, help="a drop of the reward larger than this is a fall")
+    args = p.parse_args()
+    runs = [load(path) for path in args.logs]
+    for path, rows in zip(args.logs, runs):
+        report(path, summarize(rows, args.fall))
+    if len(runs) > 1:
+        it = first_difference(runs)
+        print("rewards equal in every run throughout" if it is None else f"rewards first differ at iteration {it}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""benchmarks/learner_log.py reads what `peer_trl.py --learner-log` writes: captures, the iteration
+from which every batch had one shape, the buckets and replays after it, the reward's falls, and
+where same-seed runs part."""
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.learner_log import first_difference, load, summarize
+from benchmarks.peer_trl import learner_record
+from tests.conftest import ROOT
+
+
+def _row(it, reward, batch=2560.0, graphs=0, replays=0.0, bucket=None, kl=0.01):
+    return {"iteration": it, "reward": reward, "module_train_batch_size_mean": batch, "static_graphs": graphs,
+            "static_update_replays": replays, "static_bucket": bucket, "mean_kl_loss": kl,
+            "gradients_default_optimizer_global_norm": 2.0, "entropy": 0.1}
+
+
+def _run():
+    return [_row(1, 0.3, batch=2840.0), _row(2, 0.4), _row(3, 0.45, graphs=1, replays=1.0, bucket=0),
+            _row(4, 0.5, batch=3338.0, graphs=1, bucket=1), _row(5, 0.6, batch=3338.0, graphs=2, replays=1.0, bucket=1),
+            _row(6, 0.84, graphs=2, replays=1.0, bucket=0), _row(7, 0.70, graphs=2, replays=1.0, bucket=0, kl=0.4),
+            _row(8, 0.84, graphs=2, replays=1.0, bucket=0)]
+
+
+def test_a_run_is_summarized_as_its_log_says():
+    s = summarize(_run(), fall=0.05)
+    assert s["captures"] == [(3, 1, 2560.0), (5, 2, 3338.0)]
+    assert s["usual_batch"] == 2560.0 and s["settled_from"] == 6  # the last other shape at iteration 5
+    assert (s["iterations_after"], s["replayed_after"], s["buckets_after"]) == (3, 3, [0])
+    assert [(f["iteration"], f["kl"]) for f in s["falls"]] == [(7, 0.4)]
+    assert (s["final"], s["best"]) == (0.84, 0.84)
+
+
+def test_runs_of_one_seed_part_where_their_rewards_first_differ():
+    a, b = _run(), _run()
+    assert first_difference([a, b]) is None
+    b[3] = {**b[3], "reward": 0.51}
+    assert first_difference([a, b]) == 4
+
+
+def test_the_script_prints_the_summary_and_names_a_bad_line(tmp_path):
+    good, bad = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    good.write_text("".join(json.dumps(r) + "\n" for r in _run()))
+    bad.write_text(json.dumps(_row(1, 0.3)) + "\n{not json\n")
+    out = subprocess.run([sys.executable, "benchmarks/learner_log.py", str(good), str(good)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "graph 2 captured at iteration 5 (batch of 3338 steps)" in out.stdout
+    assert "every batch 2560 steps from iteration 6: 3 of its 3 updates replayed a graph, bucket(s) [0]" in out.stdout
+    assert "rewards equal in every run throughout" in out.stdout
+    with pytest.raises(SystemExit, match=r"b.jsonl:2: not a JSON line"):
+        load(str(bad))
+
+
+def test_a_learner_record_names_the_bucket_the_last_update_took():
+    buckets = {("a",): SimpleNamespace(graph=object()), ("b",): SimpleNamespace(graph=None)}
+    learner = SimpleNamespace(_static_graphs=buckets, static_last_bucket=("b",))
+    algo = SimpleNamespace(learner_group=SimpleNamespace(_learner=learner))
+    row = learner_record(algo, {"training_iteration": 7, "learners": {}}, 1.0, 0.5)
+    assert (row["static_buckets"], row["static_graphs"], row["static_bucket"]) == (2, 1, 1)
+    learner.static_last_bucket = ("c",)  # an eager bucket (more than the learner captures) has no place
+    assert learner_record(algo, {"training_iteration": 8, "learners": {}}, 1.0, 0.5)["static_bucket"] is None
