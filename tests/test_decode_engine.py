@@ -185,6 +185,26 @@ def test_a_compiled_step_gives_the_eager_steps_tokens(device, monkeypatch):
     np.testing.assert_allclose(l1, l2, atol=1e-4)
 
 
+def test_a_step_that_does_not_compile_stops_with_one_line_naming_the_setting(monkeypatch):
+    """A compile that fails (inductor on a CPU with no C++ compiler) stops the rollout with one
+    line that names `env_runners.compile_step` and the cause, not the compiler's traceback."""
+    from agents.modules import decode_engine
+
+    def no_compiler(graph, inputs):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\n  (details)")
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(decode_engine, "COMPILE_BACKEND", no_compiler)
+    module = make_module()
+    module.kv_cache = RingKVCache(compile_step=True)
+    with pytest.raises(RuntimeError) as err:
+        rollout(module, steps=4, device="cpu")
+    message = str(err.value)
+    assert message.startswith("env_runners.compile_step: compiling the decode step failed (")
+    assert "No working C++ compiler found" in message and "set env_runners.compile_step: false" in message
+    assert "\n" not in message and err.value.__cause__ is None and err.value.__suppress_context__
+
+
 def test_env_runners_compile_step_reaches_the_rollout_engine():
     """`env_runners.compile_step` (default off) is what the fast EnvRunner's rollout cache builds
     its engine with."""

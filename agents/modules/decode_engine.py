@@ -35,6 +35,33 @@ from agents.modules.prefill_store import stack_layers
 COMPILE_BACKEND = "inductor"  # compile_step's backend
 
 
+def compiled_once(fn):
+    """`fn` through `torch.compile(fullgraph=True)` (`COMPILE_BACKEND`). The first call compiles:
+    a failure there (inductor on a CPU with no C++ compiler, a graph break) stops with one line
+    naming `env_runners.compile_step`, not the compiler's traceback."""
+    compiled, first = torch.compile(fn, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND), [True]
+
+    def run(*args):
+        if not first:
+            return compiled(*args)
+        try:
+            out = compiled(*args)
+        except Exception as err:
+            root = err
+            for _ in range(16):  # dynamo wraps the backend's own error
+                inner = root.__cause__ or getattr(root, "inner_exception", None)
+                if inner is None:
+                    break
+                root = inner
+            cause = next((line for line in f"{type(root).__name__}: {root}".splitlines() if line.strip()))
+            raise RuntimeError(f"env_runners.compile_step: compiling the decode step failed ({cause}); "
+                               "set env_runners.compile_step: false") from None
+        first.clear()
+        return out
+
+    return run
+
+
 class DecodeEngine:
     """Ring-buffer keys/values for `rows` rows of `length` columns of a plain GPT-2 trunk, and its
     one-token step. `capture`: replay the step as a CUDA graph (default: on CUDA devices).
@@ -123,7 +150,7 @@ class DecodeEngine:
         return hidden if tail is None else tail(hidden, *tail_inputs)
 
     def _compiled(self, fn):
-        return torch.compile(fn, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND) if self.compile_step else fn
+        return compiled_once(fn) if self.compile_step else fn
 
     def tail(self, hidden: torch.Tensor, tail=None, tail_inputs: tuple = (), key=None):
         """`tail(hidden, *tail_inputs)` apart from a step: for a step whose restarted rows' hidden
