@@ -44,6 +44,8 @@
 #              state and compared (benchmarks/static_verify.py; training goes on from the replay's
 #              result): whether any replay's update departs from the eager one, and when
 #              ("replay checks" line; each iteration's checks in $OUT/static_verify.jsonl)
+#   static_graphs and static_verify end with benchmarks/learner_log.py's summary of their logs
+#   (captures, the bucket each late update took, the reward's falls)
 # STATIC=1 runs peer, seeds and ppo_profile with training.static_update true (the learner's update
 # captured as CUDA graphs); their logs are then named <step>_static.
 # COMPILE=1 does the same with env_runners.compile_step true (the rollout step through torch.compile
@@ -123,13 +125,15 @@ for step in "${steps[@]}"; do
              --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
              --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
              --set training.lr=1e-4 --set training.static_update=true --set seed=0 "${block_only[@]}"
-           done ;;
+           done
+           run static_graphs_summary 30 $PY benchmarks/learner_log.py "$OUT"/static_graphs_{8,0,1}.jsonl ;;
     static_verify) run "static_verify$tag_only" 200 $PY benchmarks/peer_trl.py --device cuda \
              --model gpt2-small-shaped --seconds 120 --project-only --static-verify-every 1 \
              --learner-log "$OUT/static_verify.jsonl" --plot "$OUT/static_verify.png" \
              --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
              --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
-             --set training.lr=1e-4 --set training.static_update=true --set seed=0 "${block_only[@]}" ;;
+             --set training.lr=1e-4 --set training.static_update=true --set seed=0 "${block_only[@]}"
+           run static_verify_summary 30 $PY benchmarks/learner_log.py "$OUT/static_verify.jsonl" ;;
     learner_pass) run learner_pass 120 $PY benchmarks/learner_pass.py --device cuda --reps 20 ;;
     profile) run profile 170 $PY benchmarks/decode_step_profile.py ;;
     compiled_step) run compiled_step 300 $PY benchmarks/decode_step_profile.py --compile

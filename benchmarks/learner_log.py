@@ -1,7 +1,8 @@
 """What `peer_trl.py --learner-log` files say about a run: when the static update captured each
 graph, from which iteration on every batch had one shape (and so every update took the same
 bucket), which buckets served the updates from then on, the reward's falls with the learner's KL,
-gradient norm and entropy at them, and, for several files of the same seed, the first iteration
+gradient norm and entropy at them (and, with `--static-verify-every`, how far that iteration's
+replay was from the eager update: `check`), and, for several files of the same seed, the first iteration
 where their rewards differ.
 
     python benchmarks/learner_log.py RUN.jsonl [RUN2.jsonl ...] [--fall 0.05]
@@ -40,13 +41,15 @@ def summarize(rows: list[dict], fall: float = 0.05) -> dict:
     """The run's captures, the iteration its batch shape settled at, the buckets and replays from
     then on, and its reward falls (a drop of more than `fall` from one iteration to the next)."""
     captures, falls = [], []
+    worst = {row["iteration"]: max(c["apart_over_moved"] for c in row["replay_checks"])
+             for row in rows if row.get("replay_checks")}  # --static-verify-every's checks
     for prev, row in zip([None] + rows[:-1], rows):
         if prev is not None and row.get("static_graphs", 0) > prev.get("static_graphs", 0):
             captures.append((row["iteration"], row["static_graphs"], row.get(BATCH)))
         if prev is not None and prev["reward"] - row["reward"] > fall:
             falls.append({"iteration": row["iteration"], "from": prev["reward"], "to": row["reward"],
                           "kl": row.get("mean_kl_loss"), "grad_norm": row.get(GRAD_NORM),
-                          "entropy": row.get("entropy")})
+                          "entropy": row.get("entropy"), "check": worst.get(row["iteration"])})
     sizes = Counter(row.get(BATCH) for row in rows)
     usual = sizes.most_common(1)[0][0]
     other = [row["iteration"] for row in rows if row.get(BATCH) != usual]
@@ -57,7 +60,7 @@ def summarize(rows: list[dict], fall: float = 0.05) -> dict:
             "captures": captures, "usual_batch": usual, "settled_from": settled,
             "iterations_after": len(after), "replayed_after": sum(1 for r in after if r.get("static_update_replays", 0) >= 1),
             "buckets_after": sorted({r["static_bucket"] for r in after if r.get("static_bucket") is not None}),
-            "falls": falls}
+            "falls": falls, "checks": sorted(worst.items(), key=lambda ic: ic[1])}
 
 
 def first_difference(runs: list[list[dict]]) -> int | None:
@@ -76,8 +79,12 @@ def report(path: str, s: dict) -> None:
     print(f"  every batch {s['usual_batch']:g} steps from iteration {s['settled_from']}: "
           f"{s['replayed_after']} of its {s['iterations_after']} updates replayed a graph"
           + (f", bucket(s) {s['buckets_after']}" if s["buckets_after"] else ""))
+    if s["checks"]:
+        (it, largest), median = s["checks"][-1], s["checks"][len(s["checks"]) // 2][1]
+        print(f"  replay checks in {len(s['checks'])} iterations: |replay - eager| / |eager update| median "
+              f"{median:.3g}, largest {largest:.3g} (iteration {it})")
     for f in s["falls"]:
-        extra = "".join(f", {k} {f[k]:.3g}" for k in ("kl", "grad_norm", "entropy") if f[k] is not None)
+        extra = "".join(f", {k} {f[k]:.3g}" for k in ("kl", "grad_norm", "entropy", "check") if f[k] is not None)
         print(f"  fall at iteration {f['iteration']}: {f['from']:.3f} -> {f['to']:.3f}{extra}")
 
 

@@ -35,6 +35,15 @@ def test_a_run_is_summarized_as_its_log_says():
     assert (s["final"], s["best"]) == (0.84, 0.84)
 
 
+def test_replay_checks_are_summarized_and_named_at_a_fall():
+    rows = _run()
+    rows[6] = {**rows[6], "replay_checks": [{"apart_over_moved": 0.002}, {"apart_over_moved": 0.9}]}
+    rows[7] = {**rows[7], "replay_checks": [{"apart_over_moved": 0.001}]}
+    s = summarize(rows, fall=0.05)
+    assert s["checks"] == [(8, 0.001), (7, 0.9)]
+    assert s["falls"][0]["check"] == 0.9  # the fall's iteration had a replay far from the eager update
+
+
 def test_runs_of_one_seed_part_where_their_rewards_first_differ():
     a, b = _run(), _run()
     assert first_difference([a, b]) is None
