@@ -3,7 +3,7 @@ graph, from which iteration on every batch had one shape (and so every update to
 bucket), which buckets served the updates from then on, the reward's falls with the learner's KL,
 gradient norm and entropy at them (and, with `--static-verify-every`, how far that iteration's
 replay was from the eager update: `check`), and, for several files of the same seed, the first iteration
-where their rewards differ.
+where they part (the reward, the loss or the gradient norm differs).
 
     python benchmarks/learner_log.py RUN.jsonl [RUN2.jsonl ...] [--fall 0.05]
 
@@ -15,25 +15,36 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections import Counter
 
 BATCH = "module_train_batch_size_mean"
 GRAD_NORM = "gradients_default_optimizer_global_norm"
 
 
+class LogError(Exception):
+    """A log that cannot be read (one line naming the file)."""
+
+
 def load(path: str) -> list[dict]:
-    """The log's iterations, in order; one line naming the file and line where one is not JSON."""
+    """The log's iterations, in order. A last line cut short (a run stopped while writing it) is
+    left out with a warning; any other line that is not JSON, a missing file or an empty log
+    raise LogError naming the file (and line)."""
+    try:
+        with open(path) as f:
+            lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    except OSError as err:
+        raise LogError(f"{path}: {err.strerror}") from None
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise SystemExit(f"{path}:{n}: not a JSON line ({err.msg})") from None
+    for k, (n, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if k < len(lines) - 1:
+                raise LogError(f"{path}:{n}: not a JSON line ({err.msg})") from None
+            print(f"{path}:{n}: the last line is cut short; left out", file=sys.stderr)
     if not rows:
-        raise SystemExit(f"{path}: no iterations")
+        raise LogError(f"{path}: no iterations")
     return rows
 
 
@@ -63,12 +74,16 @@ def summarize(rows: list[dict], fall: float = 0.05) -> dict:
             "falls": falls, "checks": sorted(worst.items(), key=lambda ic: ic[1])}
 
 
-def first_difference(runs: list[list[dict]]) -> int | None:
-    """The first iteration at which the runs' rewards are not all equal (None: equal throughout
-    their common length)."""
+COMPARED = ("reward", "total_loss", GRAD_NORM)  # where same-seed runs part: the first of these to differ
+
+
+def first_difference(runs: list[list[dict]]) -> tuple[int, str] | None:
+    """(the first iteration at which the runs differ, in what: the sampled reward or the learner's
+    loss or gradient norm); None: equal throughout their common length."""
     for rows in zip(*runs):
-        if len({row["reward"] for row in rows}) > 1:
-            return rows[0]["iteration"]
+        for key in COMPARED:
+            if len({row.get(key) for row in rows}) > 1:
+                return rows[0]["iteration"], key
     return None
 
 
@@ -77,7 +92,7 @@ def report(path: str, s: dict) -> None:
     for it, n, batch in s["captures"]:
         print(f"  graph {n} captured at iteration {it} (batch of {batch:g} steps)")
     print(f"  every batch {s['usual_batch']:g} steps from iteration {s['settled_from']}: "
-          f"{s['replayed_after']} of its {s['iterations_after']} updates replayed a graph"
+          f"{s['replayed_after']} of its {s['iterations_after']} iterations replayed a graph"
           + (f", bucket(s) {s['buckets_after']}" if s["buckets_after"] else ""))
     if s["checks"]:
         (it, largest), median = s["checks"][-1], s["checks"][len(s["checks"]) // 2][1]
@@ -93,12 +108,21 @@ def main() -> None:
     p.add_argument("logs", nargs="+")
     p.add_argument("--fall", type=float, default=0.05, help="a drop of the reward larger than this is a fall")
     args = p.parse_args()
-    runs = [load(path) for path in args.logs]
-    for path, rows in zip(args.logs, runs):
+    runs, failed = [], False
+    for path in args.logs:  # a log that cannot be read is named; the others are still summarized
+        try:
+            rows = load(path)
+        except LogError as err:
+            print(err, file=sys.stderr)
+            failed = True
+            continue
         report(path, summarize(rows, args.fall))
+        runs.append(rows)
     if len(runs) > 1:
-        it = first_difference(runs)
-        print("rewards equal in every run throughout" if it is None else f"rewards first differ at iteration {it}")
+        part = first_difference(runs)
+        print("the runs are equal throughout (reward, loss, gradient norm)" if part is None
+              else f"the runs first differ at iteration {part[0]}, in {part[1]}")
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ def test_a_step_that_does_not_compile_stops_with_one_line_naming_the_setting(mon
     from agents.modules import decode_engine
 
     def no_compiler(graph, inputs):
-        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\n  (details)")
+        raise OSError("InvalidCxxCompiler: No working C++ compiler found\n  (details)")
 
     torch._dynamo.reset()
     monkeypatch.setattr(decode_engine, "COMPILE_BACKEND", no_compiler)
@@ -202,7 +202,38 @@ def test_a_step_that_does_not_compile_stops_with_one_line_naming_the_setting(mon
     message = str(err.value)
     assert message.startswith("env_runners.compile_step: compiling the decode step failed (")
     assert "No working C++ compiler found" in message and "set env_runners.compile_step: false" in message
-    assert "\n" not in message and err.value.__cause__ is None and err.value.__suppress_context__
+    assert "\n" not in message and "OSError" in message
+    assert isinstance(err.value.__cause__, torch._dynamo.exc.TorchDynamoException)  # kept for debugging
+
+
+def test_the_steps_own_errors_are_named_and_errors_of_the_compiled_run_pass_as_they_are(monkeypatch):
+    """Under the compile the step's Python runs while it is traced, so an error it raises stops the
+    compile: the line names that error. An error of the compiled step when it runs (a device out of
+    memory, here raised by the backend's compiled function) is not called a compile failure."""
+    from agents.modules import decode_engine
+
+    def broken_tail(hidden, uniform):
+        raise ValueError("the tail's own bug")
+
+    def runs_out_of_memory(graph, inputs):
+        def run(*args):
+            raise torch.OutOfMemoryError("out of memory on the device")
+        return run
+
+    module = make_module()
+    trunk = module._trunk(module.lm)
+    for backend, tail, want in (("aot_eager", broken_tail, "compile_step: compiling the decode step failed"),
+                                (runs_out_of_memory, None, "out of memory on the device")):
+        torch._dynamo.reset()
+        monkeypatch.setattr(decode_engine, "COMPILE_BACKEND", backend)
+        engine = DecodeEngine(trunk, 2, 6, compile_step=True)
+        with pytest.raises(Exception) as err, torch.no_grad():
+            engine.step(torch.zeros(2, dtype=torch.long), tail, (torch.rand(2, 1),) if tail else (), key="k")
+        assert want in str(err.value)
+        if tail is not None:
+            assert "the tail's own bug" in str(err.value)  # the cause, in the one line
+        else:
+            assert isinstance(err.value, torch.OutOfMemoryError) and "compile_step" not in str(err.value)
 
 
 def test_env_runners_compile_step_reaches_the_rollout_engine():

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.learner_log import first_difference, load, summarize
+from benchmarks.learner_log import LogError, first_difference, load, summarize
 from benchmarks.peer_trl import learner_record
 from tests.conftest import ROOT
 
@@ -44,24 +44,29 @@ def test_replay_checks_are_summarized_and_named_at_a_fall():
     assert s["falls"][0]["check"] == 0.9  # the fall's iteration had a replay far from the eager update
 
 
-def test_runs_of_one_seed_part_where_their_rewards_first_differ():
+def test_runs_of_one_seed_part_where_their_reward_loss_or_gradient_norm_first_differs():
     a, b = _run(), _run()
     assert first_difference([a, b]) is None
     b[3] = {**b[3], "reward": 0.51}
-    assert first_difference([a, b]) == 4
+    assert first_difference([a, b]) == (4, "reward")
+    b[2] = {**b[2], "total_loss": 0.1270653}  # the same reward, another loss
+    assert first_difference([a, b]) == (3, "total_loss")
 
 
-def test_the_script_prints_the_summary_and_names_a_bad_line(tmp_path):
-    good, bad = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+def test_the_script_prints_the_summary_and_names_a_log_it_cannot_read(tmp_path):
+    good, cut, bad = tmp_path / "a.jsonl", tmp_path / "cut.jsonl", tmp_path / "b.jsonl"
     good.write_text("".join(json.dumps(r) + "\n" for r in _run()))
-    bad.write_text(json.dumps(_row(1, 0.3)) + "\n{not json\n")
-    out = subprocess.run([sys.executable, "benchmarks/learner_log.py", str(good), str(good)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    cut.write_text("".join(json.dumps(r) + "\n" for r in _run()) + '{"iteration": 9, "rew')  # stopped mid-line
+    bad.write_text(json.dumps(_row(1, 0.3)) + "\n{not json\n" + json.dumps(_row(2, 0.3)) + "\n")
+    out = subprocess.run([sys.executable, "benchmarks/learner_log.py", str(good), str(tmp_path / "gone.jsonl"),
+                          str(cut)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1  # a log could not be read; the others were summarized all the same
+    assert "gone.jsonl: No such file or directory" in out.stderr and "cut.jsonl:9: the last line is cut short" in out.stderr
     assert "graph 2 captured at iteration 5 (batch of 3338 steps)" in out.stdout
-    assert "every batch 2560 steps from iteration 6: 3 of its 3 updates replayed a graph, bucket(s) [0]" in out.stdout
-    assert "rewards equal in every run throughout" in out.stdout
-    with pytest.raises(SystemExit, match=r"b.jsonl:2: not a JSON line"):
+    assert "every batch 2560 steps from iteration 6: 3 of its 3 iterations replayed a graph, bucket(s) [0]" in out.stdout
+    assert "the runs are equal throughout (reward, loss, gradient norm)" in out.stdout  # good and cut
+    assert "Traceback" not in out.stderr
+    with pytest.raises(LogError, match=r"b.jsonl:2: not a JSON line"):
         load(str(bad))
 
 

@@ -188,6 +188,7 @@ class StaticUpdate:
         self.drop_static_graphs()
 
     def _update(self, batch):
+        self.static_last_bucket = None
         if not getattr(self.config, "static_update", False):
             return super()._update(batch)
         blocker = static_blocker(self, batch)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch._dynamo.exc import TorchDynamoException
 
 from agents.modules.kv_cache import (WindowKVCache, _plain_gpt2_blocks, attention_mask_per_head,
                                      rows_that_continue, window_attention)
@@ -37,8 +38,9 @@ COMPILE_BACKEND = "inductor"  # compile_step's backend
 
 def compiled_once(fn):
     """`fn` through `torch.compile(fullgraph=True)` (`COMPILE_BACKEND`). The first call compiles:
-    a failure there (inductor on a CPU with no C++ compiler, a graph break) stops with one line
-    naming `env_runners.compile_step`, not the compiler's traceback."""
+    a compile that fails there (inductor on a CPU with no C++ compiler, a graph break) stops with
+    one line naming `env_runners.compile_step` and the compiler's own cause (its error chained);
+    any other error passes as it is."""
     compiled, first = torch.compile(fn, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND), [True]
 
     def run(*args):
@@ -46,7 +48,7 @@ def compiled_once(fn):
             return compiled(*args)
         try:
             out = compiled(*args)
-        except Exception as err:
+        except TorchDynamoException as err:  # dynamo's and inductor's own (a graph break, no compiler)
             root = err
             for _ in range(16):  # dynamo wraps the backend's own error
                 inner = root.__cause__ or getattr(root, "inner_exception", None)
@@ -55,7 +57,7 @@ def compiled_once(fn):
                 root = inner
             cause = next((line for line in f"{type(root).__name__}: {root}".splitlines() if line.strip()))
             raise RuntimeError(f"env_runners.compile_step: compiling the decode step failed ({cause}); "
-                               "set env_runners.compile_step: false") from None
+                               "set env_runners.compile_step: false") from err
         first.clear()
         return out
 
