@@ -91,9 +91,13 @@ def report(path: str, s: dict) -> None:
     print(f"{path}: {s['iterations']} iterations, reward final {s['final']:.3f}, best {s['best']:.3f}")
     for it, n, batch in s["captures"]:
         print(f"  graph {n} captured at iteration {it} (batch of {batch:g} steps)")
-    print(f"  every batch {s['usual_batch']:g} steps from iteration {s['settled_from']}: "
-          f"{s['replayed_after']} of its {s['iterations_after']} iterations replayed a graph"
-          + (f", bucket(s) {s['buckets_after']}" if s["buckets_after"] else ""))
+    if not s["iterations_after"]:
+        print(f"  the batch shape never held to the end (the last iteration's batch differs from the "
+              f"usual {s['usual_batch']:g} steps)")
+    else:
+        print(f"  every batch {s['usual_batch']:g} steps from iteration {s['settled_from']}: "
+              f"{s['replayed_after']} of its {s['iterations_after']} iterations replayed a graph"
+              + (f", bucket(s) {s['buckets_after']}" if s["buckets_after"] else ""))
     if s["checks"]:
         (it, largest), median = s["checks"][-1], s["checks"][len(s["checks"]) // 2][1]
         print(f"  replay checks in {len(s['checks'])} iterations: |replay - eager| / |eager update| median "

@@ -35,6 +35,17 @@ def test_a_run_is_summarized_as_its_log_says():
     assert (s["final"], s["best"]) == (0.84, 0.84)
 
 
+def test_a_run_whose_batch_shape_never_holds_says_so(capsys):
+    from benchmarks.learner_log import report
+
+    rows = _run()
+    rows[-1] = {**rows[-1], "module_train_batch_size_mean": 2562.0}  # carried episodes: a few steps more
+    s = summarize(rows)
+    assert s["iterations_after"] == 0
+    report("x.jsonl", s)
+    assert "the batch shape never held to the end" in capsys.readouterr().out
+
+
 def test_replay_checks_are_summarized_and_named_at_a_fall():
     rows = _run()
     rows[6] = {**rows[6], "replay_checks": [{"apart_over_moved": 0.002}, {"apart_over_moved": 0.9}]}
