@@ -5,7 +5,7 @@ launch on a GPU) a rollout step runs when no row restarts and when 16 of them re
 prefill, as the fast EnvRunner calls it (`--restart-ops-only`: just those, on any device).
 
     python benchmarks/decode_step_profile.py [--model gpt2-small-shaped] [--vocab 50257] [--batch 128] [--device cuda]
-    python benchmarks/decode_step_profile.py --compile   # the step as it is against through torch.compile
+    python benchmarks/decode_step_profile.py --compile   # the step as it is, then through torch.compile
 
 Prints measured figures only. The step is the one `rollout_throughput.py` (e) times.
 """
@@ -127,7 +127,7 @@ def main():
     p.add_argument("--device", default="cuda")
     p.add_argument("--restart-ops-only", action="store_true", help="only the eager ops of a rollout step")
     p.add_argument("--compile", action="store_true",
-                   help="only the whole step as it is against through torch.compile (bf16 and captured on CUDA)")
+                   help="only the whole step as it is, then through torch.compile (bf16 and captured on CUDA)")
     args = p.parse_args()
     if args.compile:
         name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

@@ -1,9 +1,10 @@
 """What `peer_trl.py --learner-log` files say about a run: when the static update captured each
-graph, from which iteration on every batch had one shape (and so every update took the same
-bucket), which buckets served the updates from then on, the reward's falls with the learner's KL,
-gradient norm and entropy at them (and, with `--static-verify-every`, how far that iteration's
-replay was from the eager update: `check`), and, for several files of the same seed, the first iteration
-where they part (the reward, the loss or the gradient norm differs).
+graph, from which iteration on every batch had one size (the bucket also depends on the number of
+episodes: `static_bucket` names the one each update took), which buckets served the updates from
+then on, the reward's falls with the learner's KL, gradient norm and entropy at them (and, with
+`--static-verify-every`, how far that iteration's replay was from the eager update: `check`), and,
+for several files of the same seed, the first iteration where they part (the reward, the loss or
+the gradient norm differs).
 
     python benchmarks/learner_log.py RUN.jsonl [RUN2.jsonl ...] [--fall 0.05]
 

@@ -41,10 +41,12 @@ def compiled_once(fn):
     a compile that fails there (inductor on a CPU with no C++ compiler, a graph break) stops with
     one line naming `env_runners.compile_step` and the compiler's own cause (its error chained);
     any other error passes as it is."""
-    compiled, first = torch.compile(fn, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND), [True]
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND)
+    compiled_yet = False
 
     def run(*args):
-        if not first:
+        nonlocal compiled_yet
+        if compiled_yet:
             return compiled(*args)
         try:
             out = compiled(*args)
@@ -58,7 +60,7 @@ def compiled_once(fn):
             cause = next((line for line in f"{type(root).__name__}: {root}".splitlines() if line.strip()))
             raise RuntimeError(f"env_runners.compile_step: compiling the decode step failed ({cause}); "
                                "set env_runners.compile_step: false") from err
-        first.clear()
+        compiled_yet = True
         return out
 
     return run
