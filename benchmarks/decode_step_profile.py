@@ -81,21 +81,27 @@ def count_ops(fn) -> int:
 
 def restart_ops(args) -> None:
     """Eager ops and milliseconds of the EnvRunner module's rollout step (`hidden_at_last_token`
-    with the draw) when every row continues and when 1 in 8 rows restarts on the prompt."""
+    with the draw) when every row continues and when 1 in 8 rows restarts on the prompt: prefilled
+    eagerly (shared by window: one prompt, one pass) or inside the step (`DecodeEngine.restart`,
+    captured on CUDA; eager on the CPU, where its ops count as eager too)."""
     args.precision = "fp32"
     module, device, obs, key = engine_module(args)
     cache, trunk = module.kv_cache, module.lm.base_model
     uniform = torch.rand(args.batch, 1, dtype=torch.float64, device=device)
     restart = np.ones(args.batch, bool)
     restart[::8] = False
-    calls = {"every row continues": np.ones(args.batch, bool), f"{(~restart).sum()} rows restart": restart}
+    n = (~restart).sum()
+    calls = {"every row continues": (np.ones(args.batch, bool), None),
+             f"{n} rows restart, eager prefills": (restart, False),
+             f"{n} rows restart in the step": (restart, True)}
     with torch.no_grad():
         cache.hidden_at_last_token(trunk, obs, None, tail=module._sample, tail_inputs=(uniform,), key=key)
-        for label, cont in calls.items():
+        for label, (cont, static) in calls.items():
+            cache.static_restarts = static
             call = lambda: cache.hidden_at_last_token(trunk, obs, cont, tail=module._sample,  # noqa: E731
                                                       tail_inputs=(uniform,), key=key)
             call()
-            print(f"rollout step, {label:20s}: {count_ops(call):4d} eager ops, {time_ms(call, device, n=10):8.3f} ms",
+            print(f"rollout step, {label:34s}: {count_ops(call):4d} eager ops, {time_ms(call, device, n=10):8.3f} ms",
                   flush=True)
 
 

@@ -25,6 +25,8 @@
 #              fp32's reward (about 75 s a run; run 2026-11-26)
 #   ppo_profile  ppo_profile.py: a colocated PPO iteration's time by phase, host clock, synced and
 #              under torch.profiler (36-45 s)
+#   restarts   the captured-step tests (restarting rows prefilled inside the captured step), then
+#              ppo_profile with restarts prefilled eagerly and inside the step (not yet run)
 # rollouts_bf16, peer_bf16 and peer_fp32: the same with the rollouts' weights in bf16 or fp32
 # (env_runners.precision; its default, auto, is bf16 on a GPU with bf16, so peer is peer_bf16 there);
 # rollouts_tf32: fp32 weights with TF32 matmuls on every path (as a training run's process has them).
@@ -141,6 +143,13 @@ for step in "${steps[@]}"; do
              "tests/test_decode_engine.py::test_a_compiled_step_gives_the_eager_steps_tokens" ;;
     ppo_profile) run "ppo_profile$tag" 240 $PY benchmarks/ppo_profile.py --device cuda --model gpt2-small-shaped \
              --iters 6 --trace "$OUT/ppo_trace$tag.json" "${block_set[@]}" ;;
+    restarts) run restarts_tests 90 $PY -m pytest -q -p no:cacheprovider \
+             tests/test_decode_engine.py::test_captured_cuda_graph_step_gives_the_eager_steps_tokens \
+             "tests/test_decode_engine.py::test_a_block_of_steps_on_the_device_gives_one_act_per_step[cuda]"
+            for restarts in eager static; do
+              run "ppo_profile_restarts_$restarts$tag" 240 $PY benchmarks/ppo_profile.py --device cuda \
+              --model gpt2-small-shaped --iters 6 --restarts $restarts "${block_set[@]}"
+            done ;;
     static) run static_tests 120 $PY -m pytest -q -p no:cacheprovider tests/test_static_update.py
             for update in false true; do
               run "ppo_profile_static_$update$tag_only" 240 $PY benchmarks/ppo_profile.py --device cuda \
@@ -155,7 +164,7 @@ for step in "${steps[@]}"; do
              --requests 200 --stream off --ingress direct
            run serve_gpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
              --requests 200 --stream off --ingress direct --serve-args "--num-gpus 1" ;;
-    *) echo "unknown step: $step (tests static static_long static_graphs static_verify compiled_step captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve)" >&2
+    *) echo "unknown step: $step (tests static static_long static_graphs static_verify compiled_step restarts captured rollouts rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve)" >&2
        exit 2 ;;
   esac
 done

@@ -3,6 +3,7 @@ included, and under torch.profiler (kernel launches, graph replays, device time)
 
     python benchmarks/ppo_profile.py [--device cuda] [--model gpt2-small-shaped] [--iters 6]
                                      [--trace trace.json] [--set key=value ...]
+                                     [--restarts auto|static|eager]
 
 Builds the PPO run of `peer_trl.py`'s project side (the quickstart task, 128 rows, 2,560-step
 batches, one epoch, kl 0, lr 1e-4; `--device cuda` gives the learner the GPU and the rollouts
@@ -19,7 +20,8 @@ share it), runs two warm-up iterations, then three passes of --iters iterations 
 Phases nest (an iteration holds sampling, sampling holds the module's `act`); each row gives
 the phase's time and its time outside the phases nested in it ("own"), per iteration and per
 sampled token. On the CPU the device is the host: `synced` equals `host`, and the profile counts
-torch ops only.
+torch ops only. `--restarts eager` keeps the prefills of restarting rows out of the captured step
+(the path before `DecodeEngine.restart`), to measure the two side by side.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from agents.config import algorithm_config, load  # noqa: E402
 
 PEER_SETTINGS = ["env_runners.num_envs_per_env_runner=128", "training.train_batch_size=2560",
                  "training.minibatch_size=2560", "training.num_epochs=1", "reward.kl_coef=0", "training.lr=1e-4"]
+RESTARTS = {"auto": None, "static": True, "eager": False}  # --restarts -> RingKVCache.static_restarts
 # phase -> its parent (the tree the report is printed as)
 TREE = {"iteration": None, "sample": "iteration", "act": "sample", "env": "sample", "episodes": "sample",
         "update": "iteration", "learner connector": "update", "training passes": "update",
@@ -198,7 +201,8 @@ def rollout_path(algo) -> str:
         desc += ", no decode engine (the window cache's eager step)"
     else:
         desc += (f", decode engine {engine.rows} rows x {engine.length} columns, "
-                 f"{'captured: ' + str(len(engine.graphs)) + ' graph(s)' if engine.capture else 'eager'}")
+                 f"{'captured: ' + str(len(engine.graphs)) + ' graph(s)' if engine.capture else 'eager'}, "
+                 f"restarts {'in the static step' if cache._restarts_in_step(engine, engine.slot) else 'eager'}")
     return desc + f"; rows so far: {cache.stats}"
 
 
@@ -212,6 +216,9 @@ def main():
     p.add_argument("--trace", default=None, help="write the profiled iterations' Chrome trace here")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--restarts", default="auto", choices=RESTARTS,
+                   help="where rows that restart are prefilled: inside the captured step (static), in eager "
+                        "passes shared by window (eager), or the engine's default (auto: static where it captures)")
     args = p.parse_args()
     import ray
 
@@ -228,6 +235,9 @@ def main():
              log_to_driver=False)
     try:
         algo = algorithm_config(cfg).build_algo()
+        cache = getattr(algo.env_runner_group.local_env_runner.module, "kv_cache", None)
+        if hasattr(cache, "static_restarts"):
+            cache.static_restarts = RESTARTS[args.restarts]
         torch.set_num_threads(args.threads)
         phases = Phases()
         instrument(algo, phases)

@@ -39,9 +39,9 @@ def rollout(module, steps=40, seed=0, device="cpu"):
         batch = {Columns.OBS: {k: torch.as_tensor(np.stack([o[k] for o in obs])).to(device) for k in obs[0]},
                  ROW_CONTINUES: torch.from_numpy(cont.copy())}
         out = module.act(batch)
-        a = out[Columns.ACTIONS].cpu().numpy()
+        a = out[Columns.ACTIONS].cpu().numpy().copy()  # copies: a replayed graph's outputs are overwritten
         actions.append(a)
-        logps.append(out[Columns.ACTION_LOGP].cpu().numpy())
+        logps.append(out[Columns.ACTION_LOGP].cpu().numpy().copy())
         for i, e in enumerate(envs):
             o, _, done, _, _ = e.step(int(a[i]))
             obs[i], cont[i] = (e.reset(seed=100 + t)[0], False) if done else (o, True)
@@ -155,7 +155,8 @@ def test_captured_cuda_graph_step_gives_the_eager_steps_tokens():
     eager.kv_cache = RingKVCache(capture=False)
     a1, l1 = rollout(ring, device="cuda")
     a2, l2 = rollout(eager, device="cuda")
-    assert ring.kv_cache.engine.graphs  # the step was captured and replayed
+    graphs = ring.kv_cache.engine.graphs  # the step was captured and replayed, with the restarts in it
+    assert ("explore", True) in graphs and ("restart", 6, ("explore", True)) in graphs
     np.testing.assert_array_equal(a1, a2)
     np.testing.assert_allclose(l1, l2, atol=1e-4)
 
@@ -398,3 +399,114 @@ def test_a_block_of_steps_on_the_device_gives_one_act_per_step(device):
     assert block[Columns.ACTIONS].shape == (5, len(PROMPTS))
     if device == "cuda":
         assert module.kv_cache.engine.graphs
+
+
+def capture_on_the_cpu(engine) -> None:
+    """The engine's capture path on the CPU: `_capture` runs the real warm-up, then keeps the
+    function as the 'graph' and its outputs as static tensors (computed with the ring put back
+    as it was, as a capture computes nothing); a replay runs it on the static inputs and writes
+    the static outputs in place, as a CUDA graph's replay does."""
+    engine.capture = True
+
+    class Graph:
+        def __init__(self, run, out):
+            self.run, self.out = run, out
+
+        def replay(self):
+            new = self.run()
+            for a, b in ((self.out, new),) if torch.is_tensor(new) else ((self.out[k], v) for k, v in new.items()):
+                a.copy_(b)
+
+    def capture(static_inputs, run):
+        engine._warm_up(run)
+        state = [t.clone() for t in (engine.kv, engine.real, engine.slot)]
+        out = run()
+        out = out.clone() if torch.is_tensor(out) else {k: v.clone() for k, v in out.items()}
+        for t, saved in zip((engine.kv, engine.real, engine.slot), state):
+            t.copy_(saved)
+        return Graph(run, out), static_inputs, out
+
+    engine._capture = capture
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("sampler", [None, {"name": "top_k", "k": 4}, {"name": "typical", "p": 0.9}])
+@pytest.mark.parametrize("how", ["eager", "captured-on-cpu"])
+def test_restarts_inside_the_static_step_give_the_eager_prefills_tokens_and_log_probs(sampler, how):
+    """`static_restarts` (the default where the engine captures: a GPU): rows that restart are
+    prefilled inside the static step, every one of them (no sharing by window), in a few restart
+    functions (one per bucket of rows), and the rollout's tokens and log-probs are the eager
+    prefills'. `captured-on-cpu`: through the capture path (warm-up, static inputs and outputs)."""
+    static = make_module(sampler)
+    eager = copy.deepcopy(static)
+    static.kv_cache.static_restarts, eager.kv_cache.static_restarts = True, False
+    for m in (static, eager):
+        m.seed_rollouts(0)
+    if how == "captured-on-cpu":
+        generator = static.rollout_generator(torch.device("cpu"))
+        start = generator.get_state()
+        static.act({Columns.OBS: {k: torch.as_tensor(v)[None].repeat(len(PROMPTS), 1) for k, v in
+                                  TokenGenerationEnv(ENV_CFG).reset(seed=0)[0].items()},
+                    ROW_CONTINUES: torch.zeros(len(PROMPTS), dtype=torch.bool)})  # builds the engine
+        static.weights_changed()
+        static.kv_cache.stats.update(dict.fromkeys(static.kv_cache.stats, 0))
+        capture_on_the_cpu(static.kv_cache.engine)
+        generator.set_state(start)
+    a1, l1 = rollout(static, steps=40)
+    a2, l2 = rollout(eager, steps=40)
+    np.testing.assert_array_equal(a1, a2)
+    np.testing.assert_allclose(l1, l2, atol=1e-5)
+    s, e = static.kv_cache.stats, eager.kv_cache.stats
+    assert s["prefill_rows"] == e["prefill_rows"] == s["prefill_computed_rows"] > e["prefill_computed_rows"]
+    if how == "captured-on-cpu":
+        names = set(static.kv_cache.engine.graphs)
+        restarts = {n for n in names if n[0] == "restart"}
+        assert names - restarts == {("explore", True)}  # no eager prefill, no separate tail
+        assert restarts == {("restart", 6, ("explore", True))}  # 6 rows: one bucket
+
+
+@torch.no_grad()
+def test_the_restart_step_compiles_with_fullgraph_and_writes_the_eager_prefills_into_the_ring():
+    """The step with restarts (trunk, prefill of the restarting rows, ring writes, head, draw) has
+    no graph break: the precondition for capturing it. Its hidden states and the ring's real
+    columns equal a step followed by `load_rows` of eager prefills."""
+    torch._dynamo.reset()
+    module = make_module()
+    trunk = module.lm.base_model
+    _, _, ids, mask = _engine_and_window()
+    want, got = DecodeEngine(trunk, 5, 10), DecodeEngine(trunk, 5, 10)
+    layers = prefill_pass(trunk, ids, mask)[1]
+    for e in (want, got):
+        e.load_rows(None, layers, mask)
+
+    def whole_step(engine, token, ids, mask, fill, uniform):
+        return module._sample(engine.restart_hidden(token, ids, mask, fill), uniform)
+
+    step = torch.compile(whole_step, fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(3)
+    for t in range(12):  # past the ring's end
+        token, uniform = torch.randint(2, 12, (5,), generator=g), torch.rand(5, 1, dtype=torch.float64, generator=g)
+        ids = torch.cat([ids[:, 1:], token[:, None]], 1)
+        mask = torch.cat([mask[:, 1:], torch.ones(5, 1, dtype=torch.long)], 1)
+        fill = torch.tensor([t % 5, (t + 2) % 5, t % 5])  # two rows restart (one named twice)
+        ids[fill], mask[fill] = torch.randint(2, 12, (3, 10), generator=g), (torch.arange(10) >= 7).long()
+        out = step(got, token, ids, mask, fill, uniform)
+        hidden = want.step(token).clone()
+        h_fill, kv = prefill_pass(trunk, ids[fill[:2]], mask[fill[:2]], stacked=True)
+        want.load_rows(fill[:2], kv, mask[fill[:2]])
+        hidden[fill[:2]] = h_fill
+        expected = module._sample(hidden, uniform)
+        torch.testing.assert_close(out[Columns.ACTIONS], expected[Columns.ACTIONS])
+        torch.testing.assert_close(out[Columns.ACTION_LOGP], expected[Columns.ACTION_LOGP], atol=1e-5, rtol=1e-5)
+        assert torch.equal(got.real, want.real) and torch.equal(got.slot, want.slot)
+        real = want.real[None, None, :, None, :, None]
+        torch.testing.assert_close(got.kv * real, want.kv * real, atol=1e-5, rtol=1e-5)
+
+
+def test_restart_buckets_are_powers_of_two_between_eight_and_the_rows():
+    from agents.modules.decode_engine import restart_bucket
+
+    assert [restart_bucket(n, 128) for n in (1, 8, 9, 16, 17, 33, 64, 65, 127, 128)] == [
+        8, 8, 16, 16, 32, 64, 64, 128, 128, 128]
+    assert [restart_bucket(n, 6) for n in (1, 5, 6)] == [6, 6, 6]
+    assert len({restart_bucket(n, 128) for n in range(1, 129)}) == 5

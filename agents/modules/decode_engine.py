@@ -17,7 +17,9 @@ whole rollout step (forward, mask, sample, log-prob, value) is one static functi
 function is captured once per (batch size, tail) as a `torch.cuda.CUDAGraph` and replayed;
 weight syncs copy into the module's tensors in place, so a captured graph stays valid. On the
 CPU the same function runs eagerly (and compiles with `torch.compile(fullgraph=True)`: the
-tests check it, the precondition for capture). Prefills stay eager and write into the buffers.
+tests check it, the precondition for capture). Rows that restart are prefilled inside the same
+static step where the engine captures it (`DecodeEngine.restart`: one graph per bucket of
+restarting rows), else eagerly, written into the buffers.
 
 Only a plain `GPT2Model` trunk qualifies (`_plain_gpt2_blocks`); others keep `WindowKVCache`.
 """
@@ -28,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.exc import TorchDynamoException
 
-from agents.modules.kv_cache import (WindowKVCache, _plain_gpt2_blocks, attention_mask_per_head,
-                                     rows_that_continue, window_attention)
+from agents.modules.kv_cache import (WindowKVCache, _plain_gpt2_blocks, attention_mask_per_head, gpt2_forward,
+                                     lean_forward_verdict, rows_that_continue, window_attention)
 from agents.modules.prefill_store import stack_layers
 
 
@@ -132,26 +134,61 @@ class DecodeEngine:
         (a function of tensors of fixed shapes; `key` names it among captured graphs). Replays a
         captured CUDA graph where `capture` is on: the outputs are then the graph's own tensors,
         overwritten by its next replay (a caller that keeps them across steps copies them)."""
-        name = key if tail is not None else None
+        return self._run(key if tail is not None else None,
+                         lambda token, *inputs: self._whole_step(tail, token, inputs), (token, *tail_inputs))
+
+    def restart(self, token: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, fill: torch.Tensor,
+                tail=None, tail_inputs: tuple = (), key=None):
+        """`step`, with the rows `fill` restarting on their windows (`restart_hidden`) in the same
+        static function: one captured graph per number of rows in `fill` (`restart_bucket`)."""
+        name = ("restart", len(fill), key if tail is not None else None)
+        return self._run(name, lambda token, ids, mask, fill, *inputs: self._whole_step(
+            tail, token, inputs, restart=(ids, mask, fill)), (token, ids, mask, fill, *tail_inputs))
+
+    def start_over(self) -> None:
+        """Before a `restart` of every row: the ring then starts over in the window's own layout
+        (newest column at slot L-1), as `load_rows(None, ...)` does."""
+        self.slot_host = self.length - 2
+        self.slot.fill_(self.slot_host)
+
+    def _run(self, name, fn, inputs: tuple):
+        """`fn(*inputs)` (a function of fixed shapes that takes one step): eagerly, compiled
+        (`compile_step`), or as the CUDA graph captured for `name` at its first call."""
         if not self.capture:
             self.slot_host = (self.slot_host + 1) % self.length
             if not self.compile_step:
-                hidden = self.step_hidden(token)
-                return hidden if tail is None else tail(hidden, *tail_inputs)
+                return fn(*inputs)
             if name not in self.compiled:
-                self.compiled[name] = self._compiled(lambda token, *inputs: self._whole_step(tail, token, inputs))
-            return self.compiled[name](token, *tail_inputs)
+                self.compiled[name] = self._compiled(fn)
+            return self.compiled[name](*inputs)
         graph = self.graphs.get(name)
         if graph is None:
-            static_inputs = [token.clone(), *(t.clone() for t in tail_inputs)]
-            step = self._compiled(lambda: self._whole_step(tail, static_inputs[0], static_inputs[1:]))
-            graph = self.graphs[name] = self._capture(static_inputs, step)
+            static_inputs = [t.clone() for t in inputs]
+            graph = self.graphs[name] = self._capture(static_inputs, self._compiled(lambda: fn(*static_inputs)))
         self.slot_host = (self.slot_host + 1) % self.length
-        return self._replay(graph, (token, *tail_inputs))
+        return self._replay(graph, inputs)
 
-    def _whole_step(self, tail, token: torch.Tensor, tail_inputs):
-        hidden = self.step_hidden(token)
+    def _whole_step(self, tail, token: torch.Tensor, tail_inputs, restart=None):
+        hidden = self.step_hidden(token) if restart is None else self.restart_hidden(token, *restart)
         return hidden if tail is None else tail(hidden, *tail_inputs)
+
+    def restart_hidden(self, token: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                       fill: torch.Tensor) -> torch.Tensor:
+        """`step_hidden`, then the rows `fill` ((n,) row indices, repeats allowed) restart on their
+        windows `ids[fill]`, `mask[fill]` ((rows, L), the env's layout): one pass over those whole
+        windows (padding columns included: fixed shapes) whose keys and values are written over
+        the rows' ring, rotated so that each window's newest column sits at the new slot. The hidden
+        state at every row's newest token. Fixed shapes, in-place writes, no host sync: a step
+        whose restarts are captured with it, where `WindowKVCache`'s eager prefills (one kernel per
+        op, a host read to share prefills by window) cost more host time than the GPU saves by
+        computing each window once."""
+        hidden = self.step_hidden(token)
+        h_fill, layers = gpt2_forward(self.trunk, ids.index_select(0, fill), mask.index_select(0, fill),
+                                      keys_values=True)
+        order = (torch.arange(self.length, device=self.device) - self.slot - 1).remainder_(self.length)
+        self.kv.index_copy_(2, fill, stack_layers(layers).index_select(4, order).to(self.dtype))
+        self.real.index_copy_(0, fill, mask.index_select(0, fill).bool().index_select(1, order))
+        return hidden.index_copy(0, fill, h_fill[:, -1].to(hidden.dtype))
 
     def _compiled(self, fn):
         return compiled_once(fn) if self.compile_step else fn
@@ -231,11 +268,22 @@ class DecodeEngine:
             self.real[rows] = torch.roll(mask.bool(), shift, 1)
 
 
+RESTART_BUCKET_MIN = 8
+
+
+def restart_bucket(n: int, rows: int) -> int:
+    """The number of rows a step that restarts `n` of `rows` rows prefills (the first restarting
+    row repeated up to it): the next power of two, at least RESTART_BUCKET_MIN, at most `rows`.
+    So a captured engine holds a few restart graphs (5 at 128 rows) whatever `n` is."""
+    return min(rows, max(RESTART_BUCKET_MIN, 1 << (n - 1).bit_length()))
+
+
 class RingKVCache(WindowKVCache):
     """`WindowKVCache`'s interface over a `DecodeEngine` where the trunk is a plain GPT-2 (other
     trunks: `WindowKVCache` itself). Rows that continue take the engine's static step; rows that
-    (re)start are prefilled (eagerly, shared and stored by window as in `WindowKVCache`) and
-    written into the ring. `cont` given on the CPU (the fast EnvRunner's `ROW_CONTINUES`) costs
+    (re)start are prefilled and written into the ring: inside the static step where the engine
+    captures it (`static_restarts`), else eagerly, shared and stored by window as in
+    `WindowKVCache`. `cont` given on the CPU (the fast EnvRunner's `ROW_CONTINUES`) costs
     no device sync."""
 
     def __init__(self, *args, capture: bool | None = None, compile_step: bool = False, **kwargs):
@@ -243,6 +291,9 @@ class RingKVCache(WindowKVCache):
         self.capture, self.compile_step = capture, compile_step
         self.engine: DecodeEngine | None = None
         self.use_engine = True  # False: always WindowKVCache's path
+        # restarting rows prefilled inside the static step (True), eagerly and shared by window
+        # (False), or where the engine captures its step (None: on a GPU)
+        self.static_restarts: bool | None = None
 
     def invalidate(self) -> None:
         super().invalidate()
@@ -263,6 +314,14 @@ class RingKVCache(WindowKVCache):
         self.engine = DecodeEngine(trunk, rows, length, capture=self.capture, compile_step=self.compile_step)
         self.loaded = False
         return self.engine
+
+    def _restarts_in_step(self, engine, ids) -> bool:
+        """Whether restarting rows take `DecodeEngine.restart` (prefilled inside the static step),
+        not the eager prefills: `static_restarts`, by default where the engine captures its step
+        (a GPU), once the trunk's tensor-op pass is known to match transformers' forward."""
+        wanted = engine.capture if self.static_restarts is None else self.static_restarts
+        return (wanted and lean_forward_verdict(engine.trunk) is True
+                and not torch.is_autocast_enabled(ids.device.type))
 
     def _continuing(self, ids, mask, cont) -> torch.Tensor:
         """Which rows continue, on the CPU."""
@@ -285,6 +344,14 @@ class RingKVCache(WindowKVCache):
         self.ids, self.mask = ids, mask
         if n_step == n:  # the usual step: static, captured where the engine captures
             return engine.step(ids[:, -1], tail, tail_inputs, key)
+        if self._restarts_in_step(engine, ids):
+            fill = torch.nonzero(~cont)[:, 0]
+            self.stats["prefill_computed_rows"] += len(fill)
+            if n_step == 0:
+                engine.start_over()
+                self.loaded = True
+            fill = torch.cat([fill, fill[:1].expand(restart_bucket(len(fill), n) - len(fill))]).to(ids.device)
+            return engine.restart(ids[:, -1], ids, mask, fill, tail, tail_inputs, key)
         if n_step == 0:
             hidden, kv = self._prefill(trunk, ids, mask)
             engine.load_rows(None, kv, mask)
