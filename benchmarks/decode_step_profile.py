@@ -22,6 +22,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.emulated_capture import count_ops  # noqa: E402
 from benchmarks.rollout_throughput import engine_module, sync  # noqa: E402
 
 
@@ -60,23 +61,6 @@ def time_ms(fn, device, n: int = 40) -> float:
             sync(device)
             times.append((time.perf_counter() - start) / n)
     return 1e3 * float(np.median(times))
-
-
-def count_ops(fn) -> int:
-    """How many aten ops `fn()` runs eagerly (each a kernel launch on a GPU; a replayed CUDA graph
-    counts none)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n
 
 
 def restart_ops(args) -> None:

@@ -3,7 +3,7 @@ included, and under torch.profiler (kernel launches, graph replays, device time)
 
     python benchmarks/ppo_profile.py [--device cuda] [--model gpt2-small-shaped] [--iters 6]
                                      [--trace trace.json] [--set key=value ...]
-                                     [--restarts auto|static|eager]
+                                     [--restarts auto|static|eager] [--emulate-capture]
 
 Builds the PPO run of `peer_trl.py`'s project side (the quickstart task, 128 rows, 2,560-step
 batches, one epoch, kl 0, lr 1e-4; `--device cuda` gives the learner the GPU and the rollouts
@@ -21,7 +21,9 @@ Phases nest (an iteration holds sampling, sampling holds the module's `act`); ea
 the phase's time and its time outside the phases nested in it ("own"), per iteration and per
 sampled token. On the CPU the device is the host: `synced` equals `host`, and the profile counts
 torch ops only. `--restarts eager` keeps the prefills of restarting rows out of the captured step
-(the path before `DecodeEngine.restart`), to measure the two side by side.
+(the path before `DecodeEngine.restart`), to measure the two side by side. `--emulate-capture`
+(CPU): the decode engine's graphs captured and replayed on the CPU (benchmarks/emulated_capture.py),
+then a pass counting, per phase, the ops run outside them: each a kernel launch on a GPU.
 """
 from __future__ import annotations
 
@@ -52,8 +54,10 @@ class Phases:
 
     def __init__(self):
         self.total, self.own, self.calls = dict.fromkeys(TREE, 0.0), dict.fromkeys(TREE, 0.0), dict.fromkeys(TREE, 0)
-        self.stack: list = []  # [phase, start, seconds in nested phases]
+        self.stack: list = []  # [phase, start, seconds in nested phases, ops at start, ops in nested phases]
         self.sync = lambda: None
+        self.ops = lambda: 0  # ops counted so far (`--emulate-capture`)
+        self.ops_total, self.ops_own = dict.fromkeys(TREE, 0), dict.fromkeys(TREE, 0)
         self.profiling = False
 
     def wrap(self, owner, name: str, phase: str) -> None:
@@ -64,27 +68,31 @@ class Phases:
             if phases.stack and phases.stack[-1][0] == phase:  # a phase calling itself counts once
                 return orig(*args, **kwargs)
             phases.sync()
-            phases.stack.append([phase, time.perf_counter(), 0.0])
+            phases.stack.append([phase, time.perf_counter(), 0.0, phases.ops(), 0])
             label = torch.profiler.record_function(phase) if phases.profiling else nullcontext()
             try:
                 with label:
                     return orig(*args, **kwargs)
             finally:
                 phases.sync()
-                _, t0, nested = phases.stack.pop()
-                dt = time.perf_counter() - t0
+                _, t0, nested, ops0, nested_ops = phases.stack.pop()
+                dt, ops = time.perf_counter() - t0, phases.ops() - ops0
                 phases.total[phase] += dt
                 phases.own[phase] += dt - nested
+                phases.ops_total[phase] += ops
+                phases.ops_own[phase] += ops - nested_ops
                 phases.calls[phase] += 1
                 if phases.stack:
                     phases.stack[-1][2] += dt
+                    phases.stack[-1][4] += ops
 
         setattr(owner, name, timed)
 
     def reset(self) -> None:
         for d in (self.total, self.own):
             d.update(dict.fromkeys(d, 0.0))
-        self.calls.update(dict.fromkeys(self.calls, 0))
+        for d in (self.calls, self.ops_total, self.ops_own):
+            d.update(dict.fromkeys(d, 0))
 
 
 def instrument(algo, phases: Phases) -> None:
@@ -124,6 +132,21 @@ def report(title: str, phases: Phases, iters: int, tokens: int) -> None:
                 name = "  " * depth + phase
                 print(f"  {name:24s} {1e3 * t / iters:9.2f} {1e3 * o / iters:12.2f} {1e6 * t / tokens:9.2f} "
                       f"{1e6 * o / tokens:13.2f} {phases.calls[phase] / iters:11.1f}")
+                rows(phase, depth + 1)
+
+    rows(None, 0)
+
+
+def report_ops(phases: Phases, iters: int, replays: int) -> None:
+    print(f"== ops outside the decode engine's graphs (captured on the CPU, emulated: each would be a kernel "
+          f"launch on a GPU): {iters} iterations, {replays / iters:.1f} graph replays per iteration")
+    print(f"  {'phase':24s} {'ops/iter':>9s} {'own ops/iter':>13s}")
+
+    def rows(parent, depth):
+        for phase, p in TREE.items():
+            if p == parent:
+                name = "  " * depth + phase
+                print(f"  {name:24s} {phases.ops_total[phase] / iters:9.1f} {phases.ops_own[phase] / iters:13.1f}")
                 rows(phase, depth + 1)
 
     rows(None, 0)
@@ -219,12 +242,21 @@ def main():
     p.add_argument("--restarts", default="auto", choices=RESTARTS,
                    help="where rows that restart are prefilled: inside the captured step (static), in eager "
                         "passes shared by window (eager), or the engine's default (auto: static where it captures)")
+    p.add_argument("--emulate-capture", action="store_true",
+                   help="CPU only: the decode engine's graphs captured and replayed on the CPU (emulated), then a "
+                        "pass that counts the ops run outside them per phase (each a kernel launch on a GPU)")
     args = p.parse_args()
     import ray
 
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device")
+    if cuda and args.emulate_capture:
+        p.error("--emulate-capture: CPU only (on a GPU the graphs are captured; the profile pass counts launches)")
+    from benchmarks.emulated_capture import OpCounter, emulate_capture
+
+    counter = OpCounter()
+    emulation = emulate_capture(counter) if args.emulate_capture else nullcontext()
     overrides = PEER_SETTINGS + [f"model.name_or_path={args.model}"]
     overrides += ["learners.num_gpus_per_learner=1"] if cuda else []
     cfg = load(args.config, overrides + args.overrides)
@@ -234,6 +266,7 @@ def main():
     ray.init(num_cpus=2, num_gpus=1 if cuda else 0, include_dashboard=False, logging_level="ERROR",
              log_to_driver=False)
     try:
+        emulation.__enter__()
         algo = algorithm_config(cfg).build_algo()
         cache = getattr(algo.env_runner_group.local_env_runner.module, "kv_cache", None)
         if hasattr(cache, "static_restarts"):
@@ -249,6 +282,14 @@ def main():
         report("host clock", phases, args.iters, tokens)
         print(f"  {tokens / wall:,.0f} sampled tokens/s including learning")
         print(f"  rollout path: {rollout_path(algo)}", flush=True)
+        if args.emulate_capture:
+            phases.reset()
+            phases.ops = lambda: counter.n
+            counter.replays = 0
+            with counter:
+                run(algo, args.iters)
+            phases.ops = lambda: 0
+            report_ops(phases, args.iters, counter.replays)
         if cuda:
             phases.reset()
             phases.sync = torch.cuda.synchronize
@@ -268,6 +309,7 @@ def main():
             print(f"trace: {args.trace}")
         algo.stop()
     finally:
+        emulation.__exit__(None, None, None)
         ray.shutdown()
 
 

@@ -12,6 +12,7 @@ from agents.modules import CausalLMActorCritic
 from agents.modules.decode_engine import DecodeEngine, RingKVCache
 from agents.core import ROW_CONTINUES
 from agents.modules.kv_cache import WindowKVCache, prefill_pass
+from benchmarks.emulated_capture import capture_on_the_cpu
 from env.text_env import TokenGenerationEnv
 
 ENV_CFG = {"task": {"name": "increasing_numbers", "num_numbers": 10}, "max_prompt_len": 4, "max_new_tokens": 6}
@@ -302,7 +303,7 @@ def test_restarted_rows_are_written_in_as_many_ops_whatever_the_number_of_layers
     layer), from the stacked keys/values or from per-layer pairs alike."""
     from transformers import GPT2Config, GPT2Model
 
-    from benchmarks.decode_step_profile import count_ops
+    from benchmarks.emulated_capture import count_ops
 
     counts = []
     for n_layer in (2, 6):
@@ -401,34 +402,6 @@ def test_a_block_of_steps_on_the_device_gives_one_act_per_step(device):
         assert module.kv_cache.engine.graphs
 
 
-def capture_on_the_cpu(engine) -> None:
-    """The engine's capture path on the CPU: `_capture` runs the real warm-up, then keeps the
-    function as the 'graph' and its outputs as static tensors (computed with the ring put back
-    as it was, as a capture computes nothing); a replay runs it on the static inputs and writes
-    the static outputs in place, as a CUDA graph's replay does."""
-    engine.capture = True
-
-    class Graph:
-        def __init__(self, run, out):
-            self.run, self.out = run, out
-
-        def replay(self):
-            new = self.run()
-            for a, b in ((self.out, new),) if torch.is_tensor(new) else ((self.out[k], v) for k, v in new.items()):
-                a.copy_(b)
-
-    def capture(static_inputs, run):
-        engine._warm_up(run)
-        state = [t.clone() for t in (engine.kv, engine.real, engine.slot)]
-        out = run()
-        out = out.clone() if torch.is_tensor(out) else {k: v.clone() for k, v in out.items()}
-        for t, saved in zip((engine.kv, engine.real, engine.slot), state):
-            t.copy_(saved)
-        return Graph(run, out), static_inputs, out
-
-    engine._capture = capture
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("sampler", [None, {"name": "top_k", "k": 4}, {"name": "typical", "p": 0.9}])
 @pytest.mark.parametrize("how", ["eager", "captured-on-cpu"])
@@ -450,7 +423,7 @@ def test_restarts_inside_the_static_step_give_the_eager_prefills_tokens_and_log_
                     ROW_CONTINUES: torch.zeros(len(PROMPTS), dtype=torch.bool)})  # builds the engine
         static.weights_changed()
         static.kv_cache.stats.update(dict.fromkeys(static.kv_cache.stats, 0))
-        capture_on_the_cpu(static.kv_cache.engine)
+        capture_on_the_cpu(static.kv_cache.engine)  # the capture path: warm-up, static inputs and outputs
         generator.set_state(start)
     a1, l1 = rollout(static, steps=40)
     a2, l2 = rollout(eager, steps=40)
@@ -510,3 +483,36 @@ def test_restart_buckets_are_powers_of_two_between_eight_and_the_rows():
         8, 8, 16, 16, 32, 64, 64, 128, 128, 128]
     assert [restart_bucket(n, 6) for n in (1, 5, 6)] == [6, 6, 6]
     assert len({restart_bucket(n, 128) for n in range(1, 129)}) == 5
+
+
+@torch.no_grad()
+def test_a_captured_step_with_restarts_runs_as_many_ops_outside_its_graph_whatever_the_depth():
+    """With the engine's capture emulated on the CPU, a step where rows restart runs the same
+    number of ops outside its graph (each a kernel launch on a GPU) at 2 and at 6 layers, and
+    fewer than with eager prefills, whose ops grow with the layers."""
+    from transformers import GPT2Config, GPT2Model
+
+    from benchmarks.emulated_capture import OpCounter, emulate_capture
+
+    counts = {}
+    for n_layer in (2, 6):
+        torch.manual_seed(0)
+        trunk = GPT2Model(GPT2Config(vocab_size=30, n_positions=16, n_layer=n_layer, n_head=2, n_embd=16)).eval()
+        ids = torch.randint(2, 12, (16, 10))
+        mask = (torch.arange(10) >= 7).long().expand(16, -1).contiguous()
+        cont = torch.ones(16, dtype=torch.bool)
+        cont[::3] = False
+        for static in (True, False):
+            counter = OpCounter()
+            with emulate_capture(counter):
+                cache = RingKVCache()
+                cache.static_restarts = static
+                cache.hidden_at_last_token(trunk, {"input_ids": ids, "attention_mask": mask})  # a full load
+                for _ in range(2):  # the second call replays the graph the first captured
+                    ids = torch.randint(2, 12, (16, 10))  # windows not stored yet: eager prefills compute them
+                    counter.n = 0
+                    with counter:
+                        cache.hidden_at_last_token(trunk, {"input_ids": ids, "attention_mask": mask}, cont)
+            assert cache.engine.capture and cache.stats["prefill_rows"] == 16 + 2 * 6
+            counts[n_layer, static] = counter.n
+    assert counts[2, True] == counts[6, True] < counts[2, False] < counts[6, False], counts

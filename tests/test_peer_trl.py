@@ -126,13 +126,14 @@ def test_ppo_profile_phases_split_nested_time_into_own_time():
 @pytest.mark.slow
 def test_ppo_profile_times_every_phase_of_a_short_run_and_names_the_decode_path():
     """benchmarks/ppo_profile.py end to end on the CPU (as `gpu_checks.sh ppo_profile` runs it on a
-    GPU), with decode blocks: every phase ran and took time, the own times add up to the
-    iteration's, the profiler saw the torch ops of `act`, and the decode path is named."""
+    GPU), with decode blocks and the decode engine's graphs emulated on the CPU: every phase ran
+    and took time, the own times add up to the iteration's, the profiler saw the torch ops of
+    `act`, the decode path is named, and the ops outside the graphs are counted per phase."""
     import re
 
     from tests.conftest import run_module
 
-    out = run_module("benchmarks.ppo_profile", "--iters", "2", "--profile-iters", "1",
+    out = run_module("benchmarks.ppo_profile", "--iters", "2", "--profile-iters", "1", "--emulate-capture",
                      "--set", "training.train_batch_size=512", "--set", "training.minibatch_size=512",
                      "--set", "env_runners.decode_block=2", timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -144,8 +145,14 @@ def test_ppo_profile_times_every_phase_of_a_short_run_and_names_the_decode_path(
     assert all(total > 0 and calls > 0 for total, _, calls in rows.values()), host
     own = sum(o for _, o, _ in rows.values())
     assert abs(own - rows["iteration"][0]) < 0.02 * rows["iteration"][0] + 0.05, host  # own times add up
-    assert re.search(r"rollout path: decode block 2; RingKVCache on cpu .*decode engine 128 rows", out.stdout), \
-        out.stdout
+    assert re.search(r"rollout path: decode block 2; RingKVCache on cpu .*decode engine 128 rows x \d+ columns, "
+                     r"captured: \d+ graph\(s\), restarts in the static step", out.stdout), out.stdout
+    ops = out.stdout.split("== ops outside", 1)[1].split("==", 1)[0]
+    replays = float(re.search(r"([\d.]+) graph replays per iteration", ops)[1])
+    counted = {m[1]: (float(m[2]), float(m[3])) for m in re.finditer(r"^ +([a-z ]+?) +([\d.]+) +([\d.]+)$", ops, re.M)}
+    # 512 steps of 128 rows in blocks of 2: at least 2 blocks of 2 replays each; each replay's inputs are copied in
+    assert replays >= 4 and counted["act"][0] > replays and counted["training passes"][0] > 0, ops
+    assert counted["env"] == (0, 0) and counted["iteration"][0] == sum(o for _, o in counted.values()), ops
     act = re.search(r"^  act +(\d+) +(\d+) ", out.stdout.split("== torch.profiler", 1)[1], re.M)
     assert act and int(act[1]) > 0 and int(act[2]) > 0, out.stdout
 
