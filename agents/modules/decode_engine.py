@@ -178,15 +178,20 @@ class DecodeEngine:
         windows `ids[fill]`, `mask[fill]` ((rows, L), the env's layout): one pass over those whole
         windows (padding columns included: fixed shapes) whose keys and values are written over
         the rows' ring, rotated so that each window's newest column sits at the new slot. The hidden
-        state at every row's newest token. Fixed shapes, in-place writes, no host sync: a step
+        state at every row's newest token. Each layer's keys and values go into the ring as the
+        pass computes them (a captured graph's memory pool then holds one layer's activations, not
+        every layer's keys and values). Fixed shapes, in-place writes, no host sync: a step
         whose restarts are captured with it, where `WindowKVCache`'s eager prefills (one kernel per
         op, a host read to share prefills by window) cost more host time than the GPU saves by
         computing each window once."""
         hidden = self.step_hidden(token)
-        h_fill, layers = gpt2_forward(self.trunk, ids.index_select(0, fill), mask.index_select(0, fill),
-                                      keys_values=True)
         order = (torch.arange(self.length, device=self.device) - self.slot - 1).remainder_(self.length)
-        self.kv.index_copy_(2, fill, stack_layers(layers).index_select(4, order).to(self.dtype))
+
+        def write(i, k, v):  # each layer's keys and values into the ring as they are computed
+            self.keys[i].index_copy_(0, fill, k.index_select(2, order).to(self.dtype))
+            self.values[i].index_copy_(0, fill, v.index_select(2, order).to(self.dtype))
+
+        h_fill, _ = gpt2_forward(self.trunk, ids.index_select(0, fill), mask.index_select(0, fill), each_layer=write)
         self.real.index_copy_(0, fill, mask.index_select(0, fill).bool().index_select(1, order))
         return hidden.index_copy(0, fill, h_fill[:, -1].to(hidden.dtype))
 

@@ -223,7 +223,7 @@ def gpt2_forward_blocks(trunk, autocast_dtype=None):
     return blocks
 
 
-def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: bool = False):
+def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: bool = False, each_layer=None):
     """A plain `GPT2Model`'s pass over whole left-padded windows as tensor ops: what
     `trunk(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask))` computes
     (last hidden states (rows, T, D), and with `keys_values` the per-layer (keys, values)), without
@@ -234,7 +234,8 @@ def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: b
     not qualify (`_plain_gpt2_blocks`), uses gradient checkpointing, runs in training mode with
     dropout, or under another autocast dtype (fp16: the padding rows' mask would overflow in the
     batched matmuls): those keep transformers' forward. `lean_forward` checks it against
-    transformers' forward once per trunk."""
+    transformers' forward once per trunk. `each_layer(i, keys, values)`: called with each layer's
+    keys and values as they are computed (none kept: one layer's activations alive at a time)."""
     autocast = torch.is_autocast_enabled(ids.device.type)
     blocks = gpt2_forward_blocks(trunk, torch.get_autocast_dtype(ids.device.type) if autocast else None)
     if blocks is None:
@@ -251,11 +252,13 @@ def gpt2_forward(trunk, ids: torch.Tensor, mask: torch.Tensor, *, keys_values: b
     attention = attention_mask_per_head(torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill_(
         ~allowed, lowest)[:, None], heads)
     layers = []
-    for blk in blocks:
+    for i, blk in enumerate(blocks):
         x = F.layer_norm(h, (D,), blk.ln_1.weight, blk.ln_1.bias, blk.ln_1.eps)
         q, k, v = torch.addmm(blk.attn.c_attn.bias, x.reshape(B * T, D), blk.attn.c_attn.weight).view(
             B, T, 3, heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
-        if keys_values:
+        if each_layer is not None:
+            each_layer(i, k, v)
+        elif keys_values:
             layers.append((k, v))
         a = window_attention(q, k, v, attention).transpose(1, 2).reshape(B * T, D)
         h = h + torch.addmm(blk.attn.c_proj.bias, a, blk.attn.c_proj.weight).view(B, T, D)
