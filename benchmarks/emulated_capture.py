@@ -76,9 +76,9 @@ def capture_on_the_cpu(engine: DecodeEngine, counter: OpCounter | None = None) -
     computes nothing), as the static outputs."""
     engine.capture = True
 
-    def capture(static_inputs, run):
+    def capture(static_inputs, run, steps=1):
         with counter.paused() if counter is not None else _nothing():
-            engine._warm_up(run)
+            engine._warm_up(run, steps=steps)
             state = [t.clone() for t in (engine.kv, engine.real, engine.slot)]
             out = run()
             out = out.clone() if torch.is_tensor(out) else {k: v.clone() for k, v in out.items()}

@@ -365,17 +365,18 @@ def replay_into_static_outputs(engine) -> None:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("device", ["cpu", "cpu-static-outputs", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("device", ["cpu", "cpu-static-outputs", "cpu-captured", pytest.param(
+    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_a_block_of_steps_on_the_device_gives_one_act_per_step(device):
-    """`act_steps` (env_runners.decode_block): 5 steps with the windows shifted on the device (on
-    CUDA: the captured step, replayed back to back with no host sync) give the tokens, log-probs
+    """`act_steps` (env_runners.decode_block): 5 steps, the 4 after the first in one static function
+    (on CUDA one captured graph, no host sync between the steps), give the tokens, log-probs
     and values of 5 `act` calls on the same windows shifted on the host. `cpu-static-outputs`:
-    each step's outputs land in the same tensors, as a CUDA graph's do."""
+    each step's outputs land in the same tensors, as a CUDA graph's do; `cpu-captured`: the
+    engine's capture path emulated on the CPU."""
     from agents.modules.acting import shift_windows
 
-    static = device == "cpu-static-outputs"
-    device = "cpu" if static else device
+    static, captured = device == "cpu-static-outputs", device == "cpu-captured"
+    device = "cpu" if static or captured else device
     module = make_module().to(device)
     envs = [TokenGenerationEnv(ENV_CFG) for _ in PROMPTS]
     obs = [e.reset(seed=i, options={"prompt": p})[0] for i, (e, p) in enumerate(zip(envs, PROMPTS))]
@@ -383,10 +384,10 @@ def test_a_block_of_steps_on_the_device_gives_one_act_per_step(device):
     first = {Columns.OBS: window, ROW_CONTINUES: torch.zeros(len(PROMPTS), dtype=torch.bool)}
     generator = module.rollout_generator(torch.device(device))
     start = generator.get_state()
-    if static:  # the engine exists after a first call; build it, then make its outputs static
+    if static or captured:  # the engine exists after a first call; build it, then make its outputs static
         module.act(first)
         module.weights_changed()
-        replay_into_static_outputs(module.kv_cache.engine)
+        (capture_on_the_cpu if captured else replay_into_static_outputs)(module.kv_cache.engine)
         generator.set_state(start)
     block = module.act_steps(first, 5)
     generator.set_state(start)
@@ -398,8 +399,8 @@ def test_a_block_of_steps_on_the_device_gives_one_act_per_step(device):
         host = shift_windows({k: v.cpu() for k, v in window.items()}, out[Columns.ACTIONS].cpu())  # on the host
         window = {k: v.to(device) for k, v in host.items()}
     assert block[Columns.ACTIONS].shape == (5, len(PROMPTS))
-    if device == "cuda":
-        assert module.kv_cache.engine.graphs
+    if device == "cuda" or captured:
+        assert ("steps", 4, ("explore", True)) in module.kv_cache.engine.graphs
 
 
 @torch.no_grad()

@@ -31,6 +31,23 @@ def shift_windows(obs: dict, tokens: torch.Tensor) -> dict:
             "attention_mask": torch.cat([mask[:, 1:], torch.ones_like(mask[:, :1])], 1)}
 
 
+def static_block(module, first: dict, steps: int, device: torch.device) -> dict | None:
+    """`act_steps`' outputs (first step's `first`) with its other steps in one static function
+    (`RingKVCache.continue_block`), or None where that does not apply (a guide, a sampler with a
+    learned mask or per-row state, no decode engine). The uniforms are drawn as the steps one at a
+    time would draw them."""
+    if steps < 2 or module.guided is not None or not module._static_tail() or not isinstance(module.kv_cache,
+                                                                                              RingKVCache):
+        return None
+    rows = len(first[Columns.ACTIONS])
+    draw = lambda: (torch.stack([torch.rand(rows, 1, dtype=torch.float64, device=device,  # noqa: E731
+                                            generator=module.rollout_generator(device)) for _ in range(steps - 1)]),)
+    rest = module.kv_cache.continue_block(module._trunk(module.lm), first[Columns.ACTIONS], steps - 1, draw,
+                                          module._sample, ("explore", module.values_in_rollouts),
+                                          lambda out: out[Columns.ACTIONS])
+    return None if rest is None else {k: torch.cat([v[None], rest[k]]) for k, v in first.items()}
+
+
 class RowSamplerState:
     """A stateful sampler's state per vector-env row, carried while the row's episode continues."""
 
@@ -130,6 +147,9 @@ class Acting:
         # each step's outputs copied out: a replayed CUDA graph returns its static output tensors,
         # which the next replay overwrites
         obs, outs = batch[Columns.OBS], [{k: v.clone() for k, v in self._forward_exploration(batch).items()}]
+        block = static_block(self, outs[0], steps, obs["input_ids"].device)
+        if block is not None:  # the steps after the first in one static function (a CUDA graph on CUDA)
+            return block
         every_row = torch.ones(obs["input_ids"].shape[0], dtype=torch.bool)
         for _ in range(steps - 1):
             obs = shift_windows(obs, outs[-1][Columns.ACTIONS])

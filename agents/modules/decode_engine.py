@@ -68,14 +68,12 @@ def compiled_once(fn):
     return run
 
 
-class DecodeEngine:
-    """Ring-buffer keys/values for `rows` rows of `length` columns of a plain GPT-2 trunk, and its
-    one-token step. `capture`: replay the step as a CUDA graph (default: on CUDA devices).
-    `compile_step`: run the step (and a captured graph's contents) through
-    `torch.compile(fullgraph=True)` (inductor: fused kernels; compiled on first use, per tail),
-    an experiment measured by `benchmarks/decode_step_profile.py --compile`; off by default."""
+class RingBuffers:
+    """Ring-buffer keys/values for `rows` rows of `length` columns of a plain GPT-2 trunk, and the
+    static functions over them: a one-token step (`step_hidden`), a step with restarting rows
+    (`restart_hidden`); and the eager writes of prefilled windows (`load_rows`)."""
 
-    def __init__(self, trunk, rows: int, length: int, capture: bool | None = None, compile_step: bool = False):
+    def __init__(self, trunk, rows: int, length: int):
         blocks = _plain_gpt2_blocks(trunk)
         if blocks is None:
             raise TypeError(f"DecodeEngine needs a plain GPT2Model trunk, got {type(trunk).__name__}")
@@ -93,10 +91,6 @@ class DecodeEngine:
         self.real = torch.zeros(rows, length, dtype=torch.bool, device=self.device)
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # the newest token's slot
         self.slot_host = 0  # the same, on the host (prefills read it; no sync)
-        self.capture = self.device.type == "cuda" if capture is None else capture
-        self.compile_step = compile_step
-        self.graphs: dict = {}  # tail key -> (graph, static inputs, static output)
-        self.compiled: dict = {}  # tail key -> the compiled eager step (compile_step without capture)
 
     def matches(self, trunk, rows: int, length: int) -> bool:
         p = trunk.wte.weight
@@ -129,49 +123,6 @@ class DecodeEngine:
             h = h + torch.addmm(blk.mlp.c_proj.bias, x, blk.mlp.c_proj.weight)
         return F.layer_norm(h, (D,), trunk.ln_f.weight, trunk.ln_f.bias, trunk.ln_f.eps)
 
-    def step(self, token: torch.Tensor, tail=None, tail_inputs: tuple = (), key=None):
-        """One decode step: the hidden state at the new token, or `tail(hidden, *tail_inputs)`
-        (a function of tensors of fixed shapes; `key` names it among captured graphs). Replays a
-        captured CUDA graph where `capture` is on: the outputs are then the graph's own tensors,
-        overwritten by its next replay (a caller that keeps them across steps copies them)."""
-        return self._run(key if tail is not None else None,
-                         lambda token, *inputs: self._whole_step(tail, token, inputs), (token, *tail_inputs))
-
-    def restart(self, token: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, fill: torch.Tensor,
-                tail=None, tail_inputs: tuple = (), key=None):
-        """`step`, with the rows `fill` restarting on their windows (`restart_hidden`) in the same
-        static function: one captured graph per number of rows in `fill` (`restart_bucket`)."""
-        name = ("restart", len(fill), key if tail is not None else None)
-        return self._run(name, lambda token, ids, mask, fill, *inputs: self._whole_step(
-            tail, token, inputs, restart=(ids, mask, fill)), (token, ids, mask, fill, *tail_inputs))
-
-    def start_over(self) -> None:
-        """Before a `restart` of every row: the ring then starts over in the window's own layout
-        (newest column at slot L-1), as `load_rows(None, ...)` does."""
-        self.slot_host = self.length - 2
-        self.slot.fill_(self.slot_host)
-
-    def _run(self, name, fn, inputs: tuple):
-        """`fn(*inputs)` (a function of fixed shapes that takes one step): eagerly, compiled
-        (`compile_step`), or as the CUDA graph captured for `name` at its first call."""
-        if not self.capture:
-            self.slot_host = (self.slot_host + 1) % self.length
-            if not self.compile_step:
-                return fn(*inputs)
-            if name not in self.compiled:
-                self.compiled[name] = self._compiled(fn)
-            return self.compiled[name](*inputs)
-        graph = self.graphs.get(name)
-        if graph is None:
-            static_inputs = [t.clone() for t in inputs]
-            graph = self.graphs[name] = self._capture(static_inputs, self._compiled(lambda: fn(*static_inputs)))
-        self.slot_host = (self.slot_host + 1) % self.length
-        return self._replay(graph, inputs)
-
-    def _whole_step(self, tail, token: torch.Tensor, tail_inputs, restart=None):
-        hidden = self.step_hidden(token) if restart is None else self.restart_hidden(token, *restart)
-        return hidden if tail is None else tail(hidden, *tail_inputs)
-
     def restart_hidden(self, token: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
                        fill: torch.Tensor) -> torch.Tensor:
         """`step_hidden`, then the rows `fill` ((n,) row indices, repeats allowed) restart on their
@@ -195,62 +146,6 @@ class DecodeEngine:
         self.real.index_copy_(0, fill, mask.index_select(0, fill).bool().index_select(1, order))
         return hidden.index_copy(0, fill, h_fill[:, -1].to(hidden.dtype))
 
-    def _compiled(self, fn):
-        return compiled_once(fn) if self.compile_step else fn
-
-    def tail(self, hidden: torch.Tensor, tail=None, tail_inputs: tuple = (), key=None):
-        """`tail(hidden, *tail_inputs)` apart from a step: for a step whose restarted rows' hidden
-        states come from prefills. Where `capture` is on, a CUDA graph of its own (`key` names it),
-        so such a step runs eagerly only the restarted rows' writes, not the head and the draw."""
-        if tail is None:
-            return hidden
-        if not self.capture:
-            return tail(hidden, *tail_inputs)
-        graph = self.graphs.get(("tail", key))
-        if graph is None:
-            static_inputs = [hidden.clone(), *(t.clone() for t in tail_inputs)]
-            graph = self.graphs[("tail", key)] = self._capture(static_inputs, lambda: tail(*static_inputs))
-        return self._replay(graph, (hidden, *tail_inputs))
-
-    def _capture(self, static_inputs: list, run):
-        """A CUDA graph of `run` (a function of `static_inputs`), captured after warm-up runs whose
-        effects on the ring are undone: (graph, static inputs, static output)."""
-        self._warm_up(run)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = run()
-        return graph, static_inputs, out
-
-    @staticmethod
-    def _replay(graph, given: tuple):
-        """Copies `given` into a captured graph's static inputs, replays it, returns its output."""
-        cuda_graph, static_inputs, out = graph
-        for static, value in zip(static_inputs, given):
-            static.copy_(value)
-        cuda_graph.replay()
-        return out
-
-    def _warm_up(self, run, times: int = 2) -> None:
-        """Runs `run` `times` (on CUDA on a side stream, as capture wants: kernels picked and
-        workspaces allocated outside the graph), then puts the ring back as it was: the slot, the
-        real columns and the keys/values at the slots the warm-up steps wrote."""
-        touched = (self.slot + torch.arange(1, times + 1, device=self.device)) % self.length
-        saved = self.kv.index_select(4, touched)
-        saved_slot, saved_real = self.slot.clone(), self.real.clone()
-        if self.device.type == "cuda":
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(times):
-                    run()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-        else:
-            for _ in range(times):
-                run()
-        self.slot.copy_(saved_slot)
-        self.real.copy_(saved_real)
-        self.kv.index_copy_(4, touched, saved)
-
     # -- prefills (eager) -----------------------------------------------------------------
 
     def load_rows(self, rows: torch.Tensor | None, layers, mask: torch.Tensor) -> None:
@@ -271,6 +166,136 @@ class DecodeEngine:
         else:
             self.kv.index_copy_(2, rows, kv)
             self.real[rows] = torch.roll(mask.bool(), shift, 1)
+
+
+class DecodeEngine(RingBuffers):
+    """`RingBuffers`' static functions run: eagerly, or where `capture` is on (default: on CUDA
+    devices) replayed as a CUDA graph captured per function and shapes. `compile_step`: run the
+    step (and a captured graph's contents) through `torch.compile(fullgraph=True)` (inductor: fused
+    kernels; compiled on first use, per tail), an experiment measured by
+    `benchmarks/decode_step_profile.py --compile`; off by default."""
+
+    def __init__(self, trunk, rows: int, length: int, capture: bool | None = None, compile_step: bool = False):
+        super().__init__(trunk, rows, length)
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.compile_step = compile_step
+        self.graphs: dict = {}  # tail key -> (graph, static inputs, static output)
+        self.compiled: dict = {}  # tail key -> the compiled eager step (compile_step without capture)
+
+    def step(self, token: torch.Tensor, tail=None, tail_inputs: tuple = (), key=None):
+        """One decode step: the hidden state at the new token, or `tail(hidden, *tail_inputs)`
+        (a function of tensors of fixed shapes; `key` names it among captured graphs). Replays a
+        captured CUDA graph where `capture` is on: the outputs are then the graph's own tensors,
+        overwritten by its next replay (a caller that keeps them across steps copies them)."""
+        return self._run(key if tail is not None else None,
+                         lambda token, *inputs: self._whole_step(tail, token, inputs), (token, *tail_inputs))
+
+    def restart(self, token: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, fill: torch.Tensor,
+                tail=None, tail_inputs: tuple = (), key=None):
+        """`step`, with the rows `fill` restarting on their windows (`restart_hidden`) in the same
+        static function: one captured graph per number of rows in `fill` (`restart_bucket`)."""
+        name = ("restart", len(fill), key if tail is not None else None)
+        return self._run(name, lambda token, ids, mask, fill, *inputs: self._whole_step(
+            tail, token, inputs, restart=(ids, mask, fill)), (token, ids, mask, fill, *tail_inputs))
+
+    def steps(self, token: torch.Tensor, tail, tail_inputs: tuple, key, next_token):
+        """`n` steps of every row in one static function (one graph per `n` and `key`): step j
+        appends `token` (j = 0) or the token step j-1 drew (`next_token(its tail's output)`) and
+        takes `tail_inputs`' row j (each input stacked (n, ...)). The tail's outputs, stacked."""
+        n = tail_inputs[0].shape[0]
+        return self._run(("steps", n, key), lambda token, *inputs: self._steps(tail, token, inputs, next_token),
+                         (token, *tail_inputs), n)
+
+    def _steps(self, tail, token: torch.Tensor, tail_inputs: tuple, next_token) -> dict:
+        outs = []
+        for j in range(tail_inputs[0].shape[0]):
+            outs.append(self._whole_step(tail, token, tuple(t[j] for t in tail_inputs)))
+            token = next_token(outs[-1])
+        return {k: torch.stack([out[k] for out in outs]) for k in outs[0]}
+
+    def start_over(self) -> None:
+        """Before a `restart` of every row: the ring then starts over in the window's own layout
+        (newest column at slot L-1), as `load_rows(None, ...)` does."""
+        self.slot_host = self.length - 2
+        self.slot.fill_(self.slot_host)
+
+    def _run(self, name, fn, inputs: tuple, steps: int = 1):
+        """`fn(*inputs)` (a function of fixed shapes that takes `steps` steps): eagerly, compiled
+        (`compile_step`), or as the CUDA graph captured for `name` at its first call."""
+        if not self.capture:
+            self.slot_host = (self.slot_host + steps) % self.length
+            if not self.compile_step:
+                return fn(*inputs)
+            if name not in self.compiled:
+                self.compiled[name] = self._compiled(fn)
+            return self.compiled[name](*inputs)
+        graph = self.graphs.get(name)
+        if graph is None:
+            static_inputs = [t.clone() for t in inputs]
+            graph = self.graphs[name] = self._capture(static_inputs, self._compiled(lambda: fn(*static_inputs)),
+                                                      steps)
+        self.slot_host = (self.slot_host + steps) % self.length
+        return self._replay(graph, inputs)
+
+    def _whole_step(self, tail, token: torch.Tensor, tail_inputs, restart=None):
+        hidden = self.step_hidden(token) if restart is None else self.restart_hidden(token, *restart)
+        return hidden if tail is None else tail(hidden, *tail_inputs)
+
+    def _compiled(self, fn):
+        return compiled_once(fn) if self.compile_step else fn
+
+    def tail(self, hidden: torch.Tensor, tail=None, tail_inputs: tuple = (), key=None):
+        """`tail(hidden, *tail_inputs)` apart from a step: for a step whose restarted rows' hidden
+        states come from prefills. Where `capture` is on, a CUDA graph of its own (`key` names it),
+        so such a step runs eagerly only the restarted rows' writes, not the head and the draw."""
+        if tail is None:
+            return hidden
+        if not self.capture:
+            return tail(hidden, *tail_inputs)
+        graph = self.graphs.get(("tail", key))
+        if graph is None:
+            static_inputs = [hidden.clone(), *(t.clone() for t in tail_inputs)]
+            graph = self.graphs[("tail", key)] = self._capture(static_inputs, lambda: tail(*static_inputs))
+        return self._replay(graph, (hidden, *tail_inputs))
+
+    def _capture(self, static_inputs: list, run, steps: int = 1):
+        """A CUDA graph of `run` (a function of `static_inputs` that takes `steps` steps), captured
+        after warm-up runs whose effects on the ring are undone: (graph, static inputs, static output)."""
+        self._warm_up(run, steps=steps)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        return graph, static_inputs, out
+
+    @staticmethod
+    def _replay(graph, given: tuple):
+        """Copies `given` into a captured graph's static inputs, replays it, returns its output."""
+        cuda_graph, static_inputs, out = graph
+        for static, value in zip(static_inputs, given):
+            static.copy_(value)
+        cuda_graph.replay()
+        return out
+
+    def _warm_up(self, run, times: int = 2, steps: int = 1) -> None:
+        """Runs `run` (`steps` steps) `times` (on CUDA on a side stream, as capture wants: kernels
+        picked and workspaces allocated outside the graph), then puts the ring back as it was: the
+        slot, the real columns and the keys/values at the slots the warm-up steps wrote."""
+        touched = (self.slot + torch.arange(1, min(times * steps, self.length) + 1, device=self.device)) % self.length
+        saved = self.kv.index_select(4, touched)
+        saved_slot, saved_real = self.slot.clone(), self.real.clone()
+        if self.device.type == "cuda":
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(times):
+                    run()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        else:
+            for _ in range(times):
+                run()
+        self.slot.copy_(saved_slot)
+        self.real.copy_(saved_real)
+        self.kv.index_copy_(4, touched, saved)
 
 
 RESTART_BUCKET_MIN = 8
@@ -327,6 +352,23 @@ class RingKVCache(WindowKVCache):
         wanted = engine.capture if self.static_restarts is None else self.static_restarts
         return (wanted and lean_forward_verdict(engine.trunk) is True
                 and not torch.is_autocast_enabled(ids.device.type))
+
+    @torch.no_grad()
+    def continue_block(self, trunk, token: torch.Tensor, n: int, draw, tail, key, next_token):
+        """`n` more steps of every row after the last call, in one static function
+        (`DecodeEngine.steps`): the first appends `token`, each later one the token its previous
+        step drew. `draw()` gives the tail's inputs, each stacked (n, ...), called only where this
+        applies. The tail's outputs stacked (n, rows), or None where it does not apply (no engine
+        holding every row of the last call's windows): the caller then steps one call at a time."""
+        engine, ids = self.engine, self.ids
+        if (engine is None or not self.loaded or ids is None or not 0 < n < ids.shape[1]
+                or not engine.matches(trunk, *ids.shape)):
+            return None
+        out = engine.steps(token, tail, draw(), key, next_token)
+        tokens = torch.cat([token[None], next_token(out)[:-1]]).T.to(ids.dtype)  # the n tokens appended
+        self.ids, self.mask = torch.cat([ids[:, n:], tokens], 1), F.pad(self.mask[:, n:], (0, n), value=1)
+        self.stats["incremental_rows"] += n * ids.shape[0]
+        return out
 
     def _continuing(self, ids, mask, cont) -> torch.Tensor:
         """Which rows continue, on the CPU."""
