@@ -78,6 +78,20 @@ def _engine_and_window(B=5, L=10):
     return module, trunk, ids, mask
 
 
+def _two_loaded_engines(sampler=None):
+    """(module, ids, mask, engine, engine): two engines over the module's trunk, loaded with the same
+    windows (dynamo's caches reset, for the tests that compile)."""
+    torch._dynamo.reset()
+    module = make_module(sampler)
+    trunk = module.lm.base_model
+    _, _, ids, mask = _engine_and_window()
+    engines = DecodeEngine(trunk, 5, 10), DecodeEngine(trunk, 5, 10)
+    layers = prefill_pass(trunk, ids, mask)[1]
+    for e in engines:
+        e.load_rows(None, layers, mask)
+    return (module, ids, mask, *engines)
+
+
 @torch.no_grad()
 def test_ring_step_equals_a_whole_window_pass_as_the_slot_wraps_around():
     """Episodes restarted at any slot, stepped past the end of the ring (the slot wraps around),
@@ -112,14 +126,7 @@ def test_ring_step_equals_a_whole_window_pass_as_the_slot_wraps_around():
 def test_static_step_compiles_with_fullgraph_and_gives_the_eager_steps_outputs(sampler):
     """No graph break in the whole rollout step (trunk, head, mask, draw, log-prob, value): the
     precondition for capturing it as a CUDA graph."""
-    torch._dynamo.reset()
-    module = make_module(sampler)
-    trunk = module.lm.base_model
-    _, _, ids, mask = _engine_and_window()
-    eager, compiled = DecodeEngine(trunk, 5, 10), DecodeEngine(trunk, 5, 10)
-    layers = prefill_pass(trunk, ids, mask)[1]
-    for e in (eager, compiled):
-        e.load_rows(None, layers, mask)
+    module, ids, mask, eager, compiled = _two_loaded_engines(sampler)
 
     def whole_step(engine, token, uniform):
         return module._sample(engine.step_hidden(token), uniform)
@@ -444,14 +451,8 @@ def test_the_restart_step_compiles_with_fullgraph_and_writes_the_eager_prefills_
     """The step with restarts (trunk, prefill of the restarting rows, ring writes, head, draw) has
     no graph break: the precondition for capturing it. Its hidden states and the ring's real
     columns equal a step followed by `load_rows` of eager prefills."""
-    torch._dynamo.reset()
-    module = make_module()
+    module, ids, mask, want, got = _two_loaded_engines()
     trunk = module.lm.base_model
-    _, _, ids, mask = _engine_and_window()
-    want, got = DecodeEngine(trunk, 5, 10), DecodeEngine(trunk, 5, 10)
-    layers = prefill_pass(trunk, ids, mask)[1]
-    for e in (want, got):
-        e.load_rows(None, layers, mask)
 
     def whole_step(engine, token, ids, mask, fill, uniform):
         return module._sample(engine.restart_hidden(token, ids, mask, fill), uniform)
