@@ -221,9 +221,9 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         self._carry = bool(self.config.env_config.get(CARRY_EPISODES, True))
         self._block = self.config.env_config.get(DECODE_BLOCK)  # None: by the module's device
         # Windows rows started on since the last weight sync, and whether the last rows that started
-        # all began on one of them: a module whose cache keeps prefills by window (agents.modules.
-        # kv_cache) then restarts them with no pass, so finished rows restart at once instead of
-        # waiting for a quarter of the rows. Decided from the windows alone (cache on or off alike).
+        # all began on one of them (or the cache prefills restarts inside its captured step): a cache
+        # keeping prefills by window (agents.modules.kv_cache) then restarts them with no pass, so
+        # finished rows restart at once, not after a quarter of the rows. (Cache on or off alike.)
         self._cache = getattr(self.module, "kv_cache", None) if self.module is not None else None
         compile_rollout_step(self._cache, self.config.env_config)
         self._reuses_prefills = self.module is not None and (self._cache is None or hasattr(self._cache, "store"))
@@ -239,7 +239,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         if not self._reuses_prefills or not getattr(self._cache, "reuse_prefills", True):
             return
         keys = [obs["input_ids"][i].tobytes() + obs["attention_mask"][i].tobytes() for i in rows]
-        self._restarts_free = all(key in self._seen_windows for key in keys)
+        self._restarts_free = getattr(self._cache, "restarts_in_step", False) or all(k in self._seen_windows for k in keys)
         if len(self._seen_windows) > SEEN_WINDOWS_MAX:
             self._seen_windows.clear()
         self._seen_windows.update(keys)

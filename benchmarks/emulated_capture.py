@@ -89,16 +89,22 @@ def capture_on_the_cpu(engine: DecodeEngine, counter: OpCounter | None = None) -
     engine._capture = capture
 
 
-@contextmanager
-def emulate_capture(counter: OpCounter | None = None):
-    """Every `DecodeEngine` built inside the block captures on the CPU (`capture_on_the_cpu`)."""
+def capturing_init(counter: OpCounter | None = None):
+    """`DecodeEngine.__init__` followed by `capture_on_the_cpu` (for a test's monkeypatch)."""
     init = DecodeEngine.__init__
 
     def patched(self, *args, **kwargs):
         init(self, *args, **kwargs)
         capture_on_the_cpu(self, counter)
 
-    DecodeEngine.__init__ = patched
+    return patched
+
+
+@contextmanager
+def emulate_capture(counter: OpCounter | None = None):
+    """Every `DecodeEngine` built inside the block captures on the CPU (`capture_on_the_cpu`)."""
+    init = DecodeEngine.__init__
+    DecodeEngine.__init__ = capturing_init(counter)
     try:
         yield
     finally:

@@ -225,7 +225,7 @@ def rollout_path(algo) -> str:
     else:
         desc += (f", decode engine {engine.rows} rows x {engine.length} columns, "
                  f"{'captured: ' + str(len(engine.graphs)) + ' graph(s)' if engine.capture else 'eager'}, "
-                 f"restarts {'in the static step' if cache._restarts_in_step(engine, engine.slot) else 'eager'}")
+                 f"restarts {'in the static step' if cache.restarts_in_step else 'eager'}")
     return desc + f"; rows so far: {cache.stats}"
 
 

@@ -397,6 +397,11 @@ def test_a_block_of_steps_on_the_device_gives_one_act_per_step(device):
         (capture_on_the_cpu if captured else replay_into_static_outputs)(module.kv_cache.engine)
         generator.set_state(start)
     block = module.act_steps(first, 5)
+    last = window  # the cache's windows after the block: the first shifted by the 4 tokens appended in it
+    for j in range(4):
+        last = shift_windows(last, block[Columns.ACTIONS][j])
+    assert torch.equal(module.kv_cache.ids, last["input_ids"]) and torch.equal(module.kv_cache.mask,
+                                                                               last["attention_mask"])
     generator.set_state(start)
     module.weights_changed()
     for j in range(5):
@@ -518,3 +523,25 @@ def test_a_captured_step_with_restarts_runs_as_many_ops_outside_its_graph_whatev
             assert cache.engine.capture and cache.stats["prefill_rows"] == 16 + 2 * 6
             counts[n_layer, static] = counter.n
     assert counts[2, True] == counts[6, True] < counts[2, False] < counts[6, False], counts
+
+
+@torch.no_grad()
+def test_a_blocks_steps_compile_with_fullgraph_and_give_the_steps_one_at_a_time():
+    """`DecodeEngine.steps`' function (3 steps, each appending the token the one before drew) has
+    no graph break: the precondition for capturing a block's steps as one graph. It gives 3
+    `step` calls' outputs and leaves the same ring."""
+    module, _, _, one_by_one, compiled = _two_loaded_engines()
+    block = torch.compile(lambda token, uniforms: compiled._steps(module._sample, token, (uniforms,),
+                                                                  lambda out: out[Columns.ACTIONS]),
+                          fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):  # 9 steps: past the ring's end
+        token, uniforms = torch.randint(2, 12, (5,), generator=g), torch.rand(3, 5, 1, dtype=torch.float64, generator=g)
+        got = block(token, uniforms)
+        for j in range(3):
+            want = one_by_one.step(token, module._sample, (uniforms[j],), key="explore")
+            for k in want:
+                torch.testing.assert_close(got[k][j], want[k], atol=1e-5, rtol=1e-5)
+            token = want[Columns.ACTIONS]
+    assert torch.equal(compiled.real, one_by_one.real) and torch.equal(compiled.slot, one_by_one.slot)
+    torch.testing.assert_close(compiled.kv, one_by_one.kv, atol=1e-5, rtol=1e-5)

@@ -193,26 +193,26 @@ def test_a_separate_value_trunk_stays_on_the_learner():
     runner.stop()
 
 
-@pytest.mark.parametrize("sampler, captured", [(None, False), (None, True), ({"name": "top_k", "k": 5}, False),
-                                               ({"name": "mirostat", "tau": 2.0}, False)])
-def test_decode_blocks_sample_what_the_env_steps_through(sampler, captured):
+@pytest.mark.parametrize("sampler, captured", [(None, None), (None, "restarts in the step"), (None, "eager restarts"),
+                                               ({"name": "top_k", "k": 5}, None), ({"name": "mirostat", "tau": 2.0}, None)])
+def test_decode_blocks_sample_what_the_env_steps_through(sampler, captured, monkeypatch):
     """env_runners.decode_block 4: the module runs 4 steps per env round trip, appending its own
     tokens to the windows on its device. Each episode's stored log-probs are still those of the
     windows the env recorded (a full pass's, masked by the sampler where it is stateless), also for
     rows restarted between blocks and rows carried from one call to the next on their cache, and
     after a weight sync; a stateful sampler (mirostat) runs through blocks too. `captured`: the
-    decode engine's graphs (restarts inside the step, the block's steps in one graph) captured and
-    replayed on the CPU, as a GPU runs them."""
-    from contextlib import nullcontext
-
-    from benchmarks.emulated_capture import emulate_capture
+    decode engine's graphs (the block's steps after the first in one graph, restarts inside the
+    step or eager) captured and replayed on the CPU, as a GPU runs them."""
+    from agents.modules.decode_engine import DecodeEngine
+    from benchmarks.emulated_capture import capturing_init
 
     raw = {**CAUSAL, "env_runners": {**CAUSAL["env_runners"], "decode_block": 4}}
     if sampler:
         raw["sampler"] = sampler
-    emulation = emulate_capture() if captured else nullcontext()
-    emulation.__enter__()
+    if captured:
+        monkeypatch.setattr(DecodeEngine, "__init__", capturing_init())
     runner = FastTokenEnvRunner(config=algorithm_config(validate(raw)))
+    runner.module.kv_cache.static_restarts = None if captured != "eager restarts" else False
     module, blocks = runner.module, []
     act_steps = module.act_steps
     module.act_steps = lambda batch, steps: blocks.append(steps) or act_steps(batch, steps)
@@ -228,10 +228,14 @@ def test_decode_blocks_sample_what_the_env_steps_through(sampler, captured):
             runner.set_state(runner.get_state())  # a weight sync: the carried rows are prefilled anew
     assert blocks and set(blocks) == {4} and carried > 0
     assert module.kv_cache.stats["incremental_rows"] > 0
-    if captured:
+    if captured:  # a block's steps after the first are one graph; its first step restarts rows in it or not
         kinds = {name[0] for name in module.kv_cache.engine.graphs if isinstance(name, tuple)}
-        assert {"restart", "steps"} <= kinds  # blocks' first steps restart rows in the step, the rest are one graph
-    emulation.__exit__(None, None, None)
+        assert "steps" in kinds and ("restart" in kinds) == (captured == "restarts in the step")
+        # restarts that cost no eager prefill: finished rows restart at once, on windows never seen too
+        assert module.kv_cache.restarts_in_step == (captured == "restarts in the step")
+        runner.weights_changed()
+        runner._note_windows(runner._rollout.obs, np.arange(2))
+        assert runner._restarts_free == (captured == "restarts in the step")
     runner.stop()
 
 

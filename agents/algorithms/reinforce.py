@@ -63,6 +63,7 @@ def greedy_generations(module, input_ids: torch.Tensor, attention_mask: torch.Te
     """
     lm, sampler = module.lm, module.sampler
     cache = RingKVCache()  # the decode engine (static ring-buffer step) where the trunk is a plain GPT-2
+    cache.static_restarts = False  # one full load per call: a restart graph captured for it would run once
     ids, mask = input_ids.clone(), attention_mask.clone()
     out = [[] for _ in range(ids.shape[0])]
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch._dynamo.exc import TorchDynamoException
 
 from agents.modules.kv_cache import (WindowKVCache, _plain_gpt2_blocks, attention_mask_per_head, gpt2_forward,
-                                     lean_forward_verdict, rows_that_continue, window_attention)
+                                     gpt2_forward_blocks, lean_forward_verdict, rows_that_continue,
+                                     window_attention)
 from agents.modules.prefill_store import stack_layers
 
 
@@ -179,8 +180,10 @@ class DecodeEngine(RingBuffers):
         super().__init__(trunk, rows, length)
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.compile_step = compile_step
-        self.graphs: dict = {}  # tail key -> (graph, static inputs, static output)
-        self.compiled: dict = {}  # tail key -> the compiled eager step (compile_step without capture)
+        # name -> (graph, static inputs, static output); names: a step's tail key, ("tail", key),
+        # ("restart", rows prefilled, key), ("steps", steps, key)
+        self.graphs: dict = {}
+        self.compiled: dict = {}  # name -> the compiled eager function (compile_step without capture)
 
     def step(self, token: torch.Tensor, tail=None, tail_inputs: tuple = (), key=None):
         """One decode step: the hidden state at the new token, or `tail(hidden, *tail_inputs)`
@@ -345,13 +348,19 @@ class RingKVCache(WindowKVCache):
         self.loaded = False
         return self.engine
 
-    def _restarts_in_step(self, engine, ids) -> bool:
+    def _restarts_in_step(self, engine) -> bool:
         """Whether restarting rows take `DecodeEngine.restart` (prefilled inside the static step),
         not the eager prefills: `static_restarts`, by default where the engine captures its step
         (a GPU), once the trunk's tensor-op pass is known to match transformers' forward."""
         wanted = engine.capture if self.static_restarts is None else self.static_restarts
-        return (wanted and lean_forward_verdict(engine.trunk) is True
-                and not torch.is_autocast_enabled(ids.device.type))
+        return (wanted and lean_forward_verdict(engine.trunk) is True and gpt2_forward_blocks(engine.trunk) is not None
+                and not torch.is_autocast_enabled(engine.device.type))
+
+    @property
+    def restarts_in_step(self) -> bool:
+        """Whether a row that restarts costs no eager prefill (`_restarts_in_step`): the fast
+        EnvRunner then restarts finished rows at once, as it does where their prefills are stored."""
+        return self.engine is not None and self.use_engine and self._restarts_in_step(self.engine)
 
     @torch.no_grad()
     def continue_block(self, trunk, token: torch.Tensor, n: int, draw, tail, key, next_token):
@@ -382,6 +391,7 @@ class RingKVCache(WindowKVCache):
         ids, mask = obs["input_ids"], obs["attention_mask"]
         engine = self._engine_for(trunk, ids)
         if engine is None:
+            self.loaded = False  # the engine's ring (if any) holds none of these windows
             hidden = super().hidden_at_last_token(trunk, obs, cont)
             return hidden if tail is None else tail(hidden, *tail_inputs)
         cont = self._continuing(ids, mask, cont)
@@ -391,7 +401,7 @@ class RingKVCache(WindowKVCache):
         self.ids, self.mask = ids, mask
         if n_step == n:  # the usual step: static, captured where the engine captures
             return engine.step(ids[:, -1], tail, tail_inputs, key)
-        if self._restarts_in_step(engine, ids):
+        if self._restarts_in_step(engine):
             fill = torch.nonzero(~cont)[:, 0]
             self.stats["prefill_computed_rows"] += len(fill)
             if n_step == 0:
