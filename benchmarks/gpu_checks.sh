@@ -25,8 +25,10 @@
 #              fp32's reward (about 75 s a run; run 2026-11-26)
 #   ppo_profile  ppo_profile.py: a colocated PPO iteration's time by phase, host clock, synced and
 #              under torch.profiler (36-45 s)
-#   restarts   the captured-step tests (restarting rows prefilled inside the captured step), then
-#              ppo_profile with restarts prefilled eagerly and inside the step (not yet run)
+#   restarts   the captured-step tests (restarting rows prefilled inside the captured step, a
+#              block's later steps as one graph), then ppo_profile as before both (eager restarts,
+#              one replay per step), with the restarts in the step, and with both (the default;
+#              about 45 s each; not yet run)
 # rollouts_bf16, peer_bf16 and peer_fp32: the same with the rollouts' weights in bf16 or fp32
 # (env_runners.precision; its default, auto, is bf16 on a GPU with bf16, so peer is peer_bf16 there);
 # rollouts_tf32: fp32 weights with TF32 matmuls on every path (as a training run's process has them).
@@ -146,9 +148,9 @@ for step in "${steps[@]}"; do
     restarts) run restarts_tests 90 $PY -m pytest -q -p no:cacheprovider \
              tests/test_decode_engine.py::test_captured_cuda_graph_step_gives_the_eager_steps_tokens \
              "tests/test_decode_engine.py::test_a_block_of_steps_on_the_device_gives_one_act_per_step[cuda]"
-            for restarts in eager static; do
-              run "ppo_profile_restarts_$restarts$tag" 240 $PY benchmarks/ppo_profile.py --device cuda \
-              --model gpt2-small-shaped --iters 6 --restarts $restarts "${block_set[@]}"
+            for path in eager,each static,each static,graph; do
+              run "ppo_profile_restarts_${path/,/_}$tag" 240 $PY benchmarks/ppo_profile.py --device cuda \
+              --model gpt2-small-shaped --iters 6 --restarts "${path%,*}" --block-steps "${path#*,}" "${block_set[@]}"
             done ;;
     static) run static_tests 120 $PY -m pytest -q -p no:cacheprovider tests/test_static_update.py
             for update in false true; do

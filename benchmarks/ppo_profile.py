@@ -3,7 +3,8 @@ included, and under torch.profiler (kernel launches, graph replays, device time)
 
     python benchmarks/ppo_profile.py [--device cuda] [--model gpt2-small-shaped] [--iters 6]
                                      [--trace trace.json] [--set key=value ...]
-                                     [--restarts auto|static|eager] [--emulate-capture]
+                                     [--restarts auto|static|eager] [--block-steps graph|each]
+                                     [--emulate-capture]
 
 Builds the PPO run of `peer_trl.py`'s project side (the quickstart task, 128 rows, 2,560-step
 batches, one epoch, kl 0, lr 1e-4; `--device cuda` gives the learner the GPU and the rollouts
@@ -21,7 +22,8 @@ Phases nest (an iteration holds sampling, sampling holds the module's `act`); ea
 the phase's time and its time outside the phases nested in it ("own"), per iteration and per
 sampled token. On the CPU the device is the host: `synced` equals `host`, and the profile counts
 torch ops only. `--restarts eager` keeps the prefills of restarting rows out of the captured step
-(the path before `DecodeEngine.restart`), to measure the two side by side. `--emulate-capture`
+(the path before `DecodeEngine.restart`), and `--block-steps each` a decode block's steps after
+the first one call each (before `DecodeEngine.steps`), to measure them side by side. `--emulate-capture`
 (CPU): the decode engine's graphs captured and replayed on the CPU (benchmarks/emulated_capture.py),
 then a pass counting, per phase, the ops run outside them: each a kernel launch on a GPU.
 """
@@ -225,7 +227,8 @@ def rollout_path(algo) -> str:
     else:
         desc += (f", decode engine {engine.rows} rows x {engine.length} columns, "
                  f"{'captured: ' + str(len(engine.graphs)) + ' graph(s)' if engine.capture else 'eager'}, "
-                 f"restarts {'in the static step' if cache.restarts_in_step else 'eager'}")
+                 f"restarts {'in the static step' if cache.restarts_in_step else 'eager'}, "
+                 f"a block's later steps {'in one function' if cache.static_blocks else 'one call each'}")
     return desc + f"; rows so far: {cache.stats}"
 
 
@@ -242,6 +245,8 @@ def main():
     p.add_argument("--restarts", default="auto", choices=RESTARTS,
                    help="where rows that restart are prefilled: inside the captured step (static), in eager "
                         "passes shared by window (eager), or the engine's default (auto: static where it captures)")
+    p.add_argument("--block-steps", default="graph", choices=("graph", "each"),
+                   help="a decode block's steps after the first: one static function (graph) or one call each")
     p.add_argument("--emulate-capture", action="store_true",
                    help="CPU only: the decode engine's graphs captured and replayed on the CPU (emulated), then a "
                         "pass that counts the ops run outside them per phase (each a kernel launch on a GPU)")
@@ -270,7 +275,7 @@ def main():
         algo = algorithm_config(cfg).build_algo()
         cache = getattr(algo.env_runner_group.local_env_runner.module, "kv_cache", None)
         if hasattr(cache, "static_restarts"):
-            cache.static_restarts = RESTARTS[args.restarts]
+            cache.static_restarts, cache.static_blocks = RESTARTS[args.restarts], args.block_steps == "graph"
         torch.set_num_threads(args.threads)
         phases = Phases()
         instrument(algo, phases)

@@ -327,6 +327,7 @@ class RingKVCache(WindowKVCache):
         # restarting rows prefilled inside the static step (True), eagerly and shared by window
         # (False), or where the engine captures its step (None: on a GPU)
         self.static_restarts: bool | None = None
+        self.static_blocks = True  # a block's steps after the first as one static function (`continue_block`)
 
     def invalidate(self) -> None:
         super().invalidate()
@@ -370,7 +371,7 @@ class RingKVCache(WindowKVCache):
         applies. The tail's outputs stacked (n, rows), or None where it does not apply (no engine
         holding every row of the last call's windows): the caller then steps one call at a time."""
         engine, ids = self.engine, self.ids
-        if (engine is None or not self.loaded or ids is None or not 0 < n < ids.shape[1]
+        if (not self.static_blocks or engine is None or not self.loaded or ids is None or not 0 < n < ids.shape[1]
                 or not engine.matches(trunk, *ids.shape)):
             return None
         out = engine.steps(token, tail, draw(), key, next_token)
