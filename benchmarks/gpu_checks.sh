@@ -49,7 +49,8 @@
 #              result): whether any replay's update departs from the eager one, and when
 #              ("replay checks" line; each iteration's checks in $OUT/static_verify.jsonl)
 #   static_graphs and static_verify end with benchmarks/learner_log.py's summary of their logs
-#   (captures, the bucket each late update took, the reward's falls)
+#   (captures, the bucket each late update took, the reward's falls); POOLS=private runs them with
+#   each captured bucket in its own memory pool (--static-private-pools; logs named <step>_private)
 # STATIC=1 runs peer, seeds and ppo_profile with training.static_update true (the learner's update
 # captured as CUDA graphs); their logs are then named <step>_static.
 # COMPILE=1 does the same with env_runners.compile_step true (the rollout step through torch.compile
@@ -70,6 +71,8 @@ block_arg=(${BLOCK:+--decode-block "$BLOCK"})
 block_only=(${BLOCK:+--set env_runners.decode_block="$BLOCK"})
 block_set=("${block_only[@]}" ${STATIC:+--set training.static_update=true} ${COMPILE:+--set env_runners.compile_step=true})
 tag_only=$tag
+pool_arg=(${POOLS:+--static-private-pools})  # POOLS=private
+pool_tag=${POOLS:+_$POOLS}
 tag=$tag${STATIC:+_static}${COMPILE:+_compiled}
 [ ${#steps[@]} -gt 0 ] || steps=(tests rollouts peer weights)
 
@@ -123,21 +126,22 @@ for step in "${steps[@]}"; do
              --set training.lr=1e-4 --set training.static_update=$update --set seed="$seed" "${block_only[@]}"
            done; done ;;
     static_graphs) for graphs in 8 0 1; do
-             run "static_graphs_$graphs$tag_only" 150 $PY benchmarks/peer_trl.py --device cuda \
-             --model gpt2-small-shaped --seconds 90 --project-only --static-max-graphs $graphs \
-             --learner-log "$OUT/static_graphs_$graphs.jsonl" --plot "$OUT/static_graphs_$graphs.png" \
+             run "static_graphs_$graphs$tag_only$pool_tag" 150 $PY benchmarks/peer_trl.py --device cuda \
+             --model gpt2-small-shaped --seconds 90 --project-only --static-max-graphs $graphs "${pool_arg[@]}" \
+             --learner-log "$OUT/static_graphs_$graphs$pool_tag.jsonl" --plot "$OUT/static_graphs_$graphs$pool_tag.png" \
              --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
              --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
              --set training.lr=1e-4 --set training.static_update=true --set seed=0 "${block_only[@]}"
            done
-           run static_graphs_summary 30 $PY benchmarks/learner_log.py "$OUT"/static_graphs_{8,0,1}.jsonl ;;
-    static_verify) run "static_verify$tag_only" 200 $PY benchmarks/peer_trl.py --device cuda \
-             --model gpt2-small-shaped --seconds 120 --project-only --static-verify-every 1 \
-             --learner-log "$OUT/static_verify.jsonl" --plot "$OUT/static_verify.png" \
+           run "static_graphs_summary$pool_tag" 30 $PY benchmarks/learner_log.py \
+             "$OUT"/static_graphs_{8,0,1}$pool_tag.jsonl ;;
+    static_verify) run "static_verify$tag_only$pool_tag" 200 $PY benchmarks/peer_trl.py --device cuda \
+             --model gpt2-small-shaped --seconds 120 --project-only --static-verify-every 1 "${pool_arg[@]}" \
+             --learner-log "$OUT/static_verify$pool_tag.jsonl" --plot "$OUT/static_verify$pool_tag.png" \
              --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
              --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
              --set training.lr=1e-4 --set training.static_update=true --set seed=0 "${block_only[@]}"
-           run static_verify_summary 30 $PY benchmarks/learner_log.py "$OUT/static_verify.jsonl" ;;
+           run "static_verify_summary$pool_tag" 30 $PY benchmarks/learner_log.py "$OUT/static_verify$pool_tag.jsonl" ;;
     learner_pass) run learner_pass 120 $PY benchmarks/learner_pass.py --device cuda --reps 20 ;;
     profile) run profile 170 $PY benchmarks/decode_step_profile.py ;;
     compiled_step) run compiled_step 300 $PY benchmarks/decode_step_profile.py --compile

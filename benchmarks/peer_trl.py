@@ -578,16 +578,21 @@ def main():
     p.add_argument("--static-max-graphs", type=int, default=None,
                    help="with training.static_update: capture at most this many buckets as CUDA graphs "
                         "(0: the static update runs eagerly on the GPU); default the learner's (8)")
+    p.add_argument("--static-private-pools", action="store_true",
+                   help="with training.static_update: each captured bucket in its own memory pool (default: one "
+                        "pool shared by the buckets' graphs)")
     p.add_argument("--static-verify-every", type=int, default=None,
                    help="with training.static_update: check every N-th update a captured graph serves "
                         "against the same update run eagerly (benchmarks/static_verify.py)")
     args = p.parse_args()
     if args.static_verify_every is not None and args.static_verify_every < 1:
         p.error(f"--static-verify-every: must be at least 1 (got {args.static_verify_every})")
-    if args.static_max_graphs is not None:
+    if args.static_max_graphs is not None or args.static_private_pools:
         from agents.algorithms import static_update
 
-        static_update.MAX_GRAPHS = args.static_max_graphs
+        if args.static_max_graphs is not None:
+            static_update.MAX_GRAPHS = args.static_max_graphs
+        static_update.SHARED_POOL = not args.static_private_pools
     if 64 % args.trl_num_generations:
         p.error("--trl-num-generations must divide 64")
 

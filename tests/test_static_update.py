@@ -269,11 +269,15 @@ def test_an_unsupported_model_falls_back_to_rllibs_update_with_one_warning(learn
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("algorithm", ["ppo", "a2c"])
-def test_captured_updates_equal_the_eager_static_updates_on_cuda(ray_local, algorithm):
+@pytest.mark.parametrize("algorithm, shared_pool", [("ppo", True), ("a2c", True), ("ppo", False)])
+def test_captured_updates_equal_the_eager_static_updates_on_cuda(ray_local, algorithm, shared_pool, monkeypatch):
     """On CUDA the static function is captured once per bucket and replayed: the same learning
     as running it eagerly each time (first update eager, second captured, later replayed), up to
-    the summation order of index_add_'s atomics."""
+    the summation order of index_add_'s atomics. `shared_pool` False: each bucket's graph in its
+    own memory pool (static_update.SHARED_POOL)."""
+    from agents.algorithms import static_update
+
+    monkeypatch.setattr(static_update, "SHARED_POOL", shared_pool)
     gpu = ["learners.num_gpus_per_learner=1"]  # the default precisions: bf16 autocast on a GPU with bf16
     config, small = (QUICKSTART, SMALL) if algorithm == "ppo" else (A3C_CONFIG, A2C_SMALL)
     results = {}

@@ -47,6 +47,11 @@ logger = logging.getLogger(__name__)
 SEQ_BUCKET = 16  # a static pass's sequences: a multiple of this
 ROW_BUCKET = 128  # its steps: a multiple of this
 MAX_GRAPHS = 8  # captured buckets per learner (one memory pool); updates of further buckets run eagerly
+# The captured buckets share one memory pool. PyTorch calls that safe where graphs replay in the
+# order they were captured, which buckets do not keep; this update's graphs hold nothing in the
+# pool from one replay to the next (outputs are copied out at once), but False gives each graph
+# its own pool (more memory) to rule that out (`peer_trl.py --static-private-pools`).
+SHARED_POOL = True
 STEP_WEIGHT = "static_step_weight"  # each step's weight in a mean: 1 / (loss steps) or 0
 STEP_COUNT = "static_step_count"  # the number of loss steps (the explained variance's n)
 ENTROPY_COEFF = "static_entropy_coeff"
@@ -268,7 +273,7 @@ class StaticUpdate:
         device tensor learning rates, filled before each replay (the param groups keep their float
         `lr` for RLlib's schedules and checkpoints). A capture that fails stops the run with one
         line: PyTorch leaves a failed capture's stream and memory pool unusable."""
-        if self._static_pool is None:
+        if self._static_pool is None and SHARED_POOL:
             self._static_pool = torch.cuda.graph_pool_handle()
         optimizer.zero_grad(set_to_none=True)  # backward in the graph writes fresh gradient buffers
         saved = [(group["lr"], group["capturable"]) for group in optimizer.param_groups]
@@ -278,7 +283,7 @@ class StaticUpdate:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(torch.cuda.current_stream()):  # the stream comes back even if capture fails
-                with torch.cuda.graph(graph, pool=self._static_pool):
+                with torch.cuda.graph(graph, pool=self._static_pool if SHARED_POOL else None):
                     out = self._static_step(module_id, entry.static)
         except Exception as err:
             raise RuntimeError(f"training.static_update: capturing the update as a CUDA graph failed "
