@@ -19,7 +19,8 @@ weight syncs copy into the module's tensors in place, so a captured graph stays 
 CPU the same function runs eagerly (and compiles with `torch.compile(fullgraph=True)`: the
 tests check it, the precondition for capture). Rows that restart are prefilled inside the same
 static step where the engine captures it (`DecodeEngine.restart`: one graph per bucket of
-restarting rows), else eagerly, written into the buffers.
+restarting rows), else eagerly, written into the buffers. A decode block's steps after its first
+are one static function too (`DecodeEngine.steps`: each step appends the token the one before drew).
 
 Only a plain `GPT2Model` trunk qualifies (`_plain_gpt2_blocks`); others keep `WindowKVCache`.
 """
