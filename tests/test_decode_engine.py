@@ -483,6 +483,30 @@ def test_the_restart_step_compiles_with_fullgraph_and_writes_the_eager_prefills_
         torch.testing.assert_close(got.kv * real, want.kv * real, atol=1e-5, rtol=1e-5)
 
 
+@torch.no_grad()
+def test_restarts_take_the_step_by_default_where_the_engine_captures_windows_of_at_most_the_limit(monkeypatch):
+    """`static_restarts` None: restarts in the step where the engine captures (emulated on the CPU
+    here) and its windows are at most RESTART_MAX_COLUMNS long (a longer window's restarts pass over
+    its padding too: they stay eager); never where it does not capture."""
+    from agents.modules import decode_engine
+    from benchmarks.emulated_capture import capturing_init
+
+    _, trunk, ids, mask = _engine_and_window(L=10)
+    verdicts = {}
+    for captured, limit in ((True, 10), (True, 9), (False, 10)):
+        monkeypatch.setattr(decode_engine, "RESTART_MAX_COLUMNS", limit)
+        with monkeypatch.context() as m:
+            if captured:
+                m.setattr(DecodeEngine, "__init__", capturing_init())
+            cache = RingKVCache()
+            for _ in range(2):  # the first call checks the tensor-op pass (eagerly), the second may restart in the step
+                cache.invalidate()
+                cache.hidden_at_last_token(trunk, {"input_ids": ids, "attention_mask": mask})
+        verdicts[captured, limit] = (cache.restarts_in_step, any(isinstance(n, tuple) and n[0] == "restart"
+                                                                  for n in cache.engine.graphs))
+    assert verdicts == {(True, 10): (True, True), (True, 9): (False, False), (False, 10): (False, False)}
+
+
 def test_restart_buckets_are_powers_of_two_between_eight_and_the_rows():
     from agents.modules.decode_engine import restart_bucket
 

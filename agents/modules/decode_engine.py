@@ -303,6 +303,10 @@ class DecodeEngine(RingBuffers):
 
 
 RESTART_BUCKET_MIN = 8
+# A restart inside the step passes over its rows' whole windows, padding included (fixed shapes);
+# an eager prefill starts at the first column any of its rows uses. Past this window length (a long
+# window, short prompts: many padding columns) restarts stay eager, as does a graph's memory.
+RESTART_MAX_COLUMNS = 256
 
 
 def restart_bucket(n: int, rows: int) -> int:
@@ -353,8 +357,10 @@ class RingKVCache(WindowKVCache):
     def _restarts_in_step(self, engine) -> bool:
         """Whether restarting rows take `DecodeEngine.restart` (prefilled inside the static step),
         not the eager prefills: `static_restarts`, by default where the engine captures its step
-        (a GPU), once the trunk's tensor-op pass is known to match transformers' forward."""
-        wanted = engine.capture if self.static_restarts is None else self.static_restarts
+        (a GPU) over windows of at most RESTART_MAX_COLUMNS, once the trunk's tensor-op pass is
+        known to match transformers' forward."""
+        wanted = (engine.capture and engine.length <= RESTART_MAX_COLUMNS if self.static_restarts is None
+                  else self.static_restarts)
         return (wanted and lean_forward_verdict(engine.trunk) is True and gpt2_forward_blocks(engine.trunk) is not None
                 and not torch.is_autocast_enabled(engine.device.type))
 
