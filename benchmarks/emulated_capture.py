@@ -13,7 +13,7 @@ replays, the ones that would be launches on a GPU.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -56,18 +56,13 @@ class _Graph:
         self.run, self.out, self.counter = run, out, counter
 
     def replay(self):
-        with self.counter.paused() if self.counter is not None else _nothing():
+        with self.counter.paused() if self.counter is not None else nullcontext():
             new = self.run()
             pairs = ((self.out, new),) if torch.is_tensor(new) else ((self.out[k], v) for k, v in new.items())
             for static, value in pairs:
                 static.copy_(value)
         if self.counter is not None:
             self.counter.replays += 1
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def capture_on_the_cpu(engine: DecodeEngine, counter: OpCounter | None = None) -> None:
@@ -77,7 +72,7 @@ def capture_on_the_cpu(engine: DecodeEngine, counter: OpCounter | None = None) -
     engine.capture = True
 
     def capture(static_inputs, run, steps=1):
-        with counter.paused() if counter is not None else _nothing():
+        with counter.paused() if counter is not None else nullcontext():
             engine._warm_up(run, steps=steps)
             state = [t.clone() for t in (engine.kv, engine.real, engine.slot)]
             out = run()

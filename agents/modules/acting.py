@@ -31,13 +31,18 @@ def shift_windows(obs: dict, tokens: torch.Tensor) -> dict:
             "attention_mask": torch.cat([mask[:, 1:], torch.ones_like(mask[:, :1])], 1)}
 
 
+def static_rollout_step(module) -> bool:
+    """Whether the module's exploring step is one static function of the decode engine: no guide,
+    a sampler with no learned mask and no per-row state, a `RingKVCache`."""
+    return module.guided is None and module._static_tail() and isinstance(module.kv_cache, RingKVCache)
+
+
 def static_block(module, first: dict, steps: int, device: torch.device) -> dict | None:
-    """`act_steps`' outputs (first step's `first`) with its other steps in one static function
-    (`RingKVCache.continue_block`), or None where that does not apply (a guide, a sampler with a
-    learned mask or per-row state, no decode engine). The uniforms are drawn as the steps one at a
+    """`act_steps`' outputs (first step's `first`, read before any other replay) with its other
+    steps in one static function (`RingKVCache.continue_block`), or None where that does not apply
+    (not `static_rollout_step`, no decode engine). The uniforms are drawn as the steps one at a
     time would draw them."""
-    if steps < 2 or module.guided is not None or not module._static_tail() or not isinstance(module.kv_cache,
-                                                                                              RingKVCache):
+    if steps < 2 or not static_rollout_step(module):
         return None
     rows = len(first[Columns.ACTIONS])
     draw = lambda: (torch.stack([torch.rand(rows, 1, dtype=torch.float64, device=device,  # noqa: E731
@@ -144,12 +149,13 @@ class Acting:
         the env's transition). Each output stacked (steps, rows)."""
         if self.training:
             self.eval()
-        # each step's outputs copied out: a replayed CUDA graph returns its static output tensors,
-        # which the next replay overwrites
-        obs, outs = batch[Columns.OBS], [{k: v.clone() for k, v in self._forward_exploration(batch).items()}]
-        block = static_block(self, outs[0], steps, obs["input_ids"].device)
+        obs, first = batch[Columns.OBS], self._forward_exploration(batch)
+        block = static_block(self, first, steps, obs["input_ids"].device)
         if block is not None:  # the steps after the first in one static function (a CUDA graph on CUDA)
             return block
+        # each step's outputs copied out: a replayed CUDA graph returns its static output tensors,
+        # which the next replay overwrites
+        outs = [{k: v.clone() for k, v in first.items()}]
         every_row = torch.ones(obs["input_ids"].shape[0], dtype=torch.bool)
         for _ in range(steps - 1):
             obs = shift_windows(obs, outs[-1][Columns.ACTIONS])
@@ -170,7 +176,7 @@ class Acting:
         # The draws come first (the forward pass draws nothing), so a static step can take them.
         uniform = torch.rand(ids.shape[0], 1, dtype=torch.float64, device=ids.device,
                              generator=self.rollout_generator(ids.device))
-        if self.guided is None and self._static_tail() and isinstance(self.kv_cache, RingKVCache):
+        if static_rollout_step(self):
             # forward, mask, draw, log-prob and value in one static step (a CUDA graph on CUDA)
             return dict(self.kv_cache.hidden_at_last_token(self._trunk(self.lm), obs, cont, tail=self._sample,
                                                            tail_inputs=(uniform,),

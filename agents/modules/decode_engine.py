@@ -354,21 +354,20 @@ class RingKVCache(WindowKVCache):
         self.loaded = False
         return self.engine
 
-    def _restarts_in_step(self, engine) -> bool:
-        """Whether restarting rows take `DecodeEngine.restart` (prefilled inside the static step),
-        not the eager prefills: `static_restarts`, by default where the engine captures its step
-        (a GPU) over windows of at most RESTART_MAX_COLUMNS, once the trunk's tensor-op pass is
-        known to match transformers' forward."""
+    @property
+    def restarts_in_step(self) -> bool:
+        """Whether rows that restart on the engine take `DecodeEngine.restart` (prefilled inside the
+        static step, no eager prefill: the fast EnvRunner then restarts finished rows at once, as it
+        does where their prefills are stored): `static_restarts`, by default where the engine
+        captures its step (a GPU) over windows of at most RESTART_MAX_COLUMNS, once the trunk's
+        tensor-op pass is known to match transformers' forward."""
+        engine = self.engine
+        if engine is None or not self.use_engine:
+            return False
         wanted = (engine.capture and engine.length <= RESTART_MAX_COLUMNS if self.static_restarts is None
                   else self.static_restarts)
         return (wanted and lean_forward_verdict(engine.trunk) is True and gpt2_forward_blocks(engine.trunk) is not None
                 and not torch.is_autocast_enabled(engine.device.type))
-
-    @property
-    def restarts_in_step(self) -> bool:
-        """Whether a row that restarts costs no eager prefill (`_restarts_in_step`): the fast
-        EnvRunner then restarts finished rows at once, as it does where their prefills are stored."""
-        return self.engine is not None and self.use_engine and self._restarts_in_step(self.engine)
 
     @torch.no_grad()
     def continue_block(self, trunk, token: torch.Tensor, n: int, draw, tail, key, next_token):
@@ -409,7 +408,7 @@ class RingKVCache(WindowKVCache):
         self.ids, self.mask = ids, mask
         if n_step == n:  # the usual step: static, captured where the engine captures
             return engine.step(ids[:, -1], tail, tail_inputs, key)
-        if self._restarts_in_step(engine):
+        if self.restarts_in_step:  # `engine` is self.engine
             fill = torch.nonzero(~cont)[:, 0]
             self.stats["prefill_computed_rows"] += len(fill)
             if n_step == 0:
