@@ -1,4 +1,6 @@
 """Sequence-level policy gradient: REINFORCE's per-prompt baseline and self-critical's greedy baseline."""
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -186,3 +188,103 @@ def test_reinforce_training_uses_each_prompts_group_mean_as_its_baseline(ray_loc
     # and what the learner logs follows from those baselines
     assert learner["sequence_return_mean"] == pytest.approx(returns.mean(), abs=1e-6)
     assert learner["advantage_abs_mean"] == pytest.approx(np.abs(returns - expected).mean(), abs=1e-6)
+
+
+LONG_CFG = {**ENV_CFG, "max_new_tokens": 12}  # 1 + 8 + 3 steps: a greedy decode's first step and two blocks
+
+
+def counting_module(seed=3, sampler=None):
+    """tiny-gpt2 whose output layer is shifted by one row, so greedy decodes count up (and some
+    rows meet EOS after 20) instead of copying the last token."""
+    env = TokenGenerationEnv(LONG_CFG)
+    module = CausalLMActorCritic(observation_space=env.observation_space, action_space=env.action_space,
+                                 model_config={"model": {"name_or_path": "tiny-gpt2"}, "env": LONG_CFG, "seed": seed,
+                                               "sampler": sampler or {"name": "none"}})
+    w = module.lm.get_input_embeddings().weight.detach()
+    head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    head.weight.data = torch.roll(w, 1, 0).clone()
+    module.lm.set_output_embeddings(head)
+    if module.sampler.learned:  # NLPO's masking policy: a copy of the policy as it now is
+        module.mask_lm.set_output_embeddings(copy.deepcopy(head).requires_grad_(False))
+    return env, module
+
+
+def reference_greedy(module, ids, mask, max_new_tokens, eos_id):
+    """Argmax decoding by a whole-window pass per step (no cache), the sampler's mask applied."""
+    out, done = [[] for _ in range(len(ids))], torch.zeros(len(ids), dtype=torch.bool)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            obs = {"input_ids": ids, "attention_mask": mask}
+            logits = module._logits(module.lm, module._hidden(module._trunk(module.lm), obs)).float()
+            if module.sampler.active and not module.sampler.stateful:
+                source = module.mask_lm_logits(obs) if module.sampler.learned else logits
+                logits = logits.masked_fill(~module.sampler.keep(source, None), -torch.inf)
+            token = logits.argmax(-1)
+            for r in torch.nonzero(~done)[:, 0].tolist():
+                out[r].append(int(token[r]))
+            done |= token == eos_id
+            ids = torch.cat([ids[:, 1:], token[:, None]], 1)
+            mask = torch.cat([mask[:, 1:], torch.ones_like(mask[:, :1])], 1)
+    return out
+
+
+def prompt_windows(env, prompts):
+    firsts = [env.reset(options={"prompt": p})[0] for p in prompts]
+    return (torch.as_tensor(np.stack([f["input_ids"] for f in firsts])),
+            torch.as_tensor(np.stack([f["attention_mask"] for f in firsts])))
+
+
+CALLS = [["1 2", "15", "9"], ["12 13", "2", "18", "4 5", "17"], ["16", "3"]]  # 3, 5 and 2 prompts
+
+
+@pytest.mark.parametrize("sampler, engine", [(None, True), ({"name": "top_k", "k": 3}, True), (None, False),
+                                             ({"name": "top_k", "k": 3, "masking": "learned"}, True)])
+def test_greedy_decodes_across_calls_and_weight_updates_equal_a_whole_window_argmax(sampler, engine):
+    """One `GreedyDecoder` over six calls (3, 5 and 2 prompts, so padded rows; rows that meet EOS
+    early and rows that never do; each prompt decoded twice), the weights changed in place between
+    calls as an optimizer does: each call's decodes are the argmax of a whole-window pass per step
+    with the weights of the call. Without the decode engine (a trunk it does not serve), or with a
+    learned mask (NLPO's masking policy, which reads the window), one call per step gives the same."""
+    from agents.modules.acting import GreedyDecoder
+
+    env, module = counting_module(sampler=sampler)
+    decoder = GreedyDecoder()
+    decoder.cache.use_engine = engine
+    g = torch.Generator().manual_seed(0)
+    decodes = []
+    for i, prompts in enumerate(CALLS * 2):
+        ids, mask = prompt_windows(env, prompts)
+        got = decoder(module, ids, mask, env.max_new_tokens, env.eos_id)
+        assert got == reference_greedy(module, ids, mask, env.max_new_tokens, env.eos_id), i
+        decodes += got
+        with torch.no_grad():
+            module.lm.base_model.h[0].mlp.c_fc.weight.add_(0.02 * torch.randn(
+                module.lm.base_model.h[0].mlp.c_fc.weight.shape, generator=g))
+    assert any(len(r) == env.max_new_tokens for r in decodes) and any(r[-1] == env.eos_id for r in decodes)
+    assert decoder.rows == 8 and (decoder.cache.engine is not None) == engine
+
+
+def test_greedy_decodes_replay_the_graphs_of_the_first_calls():
+    """With the engine's capture emulated on the CPU, calls with 3, 5 and 2 prompts use one engine
+    (8 rows) and capture no new graph once the restart step has one: the blocks replay, and the
+    decodes are the eager ones, after weight updates too."""
+    from agents.modules.acting import GreedyDecoder
+    from benchmarks.emulated_capture import OpCounter, emulate_capture
+
+    env, module = counting_module()
+    eager = GreedyDecoder()
+    counter = OpCounter()
+    with emulate_capture(counter):
+        captured = GreedyDecoder()
+        graphs, engines = [], []
+        for prompts in CALLS * 2:
+            ids, mask = prompt_windows(env, prompts)
+            got = captured(module, ids, mask, env.max_new_tokens, env.eos_id)
+            assert got == eager(module, ids, mask, env.max_new_tokens, env.eos_id)
+            graphs.append(set(captured.cache.engine.graphs))
+            engines.append(captured.cache.engine)
+            with torch.no_grad():
+                module.lm.base_model.h[1].attn.c_proj.weight.mul_(1.1)
+    assert all(e is engines[0] for e in engines) and engines[0].capture
+    assert graphs[-1] == graphs[2] and any(name[0] == "steps" for name in graphs[-1]), graphs
+    assert counter.replays > 0

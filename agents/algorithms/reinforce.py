@@ -34,7 +34,7 @@ from agents.algorithms.ppo import PPOSpec
 from agents.algorithms.token_learner import TOKEN_TRAINING, TokenAlgorithm, TokenLearner, TokenLearnerConfig
 from agents.algorithms.token_learner import loss_step_mean, policy_shift_metrics
 from agents.core import SEQ_ID
-from agents.modules.decode_engine import RingKVCache
+from agents.modules.acting import GreedyDecoder
 from env.text_env import TokenGenerationEnv
 from env.validation import Field
 
@@ -51,37 +51,6 @@ def per_prompt_baselines(prompt_keys: list, returns: np.ndarray, num_samples: in
             chunk = idx[start:start + num_samples]
             baselines[chunk] = returns[chunk].mean()
     return baselines
-
-
-@torch.no_grad()
-def greedy_generations(module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                       eos_id: int) -> list[list[int]]:
-    """Argmax decoding from prompt windows (the env's left-padded layout), KV-cached.
-
-    The argmax is taken over the sampler's kept tokens when a stateless truncation sampler is
-    on (typical sampling can drop the most likely token); mirostat keeps the argmax anyway.
-    """
-    lm, sampler = module.lm, module.sampler
-    cache = RingKVCache()  # the decode engine (static ring-buffer step) where the trunk is a plain GPT-2
-    cache.static_restarts = False  # one full load per call: a restart graph captured for it would run once
-    ids, mask = input_ids.clone(), attention_mask.clone()
-    out = [[] for _ in range(ids.shape[0])]
-    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    for _ in range(max_new_tokens):
-        obs = {"input_ids": ids, "attention_mask": mask}
-        logits = lm.get_output_embeddings()(cache.hidden_at_last_token(lm.base_model, obs)).float()
-        if sampler.active and not sampler.stateful:
-            source = module.mask_lm_logits(obs) if sampler.learned else logits
-            logits = logits.masked_fill(~sampler.keep(source, None), -torch.inf)
-        token = logits.argmax(-1)
-        for r in torch.nonzero(~done)[:, 0].tolist():
-            out[r].append(int(token[r]))
-        done |= token == eos_id
-        if done.all():
-            break
-        ids = torch.cat([ids[:, 1:], token[:, None]], 1)
-        mask = torch.cat([mask[:, 1:], torch.ones_like(mask[:, :1])], 1)
-    return out
 
 
 REINFORCE_PARAMS = {  # the RLlib config's own attributes (Fields: type, range, default)
@@ -104,6 +73,7 @@ class SequenceLevelAdvantages(ConnectorV2):
         super().__init__(input_observation_space, input_action_space)
         self.baseline, self.num_samples = baseline, num_samples
         self.scorer = None  # the task's reward on the learner (self-critical)
+        self.greedy = GreedyDecoder()  # its decode engine (captured on a GPU) kept from one batch to the next
         self.last, self.last_baselines = {}, None
 
     def greedy_baselines(self, module, episodes) -> np.ndarray:
@@ -123,7 +93,7 @@ class SequenceLevelAdvantages(ConnectorV2):
         order = list(unique.values())
         ids = torch.as_tensor(np.stack([np.asarray(firsts[i]["input_ids"]) for i in order]), device=device)
         mask = torch.as_tensor(np.stack([np.asarray(firsts[i]["attention_mask"]) for i in order]), device=device)
-        gens = greedy_generations(module, ids, mask, self.scorer.max_new_tokens, self.scorer.eos_id)
+        gens = self.greedy(module, ids, mask, self.scorer.max_new_tokens, self.scorer.eos_id)
         tok = self.scorer.tokenizer
         prompts = [tok.decode(ids[j][mask[j].bool()].tolist(), skip_special_tokens=True) for j in range(len(order))]
         texts = [tok.decode(g, skip_special_tokens=True) for g in gens]

@@ -24,11 +24,14 @@ from env.text_env import env_setting
 
 def shift_windows(obs: dict, tokens: torch.Tensor) -> dict:
     """The env's transition on the device: each row's window shifted left by one, `tokens` (rows,)
-    appended as real columns. With the decode engine a step reads only the newest column, so these
-    two ops are all a block adds outside the captured step."""
+    appended as real columns (or by k, `tokens` (k, rows) appended in order). With the decode
+    engine a step reads only the newest column, so these two ops are all a block adds outside the
+    captured step."""
     ids, mask = obs["input_ids"], obs["attention_mask"]
-    return {**obs, "input_ids": torch.cat([ids[:, 1:], tokens.to(ids.dtype)[:, None]], 1),
-            "attention_mask": torch.cat([mask[:, 1:], torch.ones_like(mask[:, :1])], 1)}
+    tokens = tokens.to(ids.dtype)[:, None] if tokens.dim() == 1 else tokens.to(ids.dtype).T
+    k = tokens.shape[1]
+    return {**obs, "input_ids": torch.cat([ids[:, k:], tokens], 1),
+            "attention_mask": torch.cat([mask[:, k:], torch.ones_like(mask[:, :k])], 1)}
 
 
 def static_rollout_step(module) -> bool:
@@ -51,6 +54,85 @@ def static_block(module, first: dict, steps: int, device: torch.device) -> dict 
                                           module._sample, ("explore", module.values_in_rollouts),
                                           lambda out: out[Columns.ACTIONS])
     return None if rest is None else {k: torch.cat([v[None], rest[k]]) for k, v in first.items()}
+
+
+GREEDY_BLOCK = 8  # a greedy decode's steps per static block; EOS is read back between blocks
+GREEDY_ROWS_MIN = 8
+
+
+class GreedyDecoder:
+    """Argmax decodes of a policy module from prompt windows (the env's left-padded layout), with
+    the argmax over the sampler's kept tokens where a stateless truncation sampler is on (typical
+    sampling can drop the most likely token; mirostat keeps the argmax anyway): self-critical's
+    greedy baseline.
+
+    One decode engine serves every call (`RingKVCache`, kept here): its rows are a power of two
+    (at least GREEDY_ROWS_MIN, never fewer than an earlier call's; the first prompt repeated), so
+    calls with different numbers of prompts replay the graphs the first one captured (on a GPU).
+    The first step loads the windows, the steps after it run GREEDY_BLOCK at a time as one static
+    function each (`RingKVCache.continue_block`), every row appending its own argmax on the device;
+    the host reads whether every row has met EOS once a block, and the tokens once a call. A trunk
+    the engine does not serve, or a learned mask (NLPO's), takes one call per step instead."""
+
+    def __init__(self):
+        self.cache = RingKVCache()
+        self.rows = 0
+
+    def __getstate__(self) -> dict:
+        return {"cache": RingKVCache(), "rows": 0}  # a copy starts with no engine (captured graphs do not copy)
+
+    @torch.no_grad()
+    def __call__(self, module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                 eos_id: int) -> list[list[int]]:
+        n = input_ids.shape[0]
+        self.rows = max(self.rows, GREEDY_ROWS_MIN, 1 << (n - 1).bit_length())
+        pad = self.rows - n
+        obs = {"input_ids": torch.cat([input_ids, input_ids[:1].expand(pad, -1)]),
+               "attention_mask": torch.cat([attention_mask, attention_mask[:1].expand(pad, -1)])}
+        cache, trunk, sampler = self.cache, module._trunk(module.lm), module.sampler
+        cache.invalidate()  # the weights changed since the last call: nothing held is current
+        masked = sampler.active and not sampler.stateful
+        static = not sampler.learned
+        key = ("greedy", masked)
+
+        def argmax(hidden, _unused=None, window=None) -> dict:  # static unless a learned mask reads the window
+            logits = module._logits(module.lm, hidden).float()
+            if masked:
+                source = module.mask_lm_logits(window) if sampler.learned else logits
+                logits = logits.masked_fill(~sampler.keep(source, None), -torch.inf)
+            return {"token": logits.argmax(-1)}
+
+        def step(obs, cont=None) -> torch.Tensor:  # one call: the token of each row after its window
+            if static:  # a copy: a replayed graph's output is overwritten by its next replay
+                return cache.hidden_at_last_token(trunk, obs, cont, tail=argmax, tail_inputs=(placeholder[0],),
+                                                  key=key)["token"].clone()
+            return argmax(cache.hidden_at_last_token(trunk, obs, cont), window=obs)["token"]
+
+        placeholder = torch.zeros(GREEDY_BLOCK, 1, device=input_ids.device)  # the static block's per-step input
+        every_row = torch.ones(self.rows, dtype=torch.bool)
+        tokens = [step(obs)[None]]
+        done = tokens[0][0] == eos_id
+        left = max_new_tokens - 1
+        while left > 0 and not bool(done[:n].all()):  # one host read per block
+            k = min(GREEDY_BLOCK, left)
+            block = cache.continue_block(trunk, tokens[-1][-1], k, lambda: (placeholder[:k],), argmax, key,
+                                         lambda out: out["token"]) if static else None
+            if block is not None:
+                block = block["token"].clone()
+                obs = shift_windows(obs, block)  # the windows the cache now holds
+            else:  # one call per step
+                block = []
+                for _ in range(k):
+                    obs = shift_windows(obs, block[-1] if block else tokens[-1][-1])
+                    block.append(step(obs, every_row))
+                block = torch.stack(block)
+            tokens.append(block)
+            done = done | (block == eos_id).any(0)
+            left -= k
+        out = []
+        for row in torch.cat(tokens).T[:n].tolist():  # the tokens up to each row's first EOS, EOS included
+            out.append(row[:row.index(eos_id) + 1] if eos_id in row else row)
+        return out
 
 
 class RowSamplerState:
