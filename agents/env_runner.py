@@ -15,7 +15,8 @@ one batched module call and one batched env step:
     module's cache holds their prefill (`agents.modules.kv_cache`), a restart
     costs no pass, and finished rows restart at once;
   * an RLlib `SingleAgentEpisode` is built once per finished episode, from
-    arrays, in the format RLlib's learner connectors consume;
+    arrays, in the format RLlib's learner connectors consume, once the
+    module's next steps are queued (on a GPU, while the device computes them);
   * with `env_runners.decode_block` k > 1 an exploring module runs k steps per
     call (`act_steps`: each row appends the token it drew, on the module's
     device) and the env then steps through them: one host round trip per k tokens.
@@ -79,7 +80,7 @@ from ray.rllib.utils.metrics import SAMPLE_TIMER
 
 from agents.core import ROLLOUT_STATE, ROW_CONTINUES, global_rng_state, set_global_rng_state, state_requested
 from agents.modules.decode_engine import HostTransfers
-from agents.runner_episodes import EpisodeBuilder, EpisodeMetrics, log_sampled
+from agents.runner_episodes import EpisodeBuilder, EpisodeMetrics, Rollout, log_sampled
 from agents.rollout_state import (_module_rollout_states, _seed_module_rollouts, _set_module_rollout_states,
                                   env_state, rollout_seed, sampling_state, set_env_state, set_sampling_state)
 from agents.weight_sync import COLOCATED, modules_by_id
@@ -212,6 +213,35 @@ def compile_rollout_step(cache, env_config: dict) -> None:
         cache.compile_step = bool(env_config.get(COMPILE_STEP, False))
 
 
+class RestartSchedule:
+    """When the fast EnvRunner restarts finished rows: at once where a restart costs no pass of its
+    own, else once a quarter of the rows are free, so restarts share one prefill pass. A restart
+    is free where the cache prefills restarting rows inside its captured step, or where the last
+    rows that started all began on windows seen since the last weight sync: a cache keeping
+    prefills by window (agents.modules.kv_cache) then holds theirs. (Cache on or off alike.)"""
+
+    def __init__(self, cache, has_module: bool):
+        self.cache = cache
+        self.reuses_prefills = has_module and (cache is None or hasattr(cache, "store"))
+        self.seen: set[bytes] = set()  # windows rows started on since the last weight sync
+        self.free = False
+
+    def note_windows(self, obs: dict, rows: np.ndarray) -> None:
+        # A cache told not to reuse prefills (`reuse_prefills = False`, as if every prompt
+        # differed) gets the schedule of distinct prompts: restarts wait and share a pass.
+        if not self.reuses_prefills or not getattr(self.cache, "reuse_prefills", True):
+            return
+        keys = [obs["input_ids"][i].tobytes() + obs["attention_mask"][i].tobytes() for i in rows]
+        self.free = getattr(self.cache, "restarts_in_step", False) or all(k in self.seen for k in keys)
+        if len(self.seen) > SEEN_WINDOWS_MAX:
+            self.seen.clear()
+        self.seen.update(keys)
+
+    def weights_changed(self) -> None:
+        self.seen.clear()
+        self.free = False
+
+
 class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
     def __init__(self, *, config, **kwargs):
         super().__init__(config=config, **kwargs)
@@ -220,29 +250,12 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         self._rollout = None  # unfinished episodes carried from one sample() call to the next
         self._carry = bool(self.config.env_config.get(CARRY_EPISODES, True))
         self._block = self.config.env_config.get(DECODE_BLOCK)  # None: by the module's device
-        # Windows rows started on since the last weight sync, and whether the last rows that started
-        # all began on one of them (or the cache prefills restarts inside its captured step): a cache
-        # keeping prefills by window (agents.modules.kv_cache) then restarts them with no pass, so
-        # finished rows restart at once, not after a quarter of the rows. (Cache on or off alike.)
         self._cache = getattr(self.module, "kv_cache", None) if self.module is not None else None
         compile_rollout_step(self._cache, self.config.env_config)
-        self._reuses_prefills = self.module is not None and (self._cache is None or hasattr(self._cache, "store"))
-        self._seen_windows: set[bytes] = set()
-        self._restarts_free = False
+        self._restarts = RestartSchedule(self._cache, self.module is not None)
         self._host = HostTransfers()
         self._episode_metrics = EpisodeMetrics()
         self._episode_builder = None  # made at the first finished episode (its extra output keys)
-
-    def _note_windows(self, obs: dict, rows: np.ndarray) -> None:
-        # A cache told not to reuse prefills (`reuse_prefills = False`, as if every prompt
-        # differed) gets the schedule of distinct prompts: restarts wait and share a pass.
-        if not self._reuses_prefills or not getattr(self._cache, "reuse_prefills", True):
-            return
-        keys = [obs["input_ids"][i].tobytes() + obs["attention_mask"][i].tobytes() for i in rows]
-        self._restarts_free = getattr(self._cache, "restarts_in_step", False) or all(k in self._seen_windows for k in keys)
-        if len(self._seen_windows) > SEEN_WINDOWS_MAX:
-            self._seen_windows.clear()
-        self._seen_windows.update(keys)
 
     def set_state(self, state) -> None:
         super().set_state(state)
@@ -251,8 +264,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
 
     def weights_changed(self) -> None:
         """New weights (RLlib's sync or a colocated one): the module's stored prefills are gone."""
-        self._seen_windows.clear()
-        self._restarts_free = False
+        self._restarts.weights_changed()
 
     def _vector_env(self) -> TokenGenerationVectorEnv:
         env = self.env.unwrapped
@@ -316,10 +328,11 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         st = self._rollout if by_steps and not random_actions else None
         self._rollout = None
         if st is None or st.explore != explore:
-            st = _Rollout(B, explore)
+            st = Rollout(B, explore)
         else:
             st.trim()
         episodes, returned, started, steps = [], 0, 0, 0
+        finished = []  # rows' finished episodes, built while the module's next steps run (`_build`)
 
         def start(rows: np.ndarray) -> None:
             nonlocal started
@@ -328,7 +341,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
             st.obs, infos = env.reset(seed=self._first_seed(), options={"reset_mask": mask})
             for i in rows:
                 st.reset_infos[i] = row_info(infos, i)
-            self._note_windows(st.obs, rows)
+            self._restarts.note_windows(st.obs, rows)
             st.row_start[rows], st.start_time[rows] = st.n, time.perf_counter()
             st.active[rows] = st.ever_started[rows] = True
             st.cont[rows] = False
@@ -353,31 +366,40 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         # iteration (about 1.5x the configured train batch on average, 2x at worst).
         while ((steps < num_timesteps or st.active.any()) if draining
                else (min(returned, steps) < num_timesteps) if by_steps else st.active.any()):
-            for out in self._module_steps(st, module, env, explore, random_actions, device, t_global + steps):
+            build = lambda: self._build(st, finished, episodes)  # noqa: E731
+            for out in self._module_steps(st, module, env, explore, random_actions, device, t_global + steps, build):
                 actions = out.pop(Columns.ACTIONS)
                 before = st.obs
                 st.obs, rewards, terminated, _, infos = env.step(actions)
                 st.record(before, actions, rewards, out)
                 steps += int(st.active.sum())
                 for i in np.flatnonzero(terminated & st.active):
-                    episode = self._episode(i, int(st.row_start[i]), st, row_info(infos, i))
-                    episodes.append(episode)
-                    returned += len(episode)
+                    finished.append(st.finish(i, row_info(infos, i)))
+                    returned += len(finished[-1])
                     st.active[i] = False
                 st.cont[:] = True  # idle rows run along (their outputs are ignored) until they restart
                 if not st.active.any():  # the rest of a block: no row runs an episode any more
                     break
-            refill(1 if self._restarts_free or not st.active.any() else refill_at)
+            refill(1 if self._restarts.free or not st.active.any() else refill_at)
+        self._build(st, finished, episodes)
         if by_steps and not random_actions:
             self._rollout = st  # with carry_episodes off it holds no running episode, only buffers
         return episodes, steps
 
-    def _module_steps(self, st, module, env, explore, random_actions, device, t) -> list[dict]:
+    def _build(self, st, finished: list, episodes: list) -> None:
+        """The episodes of the rows in `finished` (emptied), in the order they finished."""
+        episodes.extend(self._episode(row, st) for row in finished)
+        finished.clear()
+
+    def _module_steps(self, st, module, env, explore, random_actions, device, t, meanwhile) -> list[dict]:
         """The module's outputs for the next env steps, on the host: one step, or with
         `decode_block` k > 1 (exploring, a module that acts in blocks) k steps computed on the
         device with each row appending the token it drew, as the env then does for every row
-        still running (rows that finished mid-block ignore the rest: they restart with a prefill)."""
+        still running (rows that finished mid-block ignore the rest: they restart with a prefill).
+        `meanwhile()` runs once the module's work is queued, before its outputs are read: on a
+        GPU the host builds episodes while the device computes."""
         if random_actions or module is None:
+            meanwhile()
             return [self._host.to_host(random_step(env))]
         obs = st.obs
         if not st.ever_started.all():  # rows that never started run along on a one-token window
@@ -388,29 +410,28 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
                  ROW_CONTINUES: torch.from_numpy(st.cont.copy())}
         block = decode_block_for(self._block, device)
         if explore and block > 1 and getattr(module, "can_act_in_blocks", lambda: False)():
-            out = self._host.to_host(module.act_steps(batch, block))
+            out = module.act_steps(batch, block)
+            meanwhile()
+            out = self._host.to_host(out)
             return [{k: v[j] for k, v in out.items()} for j in range(block)]
         out = module.act(batch, t=t) if explore else greedy_step(module, batch)
+        meanwhile()
         return [self._host.to_host({k: v for k, v in out.items() if k != Columns.ACTION_DIST_INPUTS})]
 
-    def _episode(self, i, s, st, final_info):
-        """Row i's episode from step s to the last step as an RLlib episode, built from arrays."""
-        n, T = st.n, st.n - s
-        obs = {k: np.concatenate([b[s:n, i], st.obs[k][i][None]]) for k, b in st.obs_buf.items()}
-        actions = st.act_buf[s:n, i].astype(np.int64)  # copies: the buffers are written again
-        rewards = st.rew_buf[s:n, i].astype(np.float64)
-        extras = {k: b[s:n, i].copy() for k, b in st.extra_buf.items()}
+    def _episode(self, row, st):
+        """A finished row's episode (`Rollout.finish`) as an RLlib episode, built from arrays."""
+        obs, actions, rewards, extras = st.episode_arrays(row)
         if self._episode_builder is None or self._episode_builder.extra_keys != tuple(extras):
             self._episode_builder = EpisodeBuilder(self.env.single_observation_space, self.env.single_action_space,
                                                    tuple(extras))
-        episode = self._episode_builder.build(obs, [st.reset_infos[i]] + [{} for _ in range(T - 1)] + [final_info],
-                                              actions, rewards, extras)
+        episode = self._episode_builder.build(obs, [row.reset_info] + [{} for _ in range(len(row) - 1)]
+                                              + [row.final_info], actions, rewards, extras)
         make_callback("on_episode_end", callbacks_objects=self._episode_callbacks,
                       callbacks_functions=self.config.callbacks_on_episode_end,
                       kwargs=dict(episode=episode, env_runner=self, metrics_logger=self.metrics,
-                                  env=self.env.unwrapped, rl_module=self.module, env_index=int(i),
+                                  env=self.env.unwrapped, rl_module=self.module, env_index=row.index,
                                   prev_episode_chunks=[]))
-        self._episode_metrics.add(T, float(rewards.sum()), time.perf_counter() - st.start_time[i])
+        self._episode_metrics.add(len(row), float(rewards.sum()), row.seconds)
         return episode
 
 
@@ -429,55 +450,7 @@ def greedy_step(module, batch) -> dict:
             Columns.ACTION_LOGP: torch.log_softmax(logits.float(), -1).gather(-1, actions[:, None])[:, 0]}
 
 
-def _put(buf, n: int, row: np.ndarray) -> np.ndarray:
-    """`buf` (steps, B, ...) with `row` written at step n, grown (doubled) when full."""
-    row = np.asarray(row)
-    if buf is None:
-        buf = np.empty((64,) + row.shape, dtype=row.dtype)
-    elif n == len(buf):
-        buf = np.concatenate([buf, np.empty_like(buf)])
-    buf[n] = row
-    return buf
-
-
-class _Rollout:
-    """The vector env's rows between module calls: which rows run an episode, where each
-    started, and the per-step arrays their episodes are cut from: one (steps, B, ...) buffer per
-    column (observation keys, actions, rewards, extra module outputs), the first `n` steps used."""
-
-    def __init__(self, num_rows: int, explore: bool):
-        B = num_rows
-        self.explore = explore
-        self.obs = None
-        self.cont = np.zeros(B, dtype=bool)  # rows whose next module input continues the last one
-        self.active = np.zeros(B, dtype=bool)
-        self.ever_started = np.zeros(B, dtype=bool)
-        self.row_start = np.zeros(B, dtype=np.int64)
-        self.start_time = np.zeros(B, dtype=np.float64)
-        self.reset_infos: list[dict] = [{} for _ in range(B)]
-        self.n = 0
-        self.obs_buf, self.act_buf, self.rew_buf, self.extra_buf = {}, None, None, {}
-
-    def record(self, obs: dict, actions, rewards, extras: dict) -> None:
-        """One vector step: the observations the module saw, the actions, rewards and extra outputs."""
-        n = self.n
-        for k, v in obs.items():
-            self.obs_buf[k] = _put(self.obs_buf.get(k), n, v)
-        self.act_buf, self.rew_buf = _put(self.act_buf, n, actions), _put(self.rew_buf, n, rewards)
-        for k, v in extras.items():
-            self.extra_buf[k] = _put(self.extra_buf.get(k), n, v)
-        self.n = n + 1
-
-    def trim(self) -> None:
-        """Drops the steps before the oldest running episode's first."""
-        s0 = int(self.row_start[self.active].min()) if self.active.any() else self.n
-        if s0 > 0:
-            bufs = [*self.obs_buf.values(), self.act_buf, self.rew_buf, *self.extra_buf.values()]
-            for buf in bufs:
-                if buf is not None:
-                    buf[:self.n - s0] = buf[s0:self.n].copy()
-            self.n -= s0
-            self.row_start -= s0
+_Rollout = Rollout  # where checkpoints written before it moved to agents.runner_episodes find it
 
 
 class StockTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):

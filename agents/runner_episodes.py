@@ -15,7 +15,9 @@ keys, windows and reductions, each value pushed into its `Stats` object in order
 from __future__ import annotations
 
 import math
+import time
 import uuid
+from typing import NamedTuple
 
 import numpy as np
 from ray.rllib.core import DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
@@ -158,3 +160,87 @@ def log_sampled(runner, steps: int, episodes: list) -> None:
     log((NUM_AGENT_STEPS_SAMPLED_LIFETIME, DEFAULT_AGENT_ID), steps, reduce="lifetime_sum")
     log((NUM_MODULE_STEPS_SAMPLED_LIFETIME, DEFAULT_MODULE_ID), steps, reduce="lifetime_sum")
     log(NUM_EPISODES_LIFETIME, len(episodes), reduce="lifetime_sum")
+
+
+def _put(buf, n: int, row: np.ndarray) -> np.ndarray:
+    """`buf` (steps, B, ...) with `row` written at step n, grown (doubled) when full."""
+    row = np.asarray(row)
+    if buf is None:
+        buf = np.empty((64,) + row.shape, dtype=row.dtype)
+    elif n == len(buf):
+        buf = np.concatenate([buf, np.empty_like(buf)])
+    buf[n] = row
+    return buf
+
+
+class Rollout:
+    """The vector env's rows between module calls: which rows run an episode, where each
+    started, and the per-step arrays their episodes are cut from: one (steps, B, ...) buffer per
+    column (observation keys, actions, rewards, extra module outputs), the first `n` steps used.
+    A row's finished episode is noted (`finish`) before the row restarts and cut from the arrays
+    later (`episode_arrays`), while the module's next steps run on its device: the steps it covers
+    stay as they are until the next `trim`."""
+
+    def __init__(self, num_rows: int, explore: bool):
+        B = num_rows
+        self.explore = explore
+        self.obs = None
+        self.cont = np.zeros(B, dtype=bool)  # rows whose next module input continues the last one
+        self.active = np.zeros(B, dtype=bool)
+        self.ever_started = np.zeros(B, dtype=bool)
+        self.row_start = np.zeros(B, dtype=np.int64)
+        self.start_time = np.zeros(B, dtype=np.float64)
+        self.reset_infos: list[dict] = [{} for _ in range(B)]
+        self.n = 0
+        self.obs_buf, self.act_buf, self.rew_buf, self.extra_buf = {}, None, None, {}
+
+    def record(self, obs: dict, actions, rewards, extras: dict) -> None:
+        """One vector step: the observations the module saw, the actions, rewards and extra outputs."""
+        n = self.n
+        for k, v in obs.items():
+            self.obs_buf[k] = _put(self.obs_buf.get(k), n, v)
+        self.act_buf, self.rew_buf = _put(self.act_buf, n, actions), _put(self.rew_buf, n, rewards)
+        for k, v in extras.items():
+            self.extra_buf[k] = _put(self.extra_buf.get(k), n, v)
+        self.n = n + 1
+
+    def trim(self) -> None:
+        """Drops the steps before the oldest running episode's first."""
+        s0 = int(self.row_start[self.active].min()) if self.active.any() else self.n
+        if s0 > 0:
+            bufs = [*self.obs_buf.values(), self.act_buf, self.rew_buf, *self.extra_buf.values()]
+            for buf in bufs:
+                if buf is not None:
+                    buf[:self.n - s0] = buf[s0:self.n].copy()
+            self.n -= s0
+            self.row_start -= s0
+
+    def finish(self, i: int, final_info: dict) -> "FinishedRow":
+        """Row i's episode, ended at the last step recorded: what of it a restart overwrites (the
+        last observation, the reset info, the clock) kept now."""
+        return FinishedRow(int(i), int(self.row_start[i]), self.n, {k: v[i].copy() for k, v in self.obs.items()},
+                           self.reset_infos[i], final_info, time.perf_counter() - self.start_time[i])
+
+    def episode_arrays(self, row: "FinishedRow") -> tuple:
+        """A finished row's observations (T + 1), actions, rewards and extra outputs (T), copied out
+        of the arrays (which later steps write again)."""
+        i, s, n = row.index, row.start, row.end
+        obs = {k: np.concatenate([b[s:n, i], row.last_obs[k][None]]) for k, b in self.obs_buf.items()}
+        return (obs, self.act_buf[s:n, i].astype(np.int64), self.rew_buf[s:n, i].astype(np.float64),
+                {k: b[s:n, i].copy() for k, b in self.extra_buf.items()})
+
+
+class FinishedRow(NamedTuple):
+    """A row's finished episode as `Rollout.finish` notes it: the row, its first and last + 1 steps
+    in the arrays, its last observation, reset and final infos, and its seconds."""
+    index: int
+    start: int
+    end: int
+    last_obs: dict
+    reset_info: dict
+    final_info: dict
+    seconds: float
+
+    def __len__(self) -> int:
+        return self.end - self.start
+

@@ -234,8 +234,8 @@ def test_decode_blocks_sample_what_the_env_steps_through(sampler, captured, monk
         # restarts that cost no eager prefill: finished rows restart at once, on windows never seen too
         assert module.kv_cache.restarts_in_step == (captured == "restarts in the step")
         runner.weights_changed()
-        runner._note_windows(runner._rollout.obs, np.arange(2))
-        assert runner._restarts_free == (captured == "restarts in the step")
+        runner._restarts.note_windows(runner._rollout.obs, np.arange(2))
+        assert runner._restarts.free == (captured == "restarts in the step")
     runner.stop()
 
 
@@ -287,3 +287,35 @@ def test_decode_block_with_the_stock_runner_is_refused_in_one_line():
     with pytest.raises(ConfigError) as err:
         validate({**CAUSAL, "env_runners": {**CAUSAL["env_runners"], "runner": "stock", "decode_block": 2}})
     assert str(err.value).startswith("env_runners.decode_block: only the fast runner steps in blocks")
+
+
+def test_finished_episodes_are_built_while_the_next_block_runs():
+    """With decode blocks, a row's finished episode is built after the module's next block is
+    queued and before its outputs are read (on a GPU the host builds episodes while the device
+    computes), the rest at the call's end; each episode keeps its own prompt, reset info and last
+    observation, though its row restarted on another prompt before it was built."""
+    raw = {**CAUSAL, "env_runners": {**CAUSAL["env_runners"], "decode_block": 4}}
+    runner = FastTokenEnvRunner(config=algorithm_config(validate(raw)))
+    events = []
+    module, host, episode = runner.module, runner._host, runner._episode
+    act_steps, to_host = module.act_steps, host.to_host
+    module.act_steps = lambda *a, **k: (events.append("queued"), act_steps(*a, **k))[1]
+    host.to_host = lambda *a, **k: (events.append("read"), to_host(*a, **k))[1]
+    runner._episode = lambda *a, **k: (events.append("episode"), episode(*a, **k))[1]
+    episodes = runner.sample()
+    assert events.count("episode") == len(episodes) > 8  # more episodes than rows: rows restarted
+    last_read = len(events) - 1 - events[::-1].index("read")
+    for j, event in enumerate(events[:last_read]):
+        if event == "episode":  # between a block's queueing and the reading of its outputs
+            before = [e for e in events[:j] if e != "episode"]
+            after = next(e for e in events[j:] if e != "episode")
+            assert before[-1] == "queued" and after == "read", events
+    assert "episode" in events[:last_read]
+    tok = runner.env.unwrapped.tokenizer
+    for e in episodes:
+        first, last = e.get_observations(0), e.get_observations(-1)
+        prompt = tok.decode(first["input_ids"][first["attention_mask"] == 1], skip_special_tokens=True)
+        assert e.get_infos(0)["prompt"] == e.get_infos(-1)["prompt"] == prompt
+        assert (last["input_ids"][-len(e):] == e.get_actions()).all()
+        assert e.get_infos(-1)["generation"] == tok.decode(e.get_actions(), skip_special_tokens=True)
+    runner.stop()
