@@ -3,9 +3,13 @@ TF32, the trunk alone against the whole step (trunk + logits + draw), captured a
 kernels of one captured step (torch.profiler, top by device time), and the eager ops (each a kernel
 launch on a GPU) a rollout step runs when no row restarts and when 16 of them restart on a stored
 prefill, as the fast EnvRunner calls it (`--restart-ops-only`: just those, on any device).
+`--greedy`: self-critical's greedy baseline (`GreedyDecoder`), as the learner calls it once per
+iteration: milliseconds, ops outside the engine's graphs, replays and graphs captured per call
+(`--emulate-capture`: the graphs captured on the CPU, so its ops are those a GPU would launch).
 
     python benchmarks/decode_step_profile.py [--model gpt2-small-shaped] [--vocab 50257] [--batch 128] [--device cuda]
     python benchmarks/decode_step_profile.py --compile   # the step as it is, then through torch.compile
+    python benchmarks/decode_step_profile.py --greedy [--emulate-capture] --device cpu --model tiny-gpt2 --vocab 52
 
 Prints measured figures only. The step is the one `rollout_throughput.py` (e) times.
 """
@@ -22,7 +26,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.emulated_capture import count_ops  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
+
+from benchmarks.emulated_capture import OpCounter, count_ops, emulate_capture  # noqa: E402
 from benchmarks.rollout_throughput import engine_module, sync  # noqa: E402
 
 
@@ -89,6 +95,36 @@ def restart_ops(args) -> None:
                   flush=True)
 
 
+def greedy_calls(args, calls: int = 6) -> None:
+    """Self-critical's greedy baseline (`GreedyDecoder`) over `calls` calls as the learner makes
+    them, the weights changed in place between calls (an optimizer's step): --batch prompts,
+    --new tokens each (no EOS, so every call decodes them all). Per call: milliseconds, the ops
+    run outside the engine's graphs (each a kernel launch on a GPU), graph replays, graphs captured."""
+    from agents.modules.acting import GreedyDecoder
+
+    args.precision = "fp32"  # the learner's weights
+    counter = OpCounter()
+    with emulate_capture(counter) if args.emulate_capture else nullcontext():
+        module, device, obs, _ = engine_module(args)
+        decoder = GreedyDecoder()
+        weight = module.lm.base_model.h[0].mlp.c_fc.weight
+        for call in range(calls):
+            graphs = len(decoder.cache.engine.graphs) if decoder.cache.engine is not None else 0
+            counter.n, replays = 0, counter.replays
+            sync(device)
+            start = time.perf_counter()
+            with counter:
+                decoder(module, obs["input_ids"], obs["attention_mask"], args.new, -1)
+            sync(device)
+            ms = 1e3 * (time.perf_counter() - start)
+            engine = decoder.cache.engine
+            print(f"greedy call {call}: {ms:8.2f} ms  {counter.n:5d} ops outside graphs  "
+                  f"{counter.replays - replays:3d} replays  {len(engine.graphs) - graphs} graphs captured  "
+                  f"(engine {engine.rows} rows, {'captured' if engine.capture else 'eager'})", flush=True)
+            with torch.no_grad():
+                weight.mul_(1.0001)
+
+
 def compile_rows(args) -> None:
     """The whole step as the engine runs it (captured on CUDA, in bf16 there) against the same step
     through torch.compile (`DecodeEngine.compile_step`, inductor) and then captured: milliseconds
@@ -118,7 +154,12 @@ def main():
     p.add_argument("--restart-ops-only", action="store_true", help="only the eager ops of a rollout step")
     p.add_argument("--compile", action="store_true",
                    help="only the whole step as it is, then through torch.compile (bf16 and captured on CUDA)")
+    p.add_argument("--greedy", action="store_true", help="only self-critical's greedy decodes, per call")
+    p.add_argument("--emulate-capture", action="store_true",
+                   help="with --greedy on the CPU: the engine's graphs captured and replayed on the CPU")
     args = p.parse_args()
+    if args.greedy:
+        return greedy_calls(args)
     if args.compile:
         name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
         print(f"model={args.model} vocab={args.vocab} batch={args.batch} window={args.prompt + args.new} device={name}")

@@ -151,7 +151,8 @@ for step in "${steps[@]}"; do
              --iters 6 --trace "$OUT/ppo_trace$tag.json" "${block_set[@]}" ;;
     restarts) run restarts_tests 90 $PY -m pytest -q -p no:cacheprovider \
              tests/test_decode_engine.py::test_captured_cuda_graph_step_gives_the_eager_steps_tokens \
-             "tests/test_decode_engine.py::test_a_block_of_steps_on_the_device_gives_one_act_per_step[cuda]"
+             "tests/test_decode_engine.py::test_a_block_of_steps_on_the_device_gives_one_act_per_step[cuda]" \
+             tests/test_reinforce.py::test_greedy_decodes_on_cuda_replay_their_graphs_and_equal_the_eager_decodes
             for path in eager,each static,each static,graph; do
               run "ppo_profile_restarts_${path/,/_}$tag" 240 $PY benchmarks/ppo_profile.py --device cuda \
               --model gpt2-small-shaped --iters 6 --restarts "${path%,*}" --block-steps "${path#*,}" "${block_set[@]}"

@@ -288,3 +288,26 @@ def test_greedy_decodes_replay_the_graphs_of_the_first_calls():
     assert all(e is engines[0] for e in engines) and engines[0].capture
     assert graphs[-1] == graphs[2] and any(name[0] == "steps" for name in graphs[-1]), graphs
     assert counter.replays > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_greedy_decodes_on_cuda_replay_their_graphs_and_equal_the_eager_decodes():
+    """On a GPU the greedy decoder's engine captures its steps as CUDA graphs: calls with 3, 5 and 2
+    prompts, the weights changed in place between them, give the eager engine's decodes, and no
+    graph is captured after the second call."""
+    from agents.modules.acting import GreedyDecoder
+
+    env, module = counting_module()
+    module = module.cuda()
+    captured, eager = GreedyDecoder(), GreedyDecoder()
+    eager.cache.capture = False
+    graphs = []
+    for prompts in CALLS * 2:
+        ids, mask = (t.cuda() for t in prompt_windows(env, prompts))
+        got = captured(module, ids, mask, env.max_new_tokens, env.eos_id)
+        assert got == eager(module, ids, mask, env.max_new_tokens, env.eos_id)
+        assert captured.cache.engine.capture and not eager.cache.engine.capture
+        graphs.append(set(captured.cache.engine.graphs))
+        with torch.no_grad():
+            module.lm.base_model.h[1].attn.c_proj.weight.mul_(1.1)
+    assert graphs[-1] == graphs[1] and any(name[0] == "steps" for name in graphs[-1]), graphs
