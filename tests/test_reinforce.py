@@ -311,3 +311,24 @@ def test_greedy_decodes_on_cuda_replay_their_graphs_and_equal_the_eager_decodes(
         with torch.no_grad():
             module.lm.base_model.h[1].attn.c_proj.weight.mul_(1.1)
     assert graphs[-1] == graphs[1] and any(name[0] == "steps" for name in graphs[-1]), graphs
+
+
+def test_greedy_profile_counts_a_calls_replays_and_captures_no_graph_after_the_second():
+    """`decode_step_profile.py --greedy --emulate-capture` on the CPU: 12 new tokens are the first
+    step and two blocks (3 replays a call), and from the third call on no graph is captured."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "benchmarks/decode_step_profile.py", "--greedy", "--emulate-capture",
+                          "--device", "cpu", "--model", "tiny-gpt2", "--vocab", "52", "--batch", "16",
+                          "--prompt", "4", "--new", "12"], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    calls = re.findall(r"greedy call (\d): +[\d.]+ ms +(\d+) ops outside graphs +(\d+) replays +(\d+) graphs captured",
+                       out.stdout)
+    assert len(calls) == 6, out.stdout
+    assert all(int(replays) == 3 for _, _, replays, _ in calls)
+    assert [int(c[3]) for c in calls[2:]] == [0, 0, 0, 0] and int(calls[0][3]) > 0
+    assert len({c[1] for c in calls[2:]}) == 1  # the same ops outside the graphs at every call
