@@ -15,8 +15,9 @@ one batched module call and one batched env step:
     module's cache holds their prefill (`agents.modules.kv_cache`), a restart
     costs no pass, and finished rows restart at once;
   * an RLlib `SingleAgentEpisode` is built once per finished episode, from
-    arrays, in the format RLlib's learner connectors consume, once the
-    module's next steps are queued (on a GPU, while the device computes them);
+    arrays, in the format RLlib's learner connectors consume (with decode
+    blocks, once the module's next block is queued: on a GPU while the
+    device computes it);
   * with `env_runners.decode_block` k > 1 an exploring module runs k steps per
     call (`act_steps`: each row appends the token it drew, on the module's
     device) and the env then steps through them: one host round trip per k tokens.
@@ -36,7 +37,9 @@ episodes (`num_episodes`, e.g. evaluation) starts and finishes its own. The
 env is seeded once, at the first reset (config seed, the EnvRunner's index and
 the row), so runs repeat and every call draws new prompts.
 Callbacks: `on_sample_end` and `on_episode_end` (the others are per step and
-are not called here). Weight syncs go through RLlib's `set_state` (the module
+are not called here). `on_episode_end` runs when the episode is built, with
+decode blocks once the module's next block is queued: by then the episode's
+env row may have restarted on a new prompt (the episode holds all of its own data). Weight syncs go through RLlib's `set_state` (the module
 drops its caches there).
 
 `StockTokenEnvRunner` (`env_runners.runner: stock`) is RLlib's own
@@ -56,7 +59,7 @@ sampling) get `rollout_seed(seed, index)`. Building the module cannot disturb th
 process's generators (it runs inside `torch.random.fork_rng`). `get_state` adds
 `ROLLOUT_STATE`: those generators' states, the env (each row's generator and the
 episode it is in), the episodes a `FastTokenEnvRunner` carries to its next call (its
-`_Rollout`) and the module's per-row rollout state. RLlib saves the local EnvRunner's
+`Rollout`) and the module's per-row rollout state. RLlib saves the local EnvRunner's
 state in algorithm checkpoints, so with `num_env_runners: 0` a resumed run goes on
 exactly as an uninterrupted one. RLlib saves no remote EnvRunner's state; the project's
 algorithms add each one's to the checkpoint and restore it (`RemoteRunnerStates` in
@@ -375,7 +378,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
                 steps += int(st.active.sum())
                 for i in np.flatnonzero(terminated & st.active):
                     finished.append(st.finish(i, row_info(infos, i)))
-                    returned += len(finished[-1])
+                    returned += finished[-1].steps
                     st.active[i] = False
                 st.cont[:] = True  # idle rows run along (their outputs are ignored) until they restart
                 if not st.active.any():  # the rest of a block: no row runs an episode any more
@@ -396,8 +399,9 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         `decode_block` k > 1 (exploring, a module that acts in blocks) k steps computed on the
         device with each row appending the token it drew, as the env then does for every row
         still running (rows that finished mid-block ignore the rest: they restart with a prefill).
-        `meanwhile()` runs once the module's work is queued, before its outputs are read: on a
-        GPU the host builds episodes while the device computes."""
+        `meanwhile()` runs once a block's work is queued, before its outputs are read (they are the
+        block's own tensors, not a graph's): on a GPU the host builds episodes while the device
+        computes; after a single step's outputs are read."""
         if random_actions or module is None:
             meanwhile()
             return [self._host.to_host(random_step(env))]
@@ -415,8 +419,9 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
             out = self._host.to_host(out)
             return [{k: v[j] for k, v in out.items()} for j in range(block)]
         out = module.act(batch, t=t) if explore else greedy_step(module, batch)
-        meanwhile()
-        return [self._host.to_host({k: v for k, v in out.items() if k != Columns.ACTION_DIST_INPUTS})]
+        out = self._host.to_host({k: v for k, v in out.items() if k != Columns.ACTION_DIST_INPUTS})
+        meanwhile()  # after the read: a callback calling the module would overwrite a graph's outputs
+        return [out]
 
     def _episode(self, row, st):
         """A finished row's episode (`Rollout.finish`) as an RLlib episode, built from arrays."""
@@ -424,14 +429,14 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         if self._episode_builder is None or self._episode_builder.extra_keys != tuple(extras):
             self._episode_builder = EpisodeBuilder(self.env.single_observation_space, self.env.single_action_space,
                                                    tuple(extras))
-        episode = self._episode_builder.build(obs, [row.reset_info] + [{} for _ in range(len(row) - 1)]
+        episode = self._episode_builder.build(obs, [row.reset_info] + [{} for _ in range(row.steps - 1)]
                                               + [row.final_info], actions, rewards, extras)
         make_callback("on_episode_end", callbacks_objects=self._episode_callbacks,
                       callbacks_functions=self.config.callbacks_on_episode_end,
                       kwargs=dict(episode=episode, env_runner=self, metrics_logger=self.metrics,
                                   env=self.env.unwrapped, rl_module=self.module, env_index=row.index,
                                   prev_episode_chunks=[]))
-        self._episode_metrics.add(len(row), float(rewards.sum()), row.seconds)
+        self._episode_metrics.add(row.steps, float(rewards.sum()), row.seconds)
         return episode
 
 

@@ -241,6 +241,7 @@ class FinishedRow(NamedTuple):
     final_info: dict
     seconds: float
 
-    def __len__(self) -> int:
+    @property
+    def steps(self) -> int:
         return self.end - self.start
 

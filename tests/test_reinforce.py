@@ -267,12 +267,11 @@ def test_greedy_decodes_across_calls_and_weight_updates_equal_a_whole_window_arg
 def test_greedy_decodes_replay_the_graphs_of_the_first_calls():
     """With the engine's capture emulated on the CPU, calls with 3, 5 and 2 prompts use one engine
     (8 rows) and capture no new graph once the restart step has one: the blocks replay, and the
-    decodes are the eager ones, after weight updates too."""
+    decodes are a whole-window argmax's, after weight updates too."""
     from agents.modules.acting import GreedyDecoder
     from benchmarks.emulated_capture import OpCounter, emulate_capture
 
     env, module = counting_module()
-    eager = GreedyDecoder()
     counter = OpCounter()
     with emulate_capture(counter):
         captured = GreedyDecoder()
@@ -280,7 +279,7 @@ def test_greedy_decodes_replay_the_graphs_of_the_first_calls():
         for prompts in CALLS * 2:
             ids, mask = prompt_windows(env, prompts)
             got = captured(module, ids, mask, env.max_new_tokens, env.eos_id)
-            assert got == eager(module, ids, mask, env.max_new_tokens, env.eos_id)
+            assert got == reference_greedy(module, ids, mask, env.max_new_tokens, env.eos_id)
             graphs.append(set(captured.cache.engine.graphs))
             engines.append(captured.cache.engine)
             with torch.no_grad():

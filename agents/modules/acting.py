@@ -92,7 +92,8 @@ class GreedyDecoder:
         cache, trunk, sampler = self.cache, module._trunk(module.lm), module.sampler
         cache.invalidate()  # the weights changed since the last call: nothing held is current
         masked = sampler.active and not sampler.stateful
-        static = not sampler.learned
+        static = not (masked and sampler.learned)  # a learned mask reads the window: one call per step
+        eos = -1 if eos_id is None else eos_id
         key = ("greedy", masked)
 
         def argmax(hidden, _unused=None, window=None) -> dict:  # static unless a learned mask reads the window
@@ -102,16 +103,15 @@ class GreedyDecoder:
                 logits = logits.masked_fill(~sampler.keep(source, None), -torch.inf)
             return {"token": logits.argmax(-1)}
 
-        def step(obs, cont=None) -> torch.Tensor:  # one call: the token of each row after its window
+        def step(obs) -> torch.Tensor:  # one call: the token of each row after its window
             if static:  # a copy: a replayed graph's output is overwritten by its next replay
-                return cache.hidden_at_last_token(trunk, obs, cont, tail=argmax, tail_inputs=(placeholder[0],),
+                return cache.hidden_at_last_token(trunk, obs, None, tail=argmax, tail_inputs=(placeholder[0],),
                                                   key=key)["token"].clone()
-            return argmax(cache.hidden_at_last_token(trunk, obs, cont), window=obs)["token"]
+            return argmax(cache.hidden_at_last_token(trunk, obs), window=obs)["token"]
 
         placeholder = torch.zeros(GREEDY_BLOCK, 1, device=input_ids.device)  # the static block's per-step input
-        every_row = torch.ones(self.rows, dtype=torch.bool)
         tokens = [step(obs)[None]]
-        done = tokens[0][0] == eos_id
+        done = tokens[0][0] == eos
         left = max_new_tokens - 1
         while left > 0 and not bool(done[:n].all()):  # one host read per block
             k = min(GREEDY_BLOCK, left)
@@ -119,19 +119,20 @@ class GreedyDecoder:
                                          lambda out: out["token"]) if static else None
             if block is not None:
                 block = block["token"].clone()
-                obs = shift_windows(obs, block)  # the windows the cache now holds
+                obs = {"input_ids": cache.ids, "attention_mask": cache.mask}  # the windows it now holds
             else:  # one call per step
                 block = []
                 for _ in range(k):
                     obs = shift_windows(obs, block[-1] if block else tokens[-1][-1])
-                    block.append(step(obs, every_row))
+                    block.append(step(obs))  # the cache tells from the windows which rows continue
                 block = torch.stack(block)
             tokens.append(block)
-            done = done | (block == eos_id).any(0)
+            done = done | (block == eos).any(0)
             left -= k
+        cache.store.clear()  # eager prefills stored by window: the next call's weights differ
         out = []
         for row in torch.cat(tokens).T[:n].tolist():  # the tokens up to each row's first EOS, EOS included
-            out.append(row[:row.index(eos_id) + 1] if eos_id in row else row)
+            out.append(row[:row.index(eos) + 1] if eos in row else row)
         return out
 
 
