@@ -24,14 +24,11 @@ from env.text_env import env_setting
 
 def shift_windows(obs: dict, tokens: torch.Tensor) -> dict:
     """The env's transition on the device: each row's window shifted left by one, `tokens` (rows,)
-    appended as real columns (or by k, `tokens` (k, rows) appended in order). With the decode
-    engine a step reads only the newest column, so these two ops are all a block adds outside the
-    captured step."""
+    appended as real columns. With the decode engine a step reads only the newest column, so these
+    two ops are all a block adds outside the captured step."""
     ids, mask = obs["input_ids"], obs["attention_mask"]
-    tokens = tokens.to(ids.dtype)[:, None] if tokens.dim() == 1 else tokens.to(ids.dtype).T
-    k = tokens.shape[1]
-    return {**obs, "input_ids": torch.cat([ids[:, k:], tokens], 1),
-            "attention_mask": torch.cat([mask[:, k:], torch.ones_like(mask[:, :k])], 1)}
+    return {**obs, "input_ids": torch.cat([ids[:, 1:], tokens.to(ids.dtype)[:, None]], 1),
+            "attention_mask": torch.cat([mask[:, 1:], torch.ones_like(mask[:, :1])], 1)}
 
 
 def static_rollout_step(module) -> bool:
