@@ -362,6 +362,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
                 start(free[:n])
 
         refill(1)
+        build = lambda: self._build(st, finished, episodes)  # noqa: E731
         t_global = self.num_env_steps_sampled_lifetime
         # A training call both samples and returns at least its share: RLlib's sampling loop counts
         # the steps sampled (NUM_ENV_STEPS_SAMPLED), and a call whose returned episodes were partly
@@ -369,7 +370,6 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         # iteration (about 1.5x the configured train batch on average, 2x at worst).
         while ((steps < num_timesteps or st.active.any()) if draining
                else (min(returned, steps) < num_timesteps) if by_steps else st.active.any()):
-            build = lambda: self._build(st, finished, episodes)  # noqa: E731
             for out in self._module_steps(st, module, env, explore, random_actions, device, t_global + steps, build):
                 actions = out.pop(Columns.ACTIONS)
                 before = st.obs
@@ -384,7 +384,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
                 if not st.active.any():  # the rest of a block: no row runs an episode any more
                     break
             refill(1 if self._restarts.free or not st.active.any() else refill_at)
-        self._build(st, finished, episodes)
+        build()
         if by_steps and not random_actions:
             self._rollout = st  # with carry_episodes off it holds no running episode, only buffers
         return episodes, steps
