@@ -83,9 +83,7 @@ class TokenGenerationVectorEnv(gym.vector.VectorEnv):
         # One reference env per row: it draws and tokenizes that row's prompts (its own seeded
         # generator, as in SyncVectorEnv) and holds the episode's example for the reward.
         self.rows = [row_env_cls(cfg) for _ in range(num_envs)]
-        ref = self.rows[0]
-        for row in self.rows[1:]:  # one memo of prompt encodings for all rows (same tokenizer)
-            row.prompt_codec = ref.prompt_codec
+        ref = self.rows[0]  # the rows share one task, tokenizer and prompt memo (`text_env.task_setup`)
         self.tokenizer, self.eos_id, self.pad_id = ref.tokenizer, ref.eos_id, ref.pad_id
         self.vocab_size, self.seq_len, self.max_new_tokens = ref.vocab_size, ref.seq_len, ref.max_new_tokens
         self.max_prompt_len, self.encoder_decoder, self.dense_reward = (
