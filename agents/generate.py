@@ -100,8 +100,9 @@ def generate(module, env_config: dict, prompts: list[str | None], *, greedy: boo
 
     A prompt of None draws one (with its metadata) from the task, seeded with seed + i; a given
     prompt takes `metas[i]` (default none). Row i samples from its own generator seeded with
-    seed + i. Returns `[{"prompt", "generation", "reward", "prompt_tokens", "num_generated",
-    "eos"}]`: the reward is the episode's return (the task's reward, sparse or dense), or None
+    seed + i, one uniform per token (`draw_rows`: the draws a serving replica's continuous
+    batching makes too). Returns `[{"prompt", "generation", "reward", "prompt_tokens",
+    "num_generated", "eos"}]`: the reward is the episode's return (the task's reward, sparse or dense), or None
     with `score=False` (given prompts only); `prompt_tokens` counts the prompt as the policy saw
     it (after the env's truncation), `num_generated` the tokens the policy wrote (EOS included),
     and `eos` says whether EOS ended the episode (else it reached its max_new_tokens).
@@ -146,6 +147,20 @@ def warp_logits(logits: torch.Tensor, temperature=1.0, top_p=1.0) -> torch.Tenso
     return logits
 
 
+def draw_rows(logits: torch.Tensor, generators: list, temperature=1.0, top_p=1.0) -> list[int]:
+    """One token per row of `logits` (float32, on any device), drawn from the row's softmax after
+    `warp_logits` at one float64 uniform from the row's own CPU generator, by inverting the row's
+    cumulative sum where the logits are (`samplers.sample_rows`): the uniforms go to the device and
+    the tokens come back, where the draws used to copy every row's logits to the host. `temperature`
+    and `top_p`: numbers, or (rows, 1) tensors on the logits' device. `torch.multinomial` row by
+    row on the host took about 1 ms a row at 50,257 tokens on 2 cores (docs/results/generation.md)."""
+    from agents.samplers import sample_rows
+
+    uniform = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
+    probs = torch.softmax(warp_logits(logits, temperature, top_p), -1)
+    return sample_rows(probs, uniform[:, None].to(logits.device)).tolist()
+
+
 def _generate_rows(module, env_config, prompts, metas, greedy, seed, score, temperature=1.0,
                    top_p=1.0) -> list[dict]:
     from ray.rllib.core.columns import Columns
@@ -163,19 +178,19 @@ def _generate_rows(module, env_config, prompts, metas, greedy, seed, score, temp
     returns = [0.0] * len(envs)
     # Every row stays in the batch until all are done, so row i is always env i: the module's
     # per-row KV cache and sampler state (mirostat) follow each episode. Finished rows repeat
-    # their last observation and their actions are ignored.
+    # their last observation and their actions are ignored. The draws run where the logits
+    # are (`draw_rows`): only the running rows' tokens come back to the host.
     while not all(done):
         batch = {Columns.OBS: {k: torch.as_tensor(np.stack([o[k] for o in obs])).to(device) for k in obs[0]}}
-        logits = module.forward_inference(batch)[Columns.ACTION_DIST_INPUTS].float().cpu()  # the draws: CPU generators
-        if not greedy:
-            logits = warp_logits(logits, temperature, top_p)
-        # One batched argmax or softmax per step; only the draw is per row (its own generator).
-        greedy_actions = logits.argmax(-1).tolist() if greedy else None
-        probs = None if greedy else torch.softmax(logits, -1)
-        for i in range(len(envs)):
-            if done[i]:
-                continue
-            action = greedy_actions[i] if greedy else int(torch.multinomial(probs[i], 1, generator=gens[i]))
+        logits = module.forward_inference(batch)[Columns.ACTION_DIST_INPUTS].float()
+        running = [i for i in range(len(envs)) if not done[i]]
+        if greedy:
+            actions = logits.argmax(-1).tolist()
+        else:
+            rows = logits if len(running) == len(envs) else logits[torch.tensor(running, device=logits.device)]
+            actions = dict(zip(running, draw_rows(rows, [gens[i] for i in running], temperature, top_p)))
+        for i in running:
+            action = actions[i]
             obs[i], reward, done[i], _, info = envs[i].step(action)
             returns[i] += reward
             if done[i]:

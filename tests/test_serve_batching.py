@@ -106,20 +106,27 @@ def test_a_completion_gets_the_same_text_alone_and_among_others_joining_at_any_s
     batcher.close()
 
 
-def test_greedy_rows_write_what_generate_writes_in_the_env(module):
+def test_rows_write_what_generate_writes_in_the_env_greedy_or_sampled(module):
     """The batch keeps each row's window as the env's observation would be (its own update, not
-    env.step): greedy completions equal `agents.generate.generate`'s, which steps real envs."""
+    env.step), and draws as `agents.generate.generate` does (one uniform per token from the
+    completion's generator): greedy and sampled completions, at any temperature and top_p, equal
+    the one-at-a-time path's, which steps real envs, so a seed gives one text either way."""
     from agents.serve.replica import alone_results
 
     env_config = dict(module.model_config["env"])
     batcher = Batcher(module, env_config, rows=3)
     prompts = ["3 7 12", "1 2", "40 41 42 43 44 45 46", "5", "9 9"]
     completions = [Completion(p, 0, 20, greedy=True) for p in prompts]
+    completions += [Completion(p, 10 + i, 20, temperature=t, top_p=q)
+                    for i, (p, (t, q)) in enumerate(zip(prompts, [(1.0, 1.0), (0.7, 0.9), (1.5, 1.0), (1.0, 0.5),
+                                                                  (2.0, 1.0)]))]
     batched = [j.wait(timeout=60)[0] for j in [batcher.submit(Job([c])) for c in completions]]
     for c, got in zip(completions, batched):
         want = alone_results(module, env_config, [c])[0]
         assert {k: got[k] for k in want} == want
-    assert len({r["text"] for r in batched}) > 1
+    assert len({r["text"] for r in batched[:5]}) > 1
+    # the sampled ones are draws, not the greedy texts
+    assert sum(s["text"] != g["text"] for s, g in zip(batched[5:], batched[:5])) >= 3
     batcher.close()
 
 

@@ -161,26 +161,28 @@ def request_sampler_mask(logits: torch.Tensor, row) -> torch.Tensor:
 
 def draw(logits: torch.Tensor, rows: dict) -> dict[int, int]:
     """Each row's token (rows: batch index -> `_Row`): argmax, or drawn at one uniform from the
-    row's own generator (`agents.samplers.sample_rows`, inverting the cumulative distribution)
-    from the policy's distribution with the row's requested sampler's mask, warped by its
-    temperature and top_p."""
-    from agents.generate import warp_logits
-    from agents.samplers import mirostat_update, sample_rows
+    row's own generator (`agents.generate.draw_rows`, inverting the cumulative distribution where
+    the logits are) from the policy's distribution with the row's requested sampler's mask,
+    warped by its temperature and top_p: the draws `agents.generate.generate` makes, so a
+    completion's text is the same with or without continuous batching."""
+    from agents.generate import draw_rows
+    from agents.samplers import mirostat_update
 
     out = {}
     greedy = logits.argmax(-1).tolist()
     sampled = [i for i, row in rows.items() if not row.completion.greedy]
     if sampled:
         c = [rows[i].completion for i in sampled]
-        warped = logits[sampled]
+        warped = logits[torch.tensor(sampled, device=logits.device)]
         for j, i in enumerate(sampled):
             if c[j].sampler:
                 warped[j] = request_sampler_mask(warped[j:j + 1], rows[i])[0]
+        temperature, top_p = 1.0, 1.0
         if any(x.temperature != 1.0 or x.top_p < 1.0 for x in c):
-            warped = warp_logits(warped, torch.tensor([[x.temperature] for x in c], dtype=logits.dtype),
-                                 torch.tensor([[x.top_p] for x in c], dtype=logits.dtype))
-        uniform = torch.cat([torch.rand(1, dtype=torch.float64, generator=rows[i].generator) for i in sampled])
-        for i, token in zip(sampled, sample_rows(torch.softmax(warped, -1), uniform[:, None]).tolist()):
+            temperature, top_p = (torch.tensor([[getattr(x, name)] for x in c], dtype=logits.dtype, device=logits.device)
+                                  for name in ("temperature", "top_p"))
+        tokens = draw_rows(warped, [rows[i].generator for i in sampled], temperature, top_p)
+        for i, token in zip(sampled, tokens):
             out[i] = token
             row = rows[i]
             if row.mu is not None:  # mirostat: mu follows the surprise of the token under the policy
@@ -337,13 +339,14 @@ class Batcher:
         from agents.core import ROW_CONTINUES
 
         # observations on the policy's device; which rows continue stays on the CPU (the caches
-        # branch on it with no device sync); the logits come back for the draws (CPU generators)
+        # branch on it with no device sync); the draws run on the device, one uniform per row from
+        # its CPU generator going there and its token coming back (`draw`)
         batch = {Columns.OBS: {k: torch.from_numpy(v.copy()).to(self.device) for k, v in self.obs.items()},
                  ROW_CONTINUES: torch.from_numpy(self.cont.copy())}
         # the module's own step where it has one (RLlib's forward_inference flips train/eval each call)
         act = getattr(self.module, "act", None)
         out = act(batch, explore=False) if act is not None else self.module.forward_inference(batch)
-        logits = out[Columns.ACTION_DIST_INPUTS].float().cpu()
+        logits = out[Columns.ACTION_DIST_INPUTS].float()
         self.cont[:] = True
         active = [i for i, s in enumerate(self.slots) if s is not None]
         self.stats["steps"] += 1
