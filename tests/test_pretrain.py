@@ -107,11 +107,15 @@ def test_scheduled_sampling_at_one_feeds_the_models_own_tokens():
     hook.remove()
     assert torch.equal(seen[0], ids) and torch.equal(seen[1], inputs)  # a teacher-forced pass, then the mixed one
     # Direct computation: every target token after the first is a draw from the model's
-    # teacher-forced distribution at the position before it; the rest is the data.
+    # teacher-forced distribution at the position before it (one uniform per position from the
+    # seeded generator, inverting the cumulative distribution); the rest is the data.
     with torch.no_grad():
         probs = torch.softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)
-    expected = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1,
-                                 generator=torch.Generator().manual_seed(3)).view(ids.shape[0], -1)
+    probs = probs.reshape(-1, probs.shape[-1]).double()
+    uniform = torch.rand(len(probs), dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    cdf = probs.cumsum(-1)
+    expected = torch.stack([torch.searchsorted(c, u * c[-1], right=True) for c, u in zip(cdf, uniform)])
+    expected = expected.clamp(max=probs.shape[-1] - 1).view(ids.shape[0], -1)
     feedable = (mask[:, 1:] == 1) & (mask[:, :-1] == 1)
     assert torch.equal(inputs[:, 1:][feedable], expected[feedable])
     assert torch.equal(inputs[:, 1:][~feedable], ids[:, 1:][~feedable]) and torch.equal(inputs[:, 0], ids[:, 0])
@@ -226,3 +230,16 @@ def test_a_subword_tokenizers_unknown_pieces_are_a_note_not_an_error(capsys):
                                        "training examples (the first: '{}' in example 2); they train as its unknown token\n")
     with pytest.raises(ValueError, match=r"^model\.tokenizer: its tokenizer does not know words of 1 of the 2 .*'\{\}'"):
         check_known_words(word_level_tokenizer(["the", "film", "films", "was", "good"]), pairs, "model.tokenizer")
+
+
+def test_scheduled_sampling_draws_the_same_tokens_in_chunks_of_rows(monkeypatch):
+    """`draw_tokens` holds the cumulative sums of a few rows at a time (GPT-2's vocabulary over a
+    whole batch of positions would be gigabytes in float64); the chunks change nothing drawn."""
+    from agents import pretrain
+
+    probs = torch.softmax(3 * torch.randn(50, 7, generator=torch.Generator().manual_seed(0)), -1)
+    whole = pretrain.draw_tokens(probs, torch.Generator().manual_seed(1))
+    monkeypatch.setattr(pretrain, "DRAW_CHUNK", 3 * 7)  # three rows at a time, the last chunk shorter
+    chunked = pretrain.draw_tokens(probs, torch.Generator().manual_seed(1))
+    assert torch.equal(chunked, whole) and len(set(whole.tolist())) > 3
+    assert torch.equal(pretrain.draw_tokens(probs, torch.Generator().manual_seed(2)), whole) is False
