@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import gymnasium as gym
 import numpy as np
@@ -90,8 +91,9 @@ def task_setup(task: dict, max_new_tokens: int, tokenizer: str | None) -> tuple:
     tokenizer took 29 ms (a 30,522-token WordPiece tokenizer from a local directory) and building
     the numbers task's word-level one 54 ms at 50,255 numbers (2-core machine). The three are
     read-only once built: a task's data and rewards are cached per process already
-    (env/tasks/text_tasks.py), its examples are read by each env."""
-    key = json.dumps([task, max_new_tokens, tokenizer], sort_keys=True, default=str)
+    (env/tasks/text_tasks.py), its examples are read by each env. A local tokenizer directory's
+    files (name, size, mtime) are part of the key, so one rewritten in place is loaded again."""
+    key = json.dumps([task, max_new_tokens, tokenizer, _directory_stamps(tokenizer)], sort_keys=True, default=str)
     if key not in _SETUPS:
         built = make_task(task, max_new_tokens=max_new_tokens)
         tok = built.tokenizer()
@@ -101,6 +103,19 @@ def task_setup(task: dict, max_new_tokens: int, tokenizer: str | None) -> tuple:
             tok = load_tokenizer(tokenizer)
         _SETUPS[key] = (built, tok, PromptCodec(tok))
     return _SETUPS[key]
+
+
+def _directory_stamps(path: str | None) -> list:
+    """(name, size, mtime) of the files in a local directory; [] for anything else (a hub name)."""
+    if not path or not os.path.isdir(os.path.expanduser(path)):
+        return []
+    with os.scandir(os.path.expanduser(path)) as entries:
+        return sorted((e.name, *_size_mtime(e)) for e in entries if e.is_file())
+
+
+def _size_mtime(entry) -> tuple:
+    st = entry.stat()
+    return st.st_size, st.st_mtime_ns
 
 
 def clear_setups() -> None:

@@ -147,3 +147,41 @@ def test_random_policy_baseline():
         returns.append(r)
     # Uniform over 52 actions: EOS (1/52 per step) and pad tokens shorten sequences.
     assert 0.3 < np.mean(returns) < 0.45
+
+
+def test_envs_of_one_setup_share_the_task_and_tokenizer_and_a_rewritten_tokenizer_is_loaded_again(tmp_path):
+    """A generation call builds one env per prompt and a vector env one per row: the task, its
+    tokenizer and the prompt memo are built once per process for a config (`task_setup`); each
+    env still draws its own prompts. A local tokenizer directory written again is read again."""
+    from env.tokenization import word_level_tokenizer
+
+    cfg = {"task": {"name": "increasing_numbers", "num_numbers": 30}, "max_new_tokens": 6}
+    a, b = TokenGenerationEnv(cfg), TokenGenerationEnv(dict(cfg))
+    assert a.task is b.task and a.tokenizer is b.tokenizer and a.prompt_codec is b.prompt_codec
+    other = TokenGenerationEnv({**cfg, "max_new_tokens": 7})  # the task takes max_new_tokens
+    assert other.task is not a.task
+    a.reset(seed=0)
+    b.reset(seed=0)
+    a.step(5)
+    assert b.generated_ids == [] and a.generated_ids == [5]  # per-episode state is each env's own
+
+    words = tmp_path / "tok"
+    word_level_tokenizer(["x", "y"]).save_pretrained(str(words))
+    text = {"task": {"name": "text", "dataset": str(_prompts(tmp_path)), "reward": {"name": "bleu"},
+                     "reference_field": "ref"}, "tokenizer": str(words),
+            "max_prompt_len": 4, "max_new_tokens": 4}
+    first = TokenGenerationEnv(text)
+    assert TokenGenerationEnv(text).tokenizer is first.tokenizer and first.vocab_size == 4
+    import os
+    import time
+    time.sleep(0.01)
+    word_level_tokenizer(["x", "y", "z"]).save_pretrained(str(words))
+    for f in words.iterdir():  # a new mtime even on a coarse file clock
+        os.utime(f, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+    assert TokenGenerationEnv(text).vocab_size == 5
+
+
+def _prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "x y", "ref": "x"}\n{"prompt": "y x", "ref": "y"}\n')
+    return path
