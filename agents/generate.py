@@ -102,10 +102,11 @@ def generate(module, env_config: dict, prompts: list[str | None], *, greedy: boo
     prompt takes `metas[i]` (default none). Row i samples from its own generator seeded with
     seed + i, one uniform per token (`draw_rows`: the draws a serving replica's continuous
     batching makes too). Returns `[{"prompt", "generation", "reward", "prompt_tokens",
-    "num_generated", "eos"}]`: the reward is the episode's return (the task's reward, sparse or dense), or None
-    with `score=False` (given prompts only); `prompt_tokens` counts the prompt as the policy saw
-    it (after the env's truncation), `num_generated` the tokens the policy wrote (EOS included),
-    and `eos` says whether EOS ended the episode (else it reached its max_new_tokens).
+    "num_generated", "eos"}]`: the reward is the episode's return (the task's reward, sparse or
+    dense), or None with `score=False` (given prompts only); `prompt_tokens` counts the prompt as
+    the policy saw it (after the env's truncation), `num_generated` the tokens the policy wrote
+    (EOS included), and `eos` says whether EOS ended the episode (else it reached its
+    max_new_tokens).
 
     `temperature` and `top_p` (sampling only) act on top of the policy's own distribution, which
     already has the configured sampler's mask applied: the kept logits are divided by

@@ -234,7 +234,8 @@ def scheduled_sampling_inputs(model, ids, attn, loss_mask, p: float, generator: 
         return ids
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        sampled = draw_tokens(torch.softmax(logits, -1).reshape(-1, logits.shape[-1]), generator).view(ids.shape[0], -1)
+        probs = torch.softmax(logits, -1).reshape(-1, logits.shape[-1])
+        sampled = draw_tokens(probs, generator).view(ids.shape[0], -1)
     # Position t's input is the token at t; the model's guess for it comes from position t-1.
     # A target's first token follows the context (or nothing) and is never fed back in.
     feedable = (loss_mask[:, 1:] == 1) & (loss_mask[:, :-1] == 1)
@@ -298,7 +299,8 @@ def seq2seq_loss(model, start_id: int, src, src_mask, tgt, tgt_mask, p: float = 
         with torch.no_grad():
             logits = model(input_ids=src, attention_mask=src_mask, decoder_input_ids=dec_in,
                            decoder_attention_mask=tgt_mask).logits[:, :-1].float()
-            sampled = draw_tokens(torch.softmax(logits, -1).reshape(-1, logits.shape[-1]), generator).view(tgt.shape[0], -1)
+            probs = torch.softmax(logits, -1).reshape(-1, logits.shape[-1])
+            sampled = draw_tokens(probs, generator).view(tgt.shape[0], -1)
         coin = (torch.rand(sampled.shape, generator=generator) < p).to(tgt.device) & (tgt_mask[:, 1:] == 1)
         dec_in = dec_in.clone()
         dec_in[:, 1:] = torch.where(coin, sampled, dec_in[:, 1:])

@@ -118,11 +118,6 @@ def _size_mtime(entry) -> tuple:
     return st.st_size, st.st_mtime_ns
 
 
-def clear_setups() -> None:
-    """Forgets the shared task set-ups (tests that change a task's files or classes in place)."""
-    _SETUPS.clear()
-
-
 class TokenGenerationEnv(gym.Env):
     metadata = {"render_modes": []}
 

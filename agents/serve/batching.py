@@ -179,8 +179,8 @@ def draw(logits: torch.Tensor, rows: dict) -> dict[int, int]:
                 warped[j] = request_sampler_mask(warped[j:j + 1], rows[i])[0]
         temperature, top_p = 1.0, 1.0
         if any(x.temperature != 1.0 or x.top_p < 1.0 for x in c):
-            temperature, top_p = (torch.tensor([[getattr(x, name)] for x in c], dtype=logits.dtype, device=logits.device)
-                                  for name in ("temperature", "top_p"))
+            temperature, top_p = (torch.tensor([[getattr(x, name)] for x in c], dtype=logits.dtype,
+                                               device=logits.device) for name in ("temperature", "top_p"))
         tokens = draw_rows(warped, [rows[i].generator for i in sampled], temperature, top_p)
         for i, token in zip(sampled, tokens):
             out[i] = token
