@@ -211,7 +211,7 @@ def collate(examples, pad_id: int):
 
 # -- the loss ---------------------------------------------------------------------------
 
-DRAW_CHUNK = 1 << 24  # float64 entries of cumulative sums held at once by `draw_tokens` (128 MB)
+DRAW_CHUNK = 1 << 24  # rows x vocabulary entries `draw_tokens` inverts at once (float64 copy + cumsum: 256 MB)
 
 
 def draw_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -223,6 +223,8 @@ def draw_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     from agents.samplers import sample_rows
 
     uniform = torch.rand(len(probs), 1, dtype=torch.float64, generator=generator).to(probs.device)
+    if not len(probs):  # every target one token long: nothing to draw
+        return torch.empty(0, dtype=torch.long, device=probs.device)
     step = max(1, DRAW_CHUNK // max(1, probs.shape[-1]))
     return torch.cat([sample_rows(probs[i:i + step], uniform[i:i + step]) for i in range(0, len(probs), step)])
 

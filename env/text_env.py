@@ -81,19 +81,22 @@ class PromptCodec:
         return text
 
 
-_SETUPS = BoundedCache(16)  # (task section, max_new_tokens, tokenizer) -> (task, tokenizer, PromptCodec)
+_SETUPS = BoundedCache(16)  # (task section, max_new_tokens, tokenizer, split) -> (task, tokenizer, PromptCodec)
 
 
-def task_setup(task: dict, max_new_tokens: int, tokenizer: str | None) -> tuple:
-    """(task, tokenizer, prompt codec) for an env config's task section, its max_new_tokens and its
-    `tokenizer`, built once per process and shared by every env built from the same three: a
-    generation call makes one env per prompt and a vector env one per row, and loading a
-    tokenizer took 29 ms (a 30,522-token WordPiece tokenizer from a local directory) and building
-    the numbers task's word-level one 54 ms at 50,255 numbers (2-core machine). The three are
-    read-only once built: a task's data and rewards are cached per process already
-    (env/tasks/text_tasks.py), its examples are read by each env. A local tokenizer directory's
-    files (name, size, mtime) are part of the key, so one rewritten in place is loaded again."""
-    key = json.dumps([task, max_new_tokens, tokenizer, _directory_stamps(tokenizer)], sort_keys=True, default=str)
+def task_setup(task: dict, max_new_tokens: int, tokenizer: str | None, split: str) -> tuple:
+    """(task, tokenizer, prompt codec) for an env config's task section, its max_new_tokens, its
+    `tokenizer` and its split (a data task remembers the split it first read, for scoring texts
+    whose metadata names none), built once per process and shared by every env built from the
+    same four: a generation call makes one env per prompt and a vector env one per row, and
+    loading a tokenizer took 29 ms (a 30,522-token WordPiece tokenizer from a local directory) and
+    building the numbers task's word-level one 54 ms at 50,255 numbers (2-core machine). A task's
+    data and rewards are cached per process already (env/tasks/text_tasks.py); its examples are
+    read by each env. A local tokenizer directory's files (name, size, mtime) are part of the key,
+    so one rewritten in place is loaded again. The three are shared, not copied: nothing may change
+    them (a user's task class is built once per set-up and must keep no per-env state)."""
+    key = json.dumps([task, max_new_tokens, tokenizer, split, _directory_stamps(tokenizer)], sort_keys=True,
+                     default=str)
     if key not in _SETUPS:
         built = make_task(task, max_new_tokens=max_new_tokens)
         tok = built.tokenizer()
@@ -137,7 +140,8 @@ class TokenGenerationEnv(gym.Env):
         # metric of the finished text; sparse: the metric once, at the end.
         self.dense_reward = bool(cfg["dense_reward"])
         self._metric_so_far = 0.0
-        self.task, self.tokenizer, self.prompt_codec = task_setup(cfg["task"], self.max_new_tokens, cfg["tokenizer"])
+        self.task, self.tokenizer, self.prompt_codec = task_setup(cfg["task"], self.max_new_tokens, cfg["tokenizer"],
+                                                                     cfg["split"])
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         self.vocab_size = len(self.tokenizer)

@@ -125,9 +125,9 @@ def test_increasing_pairs_reward_on_hand_made_sequences():
     assert increasing_pairs_reward([""] * 6, gens, None, length=5) == [1.0, 0.0, 0.0, 0.5, 0.25, 0.0]
 
 
-def test_non_finite_reward_is_reported_with_the_text():
+def test_non_finite_reward_is_reported_with_the_text(monkeypatch):
     e = make()
-    e.task.reward = lambda prompts, gens, metas: [float("nan")]
+    monkeypatch.setattr(e.task, "reward", lambda prompts, gens, metas: [float("nan")])  # envs share the task
     e.reset(seed=0)
     for _ in range(4):
         e.step(num(e, 1))

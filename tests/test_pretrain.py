@@ -243,3 +243,9 @@ def test_scheduled_sampling_draws_the_same_tokens_in_chunks_of_rows(monkeypatch)
     chunked = pretrain.draw_tokens(probs, torch.Generator().manual_seed(1))
     assert torch.equal(chunked, whole) and len(set(whole.tolist())) > 3
     assert torch.equal(pretrain.draw_tokens(probs, torch.Generator().manual_seed(2)), whole) is False
+
+
+def test_scheduled_sampling_draws_nothing_for_no_positions():
+    from agents.pretrain import draw_tokens
+
+    assert draw_tokens(torch.empty(0, 9), torch.Generator().manual_seed(0)).shape == (0,)

@@ -143,3 +143,20 @@ def test_sample_rows_draws_each_index_with_its_probability_and_never_a_zero_one(
         finally:
             torch.rand = original
         assert got.tolist() == ([1, 2] if edge == 0.0 else [3, 2])
+
+
+def test_sample_rows_inverts_the_cumulative_sum_and_stays_in_range():
+    """The first index whose cumulative sum exceeds the draw (a binary search), never a masked
+    (zero) entry, the last positive entry at the top of a row, and an index in range for a row
+    holding NaN (which a caller's checks then meet, not an out-of-range gather)."""
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2],
+                          [float("nan")] * 5])
+    draws = {0.0: [1, 0, 0], 0.49: [1, 0, 2], 0.5: [3, 0, 2], 0.99: [3, 0, 4], 1.0: [3, 0, 4]}
+    for u, want in draws.items():
+        got = samplers.sample_rows(probs, torch.full((4, 1), u, dtype=torch.float64))
+        assert got[:3].tolist() == want and 0 <= int(got[3]) < 5
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(6, 11, generator=gen), -1)
+    u = torch.rand(6, 1, dtype=torch.float64, generator=gen)
+    counted = (p.double().cumsum(-1) <= u * p.double().sum(-1, keepdim=True)).sum(-1)  # a full pass
+    assert torch.equal(samplers.sample_rows(p, u), counted)

@@ -354,3 +354,23 @@ def test_a_replica_on_a_gpu_writes_what_the_cpu_replica_writes(checkpoint):
         with served_in_process(Policy(checkpoint, max_samples=4, device=device)) as client:
             replies.append(client.post("/v1/completions", json=body).json())
     assert [c["text"] for c in replies[1]["choices"]] == [c["text"] for c in replies[0]["choices"]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_replica_draws_sampled_completions_with_every_request_sampler_on_the_device(checkpoint):
+    """The draws run where the logits are: sampled completions at several temperatures and top_p
+    values, with a stateful request sampler (mirostat: its mu lives on the device) and stateless
+    ones, are all answered, the same seed giving the same texts."""
+    from agents.serve import Policy
+
+    bodies = [{"prompt": ["3 7", "5"], "n": 2, "max_tokens": 12, "temperature": t, "top_p": p, "seed": 7}
+              for t, p in [(1.0, 1.0), (0.7, 0.9), (1.5, 1.0)]]
+    bodies += [{**bodies[0], "sampler": s} for s in [{"name": "mirostat", "tau": 3.0, "learning_rate": 0.1},
+                                                      {"name": "typical", "p": 0.9}, {"name": "top_k", "k": 3}]]
+    with served_in_process(Policy(checkpoint, max_samples=4, device="cuda")) as client:
+        for body in bodies:
+            first, again = (client.post("/v1/completions", json=body) for _ in range(2))
+            assert first.status_code == 200, first.text
+            choices = first.json()["choices"]
+            assert len(choices) == 4 and all(c["finish_reason"] in ("stop", "length") for c in choices)
+            assert [c["text"] for c in again.json()["choices"]] == [c["text"] for c in choices]

@@ -151,7 +151,7 @@ def request_sampler_mask(logits: torch.Tensor, row) -> torch.Tensor:
     name = spec.pop("name")
     if name == "mirostat":
         if row.mu is None:
-            row.mu = torch.full((1,), 2.0 * spec["tau"])
+            row.mu = torch.full((1,), 2.0 * spec["tau"], device=logits.device)  # stays where the draws run
         keep = mirostat_mask(logits, row.mu)
     else:
         fn, names = SAMPLERS[name]
