@@ -98,6 +98,7 @@ for step in "${steps[@]}"; do
              tests/test_static_update.py \
              "tests/test_serve_batching.py::test_a_replica_on_a_gpu_writes_what_the_cpu_replica_writes" \
              "tests/test_serve_batching.py::test_a_gpu_replica_draws_sampled_completions_with_every_request_sampler_on_the_device" \
+             "tests/test_serve_batching.py::test_generate_on_a_gpu_draws_on_the_device_and_repeats_for_a_seed" \
              "tests/test_guided.py::test_lm_guide_samples_its_distribution_on_the_rollout_device_from_its_own_generator" \
              "tests/test_guided.py::test_ppo_pp_with_an_lm_guide_trains_with_its_rollouts_on_the_learners_device" ;;
     rollouts|rollouts_bf16|rollouts_tf32) precision=$([ "$step" = rollouts_bf16 ] && echo bf16 || echo fp32)

@@ -374,3 +374,17 @@ def test_a_gpu_replica_draws_sampled_completions_with_every_request_sampler_on_t
             choices = first.json()["choices"]
             assert len(choices) == 4 and all(c["finish_reason"] in ("stop", "length") for c in choices)
             assert [c["text"] for c in again.json()["choices"]] == [c["text"] for c in choices]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_generate_on_a_gpu_draws_on_the_device_and_repeats_for_a_seed():
+    """`agents.generate.generate` with the policy on a GPU (evaluation's and one-at-a-time serving's
+    loop): the draws run on the device from each row's CPU generator; a seed repeats its texts."""
+    from agents.generate import generate
+
+    module = build_module("sampler.name=top_k", "sampler.k=3").to("cuda")
+    env_config = dict(module.model_config["env"])
+    prompts = ["3 7", "5", "40 41 42", None]
+    runs = [generate(module, env_config, prompts, seed=3, temperature=0.8, top_p=0.9) for _ in range(2)]
+    assert [r["generation"] for r in runs[0]] == [r["generation"] for r in runs[1]]
+    assert all(1 <= r["num_generated"] <= env_config["max_new_tokens"] for r in runs[0])
