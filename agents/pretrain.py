@@ -211,22 +211,18 @@ def collate(examples, pad_id: int):
 
 # -- the loss ---------------------------------------------------------------------------
 
-DRAW_CHUNK = 1 << 24  # rows x vocabulary entries `draw_tokens` inverts at once (float64 copy + cumsum: 256 MB)
-
-
 def draw_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of `probs` (rows, vocabulary; on any device), drawn at one float64
     uniform per row from `generator` (a CPU generator, so a seed gives the same uniforms on any
-    device) by inverting the row's cumulative sum where `probs` are (`samplers.sample_rows`), in
-    chunks of rows. `torch.multinomial` row by row on the host took about 1 ms a row at 50,257
+    device) by inverting the row's cumulative sum where `probs` are (`samplers.sample_rows`, a few
+    rows at a time). `torch.multinomial` row by row on the host took about 1 ms a row at 50,257
     tokens on a 2-core machine, and on a GPU needed every row's probabilities copied to the host."""
     from agents.samplers import sample_rows
 
     uniform = torch.rand(len(probs), 1, dtype=torch.float64, generator=generator).to(probs.device)
     if not len(probs):  # every target one token long: nothing to draw
         return torch.empty(0, dtype=torch.long, device=probs.device)
-    step = max(1, DRAW_CHUNK // max(1, probs.shape[-1]))
-    return torch.cat([sample_rows(probs[i:i + step], uniform[i:i + step]) for i in range(0, len(probs), step)])
+    return sample_rows(probs, uniform)
 
 
 def scheduled_sampling_inputs(model, ids, attn, loss_mask, p: float, generator: torch.Generator):

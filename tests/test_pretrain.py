@@ -233,13 +233,13 @@ def test_a_subword_tokenizers_unknown_pieces_are_a_note_not_an_error(capsys):
 
 
 def test_scheduled_sampling_draws_the_same_tokens_in_chunks_of_rows(monkeypatch):
-    """`draw_tokens` holds the cumulative sums of a few rows at a time (GPT-2's vocabulary over a
+    """`sample_rows` holds the cumulative sums of a few rows at a time (GPT-2's vocabulary over a
     whole batch of positions would be gigabytes in float64); the chunks change nothing drawn."""
-    from agents import pretrain
+    from agents import pretrain, samplers
 
     probs = torch.softmax(3 * torch.randn(50, 7, generator=torch.Generator().manual_seed(0)), -1)
     whole = pretrain.draw_tokens(probs, torch.Generator().manual_seed(1))
-    monkeypatch.setattr(pretrain, "DRAW_CHUNK", 3 * 7)  # three rows at a time, the last chunk shorter
+    monkeypatch.setattr(samplers, "SAMPLE_CHUNK", (3 * 7, 3 * 7))  # three rows at a time, the last chunk shorter
     chunked = pretrain.draw_tokens(probs, torch.Generator().manual_seed(1))
     assert torch.equal(chunked, whole) and len(set(whole.tolist())) > 3
     assert torch.equal(pretrain.draw_tokens(probs, torch.Generator().manual_seed(2)), whole) is False
