@@ -219,10 +219,7 @@ def draw_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     tokens on a 2-core machine, and on a GPU needed every row's probabilities copied to the host."""
     from agents.samplers import sample_rows
 
-    uniform = torch.rand(len(probs), 1, dtype=torch.float64, generator=generator).to(probs.device)
-    if not len(probs):  # every target one token long: nothing to draw
-        return torch.empty(0, dtype=torch.long, device=probs.device)
-    return sample_rows(probs, uniform)
+    return sample_rows(probs, torch.rand(len(probs), 1, dtype=torch.float64, generator=generator).to(probs.device))
 
 
 def scheduled_sampling_inputs(model, ids, attn, loss_mask, p: float, generator: torch.Generator):

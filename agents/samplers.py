@@ -31,17 +31,15 @@ MASKED = torch.finfo(torch.float32).min
 def sample_rows(probs: torch.Tensor, uniform: torch.Tensor | None = None) -> torch.Tensor:
     """One index per row of `probs` (rows, n; non-negative, each row with a positive entry), drawn
     with probability proportional to its entry: what `torch.multinomial(probs, 1)[:, 0]` draws, by
-    inverting each row's cumulative sum (float64) at one uniform draw. On the CPU that is one
-    random number per row instead of multinomial's per-entry work (one-off timings on 2 cores:
-    24 us against 87 us for 64 rows of 52 tokens, before the binary searches below; 184 ms
-    against 951 ms for 768 rows of 50,257, with them). An entry of 0 (a masked token) is never
-    drawn: the index is the first whose cumulative sum exceeds the draw, and a draw at the top of
-    a row (float rounding) takes the row's last positive entry. `uniform` (rows, 1), float64 in
-    [0, 1): the draws, made by the caller (a static decode step takes them as an input); default:
-    drawn here from torch's generator. Both
-    indices are binary searches of the cumulative sums (counting the entries at most the draw and
-    taking the argmax, full passes, gave the same indices in 1.3x to 2.4x the time on 2 cores, at
-    64 rows of 52 tokens to 768 rows of 50,257)."""
+    inverting each row's cumulative sum (float64) at one uniform draw, a binary search: one random
+    number per row instead of multinomial's per-entry work (2 cores, 768 rows of 50,257: 184 ms
+    against multinomial's 951 ms; the binary searches took 1.3x to 2.4x less time than counting
+    the entries at most the draw and an argmax, at 64 rows of 52 to 768 rows of 50,257). An entry
+    of 0 (a masked token) is never drawn: the index is the first whose cumulative sum exceeds the
+    draw, and a draw at the top of a row (float rounding) takes the row's last positive entry.
+    `uniform` (rows, 1), float64 in [0, 1): the draws, made by the caller (a static decode step
+    takes them as an input); default: drawn here from torch's generator. Rows go `SAMPLE_CHUNK`
+    entries at a time."""
     if uniform is None:
         uniform = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device)
     rows = max(1, SAMPLE_CHUNK[probs.device.type == "cpu"] // max(1, probs.shape[-1]))

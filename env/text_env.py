@@ -30,7 +30,7 @@ import gymnasium as gym
 import numpy as np
 
 from env.tasks import make_task
-from env.tasks.data import BoundedCache
+from env.tasks.data import BoundedCache, file_stamp
 from env.tokenization import load_tokenizer
 
 DEFAULTS = {
@@ -95,7 +95,7 @@ def task_setup(task: dict, max_new_tokens: int, tokenizer: str | None, split: st
     read by each env. A local tokenizer directory's files (name, size, mtime) are part of the key,
     so one rewritten in place is loaded again. The three are shared, not copied: nothing may change
     them (a user's task class is built once per set-up and must keep no per-env state)."""
-    key = json.dumps([task, max_new_tokens, tokenizer, split, _directory_stamps(tokenizer)], sort_keys=True,
+    key = json.dumps([task, max_new_tokens, tokenizer, split, directory_stamps(tokenizer)], sort_keys=True,
                      default=str)
     if key not in _SETUPS:
         built = make_task(task, max_new_tokens=max_new_tokens)
@@ -108,17 +108,13 @@ def task_setup(task: dict, max_new_tokens: int, tokenizer: str | None, split: st
     return _SETUPS[key]
 
 
-def _directory_stamps(path: str | None) -> list:
-    """(name, size, mtime) of the files in a local directory; [] for anything else (a hub name)."""
-    if not path or not os.path.isdir(os.path.expanduser(path)):
-        return []
-    with os.scandir(os.path.expanduser(path)) as entries:
-        return sorted((e.name, *_size_mtime(e)) for e in entries if e.is_file())
-
-
-def _size_mtime(entry) -> tuple:
-    st = entry.stat()
-    return st.st_size, st.st_mtime_ns
+def directory_stamps(path: str | None) -> tuple:
+    """`file_stamp` of each file in a local directory (a tokenizer's); () for anything else."""
+    where = os.path.expanduser(path) if path else ""
+    if not os.path.isdir(where):
+        return ()
+    return tuple(file_stamp(os.path.join(where, name)) for name in sorted(os.listdir(where))
+                 if os.path.isfile(os.path.join(where, name)))
 
 
 class TokenGenerationEnv(gym.Env):

@@ -1,3 +1,6 @@
+import os
+import time
+
 import numpy as np
 import pytest
 
@@ -172,9 +175,6 @@ def test_envs_of_one_setup_share_the_task_and_tokenizer_and_a_rewritten_tokenize
             "max_prompt_len": 4, "max_new_tokens": 4}
     first = TokenGenerationEnv(text)
     assert TokenGenerationEnv(text).tokenizer is first.tokenizer and first.vocab_size == 4
-    import os
-    import time
-    time.sleep(0.01)
     word_level_tokenizer(["x", "y", "z"]).save_pretrained(str(words))
     for f in words.iterdir():  # a new mtime even on a coarse file clock
         os.utime(f, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))

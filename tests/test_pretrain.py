@@ -242,7 +242,7 @@ def test_scheduled_sampling_draws_the_same_tokens_in_chunks_of_rows(monkeypatch)
     monkeypatch.setattr(samplers, "SAMPLE_CHUNK", (3 * 7, 3 * 7))  # three rows at a time, the last chunk shorter
     chunked = pretrain.draw_tokens(probs, torch.Generator().manual_seed(1))
     assert torch.equal(chunked, whole) and len(set(whole.tolist())) > 3
-    assert torch.equal(pretrain.draw_tokens(probs, torch.Generator().manual_seed(2)), whole) is False
+    assert not torch.equal(pretrain.draw_tokens(probs, torch.Generator().manual_seed(2)), whole)
 
 
 def test_scheduled_sampling_draws_nothing_for_no_positions():

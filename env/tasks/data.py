@@ -165,7 +165,7 @@ _DATASETS = BoundedCache(16)  # source key -> Dataset or {split: Dataset}
 _ROWS = BoundedCache(64)  # (spec, split, columns, stamps) -> rows
 
 
-def _stamp(path: str):
+def file_stamp(path: str):  # (path, size, mtime), or (path, None, None): a cache key's part
     try:
         st = os.stat(path)
         return (path, st.st_size, st.st_mtime_ns)
@@ -176,7 +176,8 @@ def _stamp(path: str):
 def stamps(spec: "DataSpec") -> tuple:
     """(path, size, mtime) of the spec's local paths: part of every cache key."""
     paths = [p for _, p in spec.dataset] if isinstance(spec.dataset, tuple) else [spec.dataset]
-    return tuple(_stamp(p) for p in paths if _looks_local(p))
+    return tuple(file_stamp(p) for p in paths if _looks_local(p))
+
 
 
 def _first_line(error: BaseException) -> str:
@@ -289,7 +290,7 @@ def _field_at_line(path: str, fmt: str, line: int) -> str | None:
 
 def _read_file(path: str, split: str | None):
     """One local data file as a Dataset (cached by path, size and mtime)."""
-    key = ("file", *_stamp(path))
+    key = ("file", *file_stamp(path))
     if key in _DATASETS:
         return _DATASETS[key]
     if not os.path.exists(path):
@@ -333,7 +334,7 @@ def _read_source(spec: DataSpec):
     name = spec.dataset
     if os.path.isfile(name) or os.path.splitext(name)[1].lower() in FILE_TYPES:
         return _read_file(name, None)
-    key = ("source", name, spec.config, _stamp(name) if _looks_local(name) else None)
+    key = ("source", name, spec.config, file_stamp(name) if _looks_local(name) else None)
     if key in _DATASETS:
         return _DATASETS[key]
     import datasets
