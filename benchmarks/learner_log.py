@@ -1,7 +1,8 @@
 """What `peer_trl.py --learner-log` files say about a run: when the static update captured each
 graph, from which iteration on every batch had one size (the bucket also depends on the number of
 episodes: `static_bucket` names the one each update took), which buckets served the updates from
-then on, the reward's falls with the learner's KL, gradient norm and entropy at them (and, with
+then on, the reward's falls with the learner's KL, gradient norm and entropy at them, what happened once the
+policy was nearly deterministic (the updates with a large KL from then on, the lowest reward) (and, with
 `--static-verify-every`, how far that iteration's replay was from the eager update: `check`), and,
 for several files of the same seed, the first iteration where they part (the reward, the loss or
 the gradient norm differs).
@@ -21,6 +22,8 @@ from collections import Counter
 
 BATCH = "module_train_batch_size_mean"
 GRAD_NORM = "gradients_default_optimizer_global_norm"
+PLATEAU_ENTROPY = 0.05  # a policy whose mean entropy per token is below this is nearly deterministic
+SPIKE_KL = 0.1  # an update whose KL (per token, the learner's mean_kl_loss) is above this moved the policy far
 
 
 class LogError(Exception):
@@ -68,11 +71,25 @@ def summarize(rows: list[dict], fall: float = 0.05) -> dict:
     settled = (max(other) + 1) if other else rows[0]["iteration"]
     after = [row for row in rows if row["iteration"] >= settled]
     rewards = [row["reward"] for row in rows if not math.isnan(row["reward"])]
-    return {"iterations": len(rows), "final": rows[-1]["reward"], "best": max(rewards, default=math.nan),
+    return {"plateau": plateau(rows), "iterations": len(rows), "final": rows[-1]["reward"], "best": max(rewards, default=math.nan),
             "captures": captures, "usual_batch": usual, "settled_from": settled,
             "iterations_after": len(after), "replayed_after": sum(1 for r in after if r.get("static_update_replays", 0) >= 1),
             "buckets_after": sorted({r["static_bucket"] for r in after if r.get("static_bucket") is not None}),
             "falls": falls, "checks": sorted(worst.items(), key=lambda ic: ic[1])}
+
+
+def plateau(rows: list[dict]) -> dict | None:
+    """From the first iteration whose entropy is below PLATEAU_ENTROPY: where and when it began,
+    the reward then, the updates with a KL above SPIKE_KL from then on, the largest KL and the
+    lowest reward; None where the entropy never fell that low."""
+    start = next((k for k, row in enumerate(rows) if row.get("entropy", math.inf) < PLATEAU_ENTROPY), None)
+    if start is None:
+        return None
+    after = rows[start:]
+    kls = [row["mean_kl_loss"] for row in after if "mean_kl_loss" in row]
+    return {"iteration": rows[start]["iteration"], "t": rows[start].get("t"), "reward": rows[start]["reward"],
+            "iterations": len(after), "spikes": sum(kl > SPIKE_KL for kl in kls), "max_kl": max(kls, default=math.nan),
+            "lowest": min(row["reward"] for row in after)}
 
 
 COMPARED = ("reward", "total_loss", GRAD_NORM)  # where same-seed runs part: the first of these to differ
@@ -103,6 +120,12 @@ def report(path: str, s: dict) -> None:
         (it, largest), median = s["checks"][-1], s["checks"][len(s["checks"]) // 2][1]
         print(f"  replay checks in {len(s['checks'])} iterations: |replay - eager| / |eager update| median "
               f"{median:.3g}, largest {largest:.3g} (iteration {it})")
+    if s["plateau"] is not None:
+        pl = s["plateau"]
+        when = f", {pl['t']:.0f} s" if pl["t"] is not None else ""
+        print(f"  nearly deterministic (entropy < {PLATEAU_ENTROPY}) from iteration {pl['iteration']}{when}, reward "
+              f"{pl['reward']:.3f}: over its {pl['iterations']} iterations {pl['spikes']} updates with a KL above "
+              f"{SPIKE_KL} (largest {pl['max_kl']:.3g}), lowest reward {pl['lowest']:.3f}")
     for f in s["falls"]:
         extra = "".join(f", {k} {f[k]:.3g}" for k in ("kl", "grad_norm", "entropy", "check") if f[k] is not None)
         print(f"  fall at iteration {f['iteration']}: {f['from']:.3f} -> {f['to']:.3f}{extra}")

@@ -6,8 +6,9 @@ import torch
 from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 
+from agents.algorithms.advantages import standardize
 from agents.algorithms.guided import guide_mode
-from agents.algorithms.guided_advantages import guided_loss_mask, guided_value_targets, standardize
+from agents.algorithms.guided_advantages import guided_loss_mask, guided_value_targets
 from agents.config import ConfigError, validate
 from agents.guides import (DEVIATION, GUIDE, GUIDE_ROLE, POLICY, CallableGuide, GuideError, GuidedRollout,
                            LMGuide, check_guide_vocabulary)

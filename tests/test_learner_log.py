@@ -89,3 +89,14 @@ def test_a_learner_record_names_the_bucket_the_last_update_took():
     assert (row["static_buckets"], row["static_graphs"], row["static_bucket"]) == (2, 1, 1)
     learner.static_last_bucket = ("c",)  # an eager bucket (more than the learner captures) has no place
     assert learner_record(algo, {"training_iteration": 8, "learners": {}}, 1.0, 0.5)["static_bucket"] is None
+
+
+def test_a_nearly_deterministic_policys_large_updates_are_counted_from_where_its_entropy_fell():
+    rows = _run()
+    assert summarize(rows)["plateau"] is None  # entropy 0.1 throughout: never nearly deterministic
+    for row in rows[4:]:
+        row["entropy"] = 0.01
+    rows[6]["t"] = 7.5
+    pl = summarize(rows)["plateau"]
+    assert (pl["iteration"], pl["reward"], pl["iterations"]) == (5, 0.6, 4)
+    assert (pl["spikes"], pl["max_kl"], pl["lowest"]) == (1, 0.4, 0.6)  # iteration 7's KL of 0.4

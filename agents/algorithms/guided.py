@@ -32,6 +32,7 @@ import os
 import numpy as np
 from ray.rllib.connectors.learner import GeneralAdvantageEstimation
 
+from agents.algorithms.advantages import FloorAdvantageStd
 from agents.algorithms.base import candidates, module_seed, plain
 from agents.algorithms.guided_advantages import GuidedAdvantageEstimation, MaskGuideSteps
 from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner, PPOSpec
@@ -84,9 +85,11 @@ class GuidedPPOTorchLearner(LMPPOTorchLearner):
         super().build()
         if self._learner_connector is not None:
             self._learner_connector.insert_before(AddSequenceIds, MaskGuideSteps())
-            self._learner_connector.insert_after(
-                GeneralAdvantageEstimation, GuidedAdvantageEstimation(gamma=self.config.gamma, lambda_=self.config.lambda_))
+            self._learner_connector.insert_after(GeneralAdvantageEstimation, GuidedAdvantageEstimation(
+                gamma=self.config.gamma, lambda_=self.config.lambda_, floor=self.config.advantage_std_floor))
             self._learner_connector.remove(GeneralAdvantageEstimation)
+            if any(type(c) is FloorAdvantageStd for c in self._learner_connector.connectors):
+                self._learner_connector.remove(FloorAdvantageStd)  # the guided estimate applies the floor itself
 
 
 class GuidedPPOConfig(LMPPOConfig):

@@ -13,6 +13,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.postprocessing.value_predictions import compute_value_targets
 
+from agents.algorithms.advantages import RLLIB_STD_FLOOR, standardize
 from agents.core import GUIDE_ROLE
 from agents.guides import DEVIATION, GUIDE, POLICY
 
@@ -38,15 +39,6 @@ def guided_value_targets(values, rewards, terminateds, truncateds, roles, *, gam
     return targets, targets - values
 
 
-def standardize(advantages: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
-    """Zero mean, unit std over the loss steps; other rows 0 (they are masked out anyway)."""
-    live = advantages[loss_mask]
-    if live.size == 0:
-        return np.zeros_like(advantages)
-    out = (advantages - live.mean()) / max(1e-4, float(live.std()))
-    return np.where(loss_mask, out, 0.0).astype(np.float32)
-
-
 class MaskGuideSteps(ConnectorV2):
     """Learner connector piece: turns the stored roles into the loss mask (before the KL penalty,
     so guide steps pay none)."""
@@ -60,7 +52,12 @@ class MaskGuideSteps(ConnectorV2):
 
 
 class GuidedAdvantageEstimation(GeneralAdvantageEstimation):
-    """GAE for policy steps, guide-completed returns for AggreVaTeD's deviation steps."""
+    """GAE for policy steps, guide-completed returns for AggreVaTeD's deviation steps; advantages
+    standardized over the loss steps with the divisor at least `floor` (`training.advantage_std_floor`)."""
+
+    def __init__(self, *args, floor: float = RLLIB_STD_FLOOR, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.floor = float(floor)
 
     def __call__(self, *, rl_module, episodes, batch, **kwargs):
         lens = [len(e) for e in self.single_agent_episode_iterator(episodes, agents_that_stepped_only=False)]
@@ -83,6 +80,6 @@ class GuidedAdvantageEstimation(GeneralAdvantageEstimation):
                 values, col(Columns.REWARDS).astype(np.float32), col(Columns.TERMINATEDS).astype(np.float32),
                 col(Columns.TRUNCATEDS).astype(np.float32), roles, gamma=self.gamma, lambda_=self.lambda_)
             loss_mask = col(Columns.LOSS_MASK, True).astype(bool)
-            module_batch[Postprocessing.ADVANTAGES] = torch.as_tensor(standardize(raw, loss_mask), device=device)
+            module_batch[Postprocessing.ADVANTAGES] = torch.as_tensor(standardize(raw, loss_mask, self.floor), device=device)
             module_batch[Postprocessing.VALUE_TARGETS] = torch.as_tensor(targets, device=device)
         return batch

@@ -27,6 +27,7 @@ from ray.rllib.connectors.learner import AddOneTsToEpisodesAndTruncate, GeneralA
 from ray.rllib.core.columns import Columns
 from ray.rllib.utils.torch_utils import explained_variance
 
+from agents.algorithms.advantages import RLLIB_STD_FLOOR, FloorAdvantageStd
 from agents.algorithms.base import (REFERENCE_KL, DeclaredParams, Param, RemoteRunnerStates, adam, rllib_fields,
                                    use_configured_lr)
 from agents.algorithms.gradients import FusedGradients
@@ -116,6 +117,10 @@ TOKEN_TRAINING = {
     "vf_loss_coeff": Param(Field(float, 0.5, lo=0.0)),
     "vf_clip_param": Param(Field(float, 10.0, lo=0.0, lo_open=True)),
     "entropy_coeff": Param(Field(float, 0.0, lo=0.0)),
+    # Advantages are standardized per batch as (A - mean) / max(floor, std); RLlib's floor is 1e-4.
+    # A floor in the reward's units damps the updates a plateau's near-equal returns drive
+    # (agents/algorithms/advantages.py).
+    "advantage_std_floor": Param(Field(float, RLLIB_STD_FLOOR, lo=0.0, lo_open=True)),
     # Mixed objective: + mle_coef * NLL of the task's reference continuations given their
     # prompts (mle_batch_size pairs per loss computation, mle.py); 0: pure RL.
     "mle_coef": Param(Field(float, 0.0, lo=0.0)),
@@ -164,6 +169,8 @@ class TokenLearner(StaticUpdate, FusedGradients, PPOTorchLearner):
             self._learner_connector.insert_before(
                 ReferenceKLPenalty if self.kl_penalty is not None else GeneralAdvantageEstimation, AddSequenceIds()
             )
+            if cfg.advantage_std_floor != RLLIB_STD_FLOOR:
+                pipeline.insert_after(GeneralAdvantageEstimation, FloorAdvantageStd(floor=cfg.advantage_std_floor))
         self._minibatch_rng = np.random.default_rng(self._learner_seed())
         self.mle_pairs = None
         if cfg.mle_coef > 0.0:  # the supervised term of the mixed objective (agents/algorithms/mle.py)

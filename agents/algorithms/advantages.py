@@ -1,0 +1,59 @@
+"""How the PPO family's advantages are standardized, and a floor under the divisor.
+
+RLlib's GAE (`GeneralAdvantageEstimation`) standardizes each batch's advantages: (A - mean) /
+max(1e-4, std). Standardizing is scale-free: once a policy is nearly deterministic and every
+episode earns the same return, the advantages are the critic's small errors, and dividing by their
+own small std makes them unit-sized again. A rare sampled deviation then weighs tens of standard
+deviations, and the update it drives can move the policy far in one step. With `kl_coef: 0` such
+single updates (a KL of 0.1 to 5.7 per sequence) knocked runs off a reward they had held for
+hundreds of iterations (docs/results/ppo_iterations.md, "Reward falls at a plateau").
+
+`training.advantage_std_floor` puts a floor under that divisor, in the reward's units:
+(A - mean) / max(floor, std). At RLlib's 1e-4 (the default) the pipeline is RLlib's own and this
+piece is not installed. A floor well below the advantages' std while the policy learns leaves
+learning as it was and scales the plateau's noise down instead of up; a floor above every std
+(1.0 for rewards in [0, 1]) leaves the advantages centred and unscaled.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from ray.rllib.connectors.connector_v2 import ConnectorV2
+from ray.rllib.core.columns import Columns
+from ray.rllib.evaluation.postprocessing import Postprocessing
+
+RLLIB_STD_FLOOR = 1e-4  # the floor RLlib's GAE divides by at least
+
+
+def standardize(advantages: np.ndarray, loss_mask: np.ndarray, floor: float = RLLIB_STD_FLOOR) -> np.ndarray:
+    """Zero mean over the loss steps, divided by max(floor, their std); other rows 0 (they are
+    masked out anyway)."""
+    live = advantages[loss_mask]
+    if live.size == 0:
+        return np.zeros_like(advantages)
+    out = (advantages - live.mean()) / max(floor, float(live.std()))
+    return np.where(loss_mask, out, 0.0).astype(np.float32)
+
+
+class FloorAdvantageStd(ConnectorV2):
+    """Learner connector piece after RLlib's GAE: the advantages again from the value targets and
+    the same values GAE read (the module's `compute_values`: the values the rollout stored where
+    every episode is complete), standardized over the loss steps with the divisor at least `floor`."""
+
+    def __init__(self, input_observation_space=None, input_action_space=None, *, floor: float, **kwargs):
+        super().__init__(input_observation_space, input_action_space, **kwargs)
+        self.floor = float(floor)
+
+    def __call__(self, *, rl_module, batch, episodes, **kwargs):
+        for module_id, module_batch in batch.items():
+            if Postprocessing.VALUE_TARGETS not in module_batch:
+                continue
+            targets = module_batch[Postprocessing.VALUE_TARGETS]
+            with torch.no_grad():
+                values = rl_module[module_id].unwrapped().compute_values(module_batch)
+            raw = (torch.as_tensor(targets).float() - values.float().to(torch.as_tensor(targets).device)).cpu().numpy()
+            mask = module_batch.get(Columns.LOSS_MASK)
+            mask = np.ones(len(raw), dtype=bool) if mask is None else torch.as_tensor(mask).cpu().numpy().astype(bool)
+            device = module_batch[Postprocessing.ADVANTAGES].device
+            module_batch[Postprocessing.ADVANTAGES] = torch.as_tensor(standardize(raw, mask, self.floor), device=device)
+        return batch
