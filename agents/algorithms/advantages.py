@@ -1,18 +1,17 @@
-"""How the PPO family's advantages are standardized, and a floor under the divisor.
+"""How the PPO family's advantages are standardized: a floor under the divisor.
 
 RLlib's GAE (`GeneralAdvantageEstimation`) standardizes each batch's advantages: (A - mean) /
 max(1e-4, std). Standardizing is scale-free: once a policy is nearly deterministic and every
-episode earns the same return, the advantages are the critic's small errors, and dividing by their
-own small std makes them unit-sized again. A rare sampled deviation then weighs tens of standard
-deviations, and the update it drives can move the policy far in one step. With `kl_coef: 0` such
-single updates (a KL of 0.1 to 5.7 per sequence) knocked runs off a reward they had held for
-hundreds of iterations (docs/results/ppo_iterations.md, "Reward falls at a plateau").
+episode earns nearly the same return, the advantages are the critic's small errors and a rare
+sampled deviation, and dividing by their own small std makes the batch drive an update as large
+as any other. Without a KL penalty, single updates then moved such policies far (the learner's
+KL estimate against the rollout's log-probs, `mean_kl_loss`, of 0.1 to 5.7 per step) and knocked
+runs off a reward they had held for hundreds of iterations (docs/results/plateau.md).
 
-`training.advantage_std_floor` puts a floor under that divisor, in the reward's units:
-(A - mean) / max(floor, std). At RLlib's 1e-4 (the default) the pipeline is RLlib's own and this
-piece is not installed. A floor well below the advantages' std while the policy learns leaves
-learning as it was and scales the plateau's noise down instead of up; a floor above every std
-(1.0 for rewards in [0, 1]) leaves the advantages centred and unscaled.
+`training.advantage_std_floor` sets that floor, in the reward's units: (A - mean) / max(floor,
+std). At RLlib's 1e-4 (the default) the pipeline is RLlib's own and this piece is not installed.
+A floor above every batch's std (1.0 for rewards in [0, 1]) leaves the advantages centred and
+unscaled, so their size follows the returns'.
 """
 from __future__ import annotations
 

@@ -117,9 +117,8 @@ TOKEN_TRAINING = {
     "vf_loss_coeff": Param(Field(float, 0.5, lo=0.0)),
     "vf_clip_param": Param(Field(float, 10.0, lo=0.0, lo_open=True)),
     "entropy_coeff": Param(Field(float, 0.0, lo=0.0)),
-    # Advantages are standardized per batch as (A - mean) / max(floor, std); RLlib's floor is 1e-4.
-    # A floor in the reward's units damps the updates a plateau's near-equal returns drive
-    # (agents/algorithms/advantages.py).
+    # Advantages are standardized per batch as (A - mean) / max(floor, std), the floor in the
+    # reward's units; RLlib's is 1e-4; above every std: centred, unscaled (agents/algorithms/advantages.py).
     "advantage_std_floor": Param(Field(float, RLLIB_STD_FLOOR, lo=0.0, lo_open=True)),
     # Mixed objective: + mle_coef * NLL of the task's reference continuations given their
     # prompts (mle_batch_size pairs per loss computation, mle.py); 0: pure RL.
