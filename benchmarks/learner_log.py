@@ -86,10 +86,11 @@ def plateau(rows: list[dict]) -> dict | None:
     if start is None:
         return None
     after = rows[start:]
-    kls = [row["mean_kl_loss"] for row in after if "mean_kl_loss" in row]
+    kls = [row["mean_kl_loss"] for row in after if not math.isnan(row.get("mean_kl_loss", math.nan))]
+    rewards = [row["reward"] for row in after if not math.isnan(row["reward"])]
     return {"iteration": rows[start]["iteration"], "t": rows[start].get("t"), "reward": rows[start]["reward"],
             "iterations": len(after), "spikes": sum(kl > SPIKE_KL for kl in kls), "max_kl": max(kls, default=math.nan),
-            "lowest": min(row["reward"] for row in after)}
+            "lowest": min(rewards, default=math.nan)}
 
 
 COMPARED = ("reward", "total_loss", GRAD_NORM)  # where same-seed runs part: the first of these to differ

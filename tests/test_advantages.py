@@ -24,11 +24,42 @@ def test_standardize_divides_by_the_floor_where_the_std_is_below_it():
     np.testing.assert_allclose(standardize(big, np.ones(4, bool), 0.5), standardize(big, np.ones(4, bool)))
 
 
-def test_a_floor_that_is_not_positive_or_an_algorithm_without_advantages_is_refused():
+def test_a_floor_that_is_not_positive_or_an_algorithm_that_does_not_read_it_is_refused():
     with pytest.raises(ConfigError, match="training.advantage_std_floor"):
         validate({"algorithm": "ppo", "training": {"advantage_std_floor": 0}})
-    with pytest.raises(ConfigError, match="advantage_std_floor"):
-        validate({"algorithm": "dqn", "training": {"advantage_std_floor": 0.1}})
+    for algorithm in ("dqn", "reinforce"):
+        with pytest.raises(ConfigError, match="advantage_std_floor"):
+            validate({"algorithm": algorithm, "training": {"advantage_std_floor": 0.1}})
+
+
+class _Values:
+    """A module whose V(s) is given (what `compute_values` returns: stored or from a value pass)."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def unwrapped(self):
+        return self
+
+    def compute_values(self, batch):
+        return self.values
+
+
+def test_the_piece_standardizes_the_loss_steps_of_targets_minus_values():
+    from ray.rllib.core.columns import Columns
+    from ray.rllib.evaluation.postprocessing import Postprocessing
+
+    targets = torch.tensor([1.0, 0.9, 0.8, 0.8, 0.5])
+    values = torch.tensor([0.9, 0.9, 0.9, 0.7, 0.0])
+    mask = torch.tensor([True, True, True, True, False])  # the last row: an artificial bootstrap row
+    batch = {"p": {Postprocessing.VALUE_TARGETS: targets, Postprocessing.ADVANTAGES: torch.zeros(5),
+                   Columns.LOSS_MASK: mask},
+             "q": {Columns.ACTIONS: torch.zeros(2)}}  # a module without value targets is left alone
+    out = FloorAdvantageStd(floor=0.5)(rl_module={"p": _Values(values)}, batch=batch, episodes=[])
+    raw = np.array([0.1, 0.0, -0.1, 0.1])
+    np.testing.assert_allclose(out["p"][Postprocessing.ADVANTAGES].numpy(), [*((raw - raw.mean()) / 0.5), 0.0],
+                               atol=1e-6)
+    assert out["q"] == {Columns.ACTIONS: batch["q"][Columns.ACTIONS]}
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "a3c"])
@@ -69,13 +100,23 @@ def test_the_learner_batch_takes_the_floor_and_the_default_is_rllibs_pipeline(ra
 def test_guided_advantages_take_the_floor_in_place_of_the_extra_piece(ray_local):
     from agents.algorithms.guided_advantages import GuidedAdvantageEstimation
 
-    cfg = load("tune_configs/aggrevated_synthetic.yaml", SMALL + ["training.advantage_std_floor=0.5"])
+    from ray.rllib.core.columns import Columns
+    from ray.rllib.evaluation.postprocessing import Postprocessing
+
+    cfg = load("tune_configs/aggrevated_synthetic.yaml", SMALL + ["training.advantage_std_floor=2.0"])
     algo = algorithm_config(cfg).build_algo()
     try:
-        kinds = [type(c) for c in algo.learner_group._learner._learner_connector.connectors]
-        assert FloorAdvantageStd not in kinds
-        (guided,) = [c for c in algo.learner_group._learner._learner_connector.connectors
-                     if type(c) is GuidedAdvantageEstimation]
-        assert guided.floor == 0.5
+        learner = algo.learner_group._learner
+        pipeline = learner._learner_connector
+        kinds = [type(c) for c in pipeline.connectors]
+        assert GuidedAdvantageEstimation in kinds and FloorAdvantageStd not in kinds
+        episodes = algo.env_runner.sample(num_episodes=12)
+        out = pipeline(rl_module=learner.module, episodes=episodes, batch={}, shared_data={},
+                       metrics=None)["default_policy"]
+        batch = {k: v.cpu().numpy() for k, v in out.items() if torch.is_tensor(v)}
     finally:
         algo.stop()
+    raw = batch[Postprocessing.VALUE_TARGETS] - batch[Columns.VF_PREDS]
+    mask = batch[Columns.LOSS_MASK].astype(bool)
+    assert 0 < raw[mask].std() < 2.0  # the floor binds
+    np.testing.assert_allclose(batch[Postprocessing.ADVANTAGES], standardize(raw, mask, 2.0), atol=1e-5)

@@ -96,7 +96,21 @@ def test_a_nearly_deterministic_policys_large_updates_are_counted_from_where_its
     assert summarize(rows)["plateau"] is None  # entropy 0.1 throughout: never nearly deterministic
     for row in rows[4:]:
         row["entropy"] = 0.01
-    rows[6]["t"] = 7.5
-    pl = summarize(rows)["plateau"]
-    assert (pl["iteration"], pl["reward"], pl["iterations"]) == (5, 0.6, 4)
+    rows[4]["t"] = 7.5
+    rows[5]["mean_kl_loss"] = float("nan")  # a metric missing in one iteration is left out
+    s = summarize(rows)
+    pl = s["plateau"]
+    assert (pl["iteration"], pl["t"], pl["reward"], pl["iterations"]) == (5, 7.5, 0.6, 4)
     assert (pl["spikes"], pl["max_kl"], pl["lowest"]) == (1, 0.4, 0.6)  # iteration 7's KL of 0.4
+
+
+def test_the_plateau_is_reported_in_one_line(capsys):
+    from benchmarks.learner_log import report
+
+    rows = _run()
+    for row in rows[4:]:
+        row["entropy"] = 0.01
+    report("run.jsonl", summarize(rows))
+    out = capsys.readouterr().out
+    assert ("nearly deterministic (entropy < 0.05) from iteration 5, reward 0.600: over its 4 iterations "
+            "1 updates with a KL above 0.1 (largest 0.4), lowest reward 0.600") in out

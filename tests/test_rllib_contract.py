@@ -2,6 +2,7 @@
 fails here, loudly, instead of silently changing behaviour (each test names the user). The
 workarounds of Ray Tune's, Ray's and W&B's internals are all in agents/workarounds.py."""
 import inspect
+import re
 
 import numpy as np
 import torch
@@ -46,8 +47,19 @@ def test_tuner_local_tuner_used_on_resume():
     assert hasattr(__import__("ray.tune.impl.tuner_internal", fromlist=["x"]).TunerInternal, "get_run_config")
 
 
+def test_gae_standardizes_advantages_with_the_floor_the_default_keeps():
+    # agents/algorithms/advantages.py: at RLLIB_STD_FLOOR (training.advantage_std_floor's default)
+    # the pipeline is RLlib's own, whose GAE divides by max(1e-4, std), a literal in its code
+    from ray.rllib.connectors.learner import GeneralAdvantageEstimation
+
+    from agents.algorithms.advantages import RLLIB_STD_FLOOR
+
+    source = inspect.getsource(GeneralAdvantageEstimation.__call__)
+    assert RLLIB_STD_FLOOR == 1e-4 and re.search(r"/ max\(\s*1e-4,\s*module_advantages\.std\(\)", source)
+
+
 def test_learner_connector_pipeline_hook_used_by_the_lm_learners():
-    # agents/algorithms/{ppo,guided,reinforce}.py insert their connector pieces around GAE in
+    # agents/algorithms/{token_learner,guided,reinforce}.py insert their connector pieces around GAE in
     # Learner._learner_connector, as RLlib's own PPOLearner and DQNLearner do: no public accessor
     # exists, and GAE (which the guided and sequence-level learners replace) is only added there.
     from ray.rllib.algorithms.ppo.ppo_learner import PPOLearner

@@ -10,8 +10,9 @@ runs off a reward they had held for hundreds of iterations (docs/results/plateau
 
 `training.advantage_std_floor` sets that floor, in the reward's units: (A - mean) / max(floor,
 std). At RLlib's 1e-4 (the default) the pipeline is RLlib's own and this piece is not installed.
-A floor above every batch's std (1.0 for rewards in [0, 1]) leaves the advantages centred and
-unscaled, so their size follows the returns'.
+A floor above every batch's std leaves the advantages centred and unscaled, so their size
+follows the returns' (1.0 where the advantages stay within about [-1, 1], as with rewards in
+[0, 1] and no KL penalty once the critic has learned their scale).
 """
 from __future__ import annotations
 
@@ -36,8 +37,12 @@ def standardize(advantages: np.ndarray, loss_mask: np.ndarray, floor: float = RL
 
 class FloorAdvantageStd(ConnectorV2):
     """Learner connector piece after RLlib's GAE: the advantages again from the value targets and
-    the same values GAE read (the module's `compute_values`: the values the rollout stored where
-    every episode is complete), standardized over the loss steps with the divisor at least `floor`."""
+    the values GAE read (the module's `compute_values`), standardized over the loss steps with the
+    divisor at least `floor`. Where the rollouts stored the values (the value head on the policy's
+    trunk) and every episode is complete, `compute_values` returns those; otherwise (a separate
+    value model, an episode cut short) it runs a second value pass over the batch after GAE's. Over
+    the loss steps: a batch with an episode cut short also holds RLlib's artificial bootstrap rows,
+    which RLlib's standardization counts and this one leaves out (as the guided estimate does)."""
 
     def __init__(self, input_observation_space=None, input_action_space=None, *, floor: float, **kwargs):
         super().__init__(input_observation_space, input_action_space, **kwargs)

@@ -32,7 +32,6 @@ import os
 import numpy as np
 from ray.rllib.connectors.learner import GeneralAdvantageEstimation
 
-from agents.algorithms.advantages import FloorAdvantageStd
 from agents.algorithms.base import candidates, module_seed, plain
 from agents.algorithms.guided_advantages import GuidedAdvantageEstimation, MaskGuideSteps
 from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner, PPOSpec
@@ -81,6 +80,8 @@ def guide_mode(guided: dict, iteration: int) -> str:
 
 
 class GuidedPPOTorchLearner(LMPPOTorchLearner):
+    floor_after_gae = False  # the guided estimate replaces GAE and applies the floor itself
+
     def build(self) -> None:
         super().build()
         if self._learner_connector is not None:
@@ -88,8 +89,6 @@ class GuidedPPOTorchLearner(LMPPOTorchLearner):
             self._learner_connector.insert_after(GeneralAdvantageEstimation, GuidedAdvantageEstimation(
                 gamma=self.config.gamma, lambda_=self.config.lambda_, floor=self.config.advantage_std_floor))
             self._learner_connector.remove(GeneralAdvantageEstimation)
-            if any(type(c) is FloorAdvantageStd for c in self._learner_connector.connectors):
-                self._learner_connector.remove(FloorAdvantageStd)  # the guided estimate applies the floor itself
 
 
 class GuidedPPOConfig(LMPPOConfig):

@@ -131,6 +131,8 @@ class SequenceLevelAdvantages(ConnectorV2):
 
 
 class ReinforceTorchLearner(TokenLearner):
+    floor_after_gae = False  # sequence-level advantages replace GAE's
+
     def build(self) -> None:
         super().build()
         self.sequence_advantages = SequenceLevelAdvantages(baseline=self.config.baseline,

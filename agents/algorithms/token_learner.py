@@ -145,6 +145,11 @@ class TokenLearner(StaticUpdate, FusedGradients, PPOTorchLearner):
     generators of its updates in its state. A subclass writes `loss_terms` (then the static update
     can run its loss too), or `compute_loss_for_module` itself."""
 
+    # RLlib's GAE makes the advantages, and a floor other than RLlib's standardizes them again
+    # after it (`FloorAdvantageStd`); False where GAE is replaced (the guided estimate applies the
+    # floor itself; REINFORCE's advantages are not standardized)
+    floor_after_gae = True
+
     def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
         entropy_coeff = self.entropy_coeff_schedulers_per_module[module_id].get_current_value()
         total, metrics = self.loss_terms(module_id, config, batch, fwd_out, StepMean(batch), entropy_coeff)
@@ -168,7 +173,7 @@ class TokenLearner(StaticUpdate, FusedGradients, PPOTorchLearner):
             self._learner_connector.insert_before(
                 ReferenceKLPenalty if self.kl_penalty is not None else GeneralAdvantageEstimation, AddSequenceIds()
             )
-            if cfg.advantage_std_floor != RLLIB_STD_FLOOR:
+            if cfg.advantage_std_floor != RLLIB_STD_FLOOR and self.floor_after_gae:
                 pipeline.insert_after(GeneralAdvantageEstimation, FloorAdvantageStd(floor=cfg.advantage_std_floor))
         self._minibatch_rng = np.random.default_rng(self._learner_seed())
         self.mle_pairs = None
