@@ -1,9 +1,9 @@
 """What `peer_trl.py --learner-log` files say about a run: when the static update captured each
 graph, from which iteration on every batch had one size (the bucket also depends on the number of
 episodes: `static_bucket` names the one each update took), which buckets served the updates from
-then on, the reward's falls with the learner's KL, gradient norm and entropy at them, what happened once the
-policy was nearly deterministic (the updates with a large KL from then on, the lowest reward) (and, with
-`--static-verify-every`, how far that iteration's replay was from the eager update: `check`), and,
+then on, the reward's falls with the learner's KL, gradient norm and entropy at them (and, with
+`--static-verify-every`, how far that iteration's replay was from the eager update: `check`), the
+updates with a large KL and the lowest reward once the policy was nearly deterministic, and,
 for several files of the same seed, the first iteration where they part (the reward, the loss or
 the gradient norm differs).
 
@@ -71,8 +71,8 @@ def summarize(rows: list[dict], fall: float = 0.05) -> dict:
     settled = (max(other) + 1) if other else rows[0]["iteration"]
     after = [row for row in rows if row["iteration"] >= settled]
     rewards = [row["reward"] for row in rows if not math.isnan(row["reward"])]
-    return {"plateau": plateau(rows), "iterations": len(rows), "final": rows[-1]["reward"], "best": max(rewards, default=math.nan),
-            "captures": captures, "usual_batch": usual, "settled_from": settled,
+    return {"plateau": plateau(rows), "iterations": len(rows), "final": rows[-1]["reward"],
+            "best": max(rewards, default=math.nan), "captures": captures, "usual_batch": usual, "settled_from": settled,
             "iterations_after": len(after), "replayed_after": sum(1 for r in after if r.get("static_update_replays", 0) >= 1),
             "buckets_after": sorted({r["static_bucket"] for r in after if r.get("static_bucket") is not None}),
             "falls": falls, "checks": sorted(worst.items(), key=lambda ic: ic[1])}

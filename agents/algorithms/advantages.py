@@ -52,10 +52,10 @@ class FloorAdvantageStd(ConnectorV2):
         for module_id, module_batch in batch.items():
             if Postprocessing.VALUE_TARGETS not in module_batch:
                 continue
-            targets = module_batch[Postprocessing.VALUE_TARGETS]
+            targets = torch.as_tensor(module_batch[Postprocessing.VALUE_TARGETS]).float()
             with torch.no_grad():
                 values = rl_module[module_id].unwrapped().compute_values(module_batch)
-            raw = (torch.as_tensor(targets).float() - values.float().to(torch.as_tensor(targets).device)).cpu().numpy()
+            raw = (targets - values.float().to(targets.device)).cpu().numpy()
             mask = module_batch.get(Columns.LOSS_MASK)
             mask = np.ones(len(raw), dtype=bool) if mask is None else torch.as_tensor(mask).cpu().numpy().astype(bool)
             device = module_batch[Postprocessing.ADVANTAGES].device

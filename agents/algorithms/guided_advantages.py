@@ -80,6 +80,7 @@ class GuidedAdvantageEstimation(GeneralAdvantageEstimation):
                 values, col(Columns.REWARDS).astype(np.float32), col(Columns.TERMINATEDS).astype(np.float32),
                 col(Columns.TRUNCATEDS).astype(np.float32), roles, gamma=self.gamma, lambda_=self.lambda_)
             loss_mask = col(Columns.LOSS_MASK, True).astype(bool)
-            module_batch[Postprocessing.ADVANTAGES] = torch.as_tensor(standardize(raw, loss_mask, self.floor), device=device)
+            advantages = standardize(raw, loss_mask, self.floor)
+            module_batch[Postprocessing.ADVANTAGES] = torch.as_tensor(advantages, device=device)
             module_batch[Postprocessing.VALUE_TARGETS] = torch.as_tensor(targets, device=device)
         return batch

@@ -179,7 +179,6 @@ def stamps(spec: "DataSpec") -> tuple:
     return tuple(file_stamp(p) for p in paths if _looks_local(p))
 
 
-
 def _first_line(error: BaseException) -> str:
     """The innermost cause's message, on one line."""
     seen = set()
