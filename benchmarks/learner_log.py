@@ -24,6 +24,8 @@ BATCH = "module_train_batch_size_mean"
 GRAD_NORM = "gradients_default_optimizer_global_norm"
 PLATEAU_ENTROPY = 0.05  # a policy whose mean entropy per token is below this is nearly deterministic
 SPIKE_KL = 0.1  # an update whose KL (per token, the learner's mean_kl_loss) is above this moved the policy far
+CLIP_SCALE = "update_clip_scale"  # training.update_clipping: the smallest scale a tensor's step took
+CLIPPED = 0.5  # an update with a tensor's step scaled below this was clipped hard
 
 
 class LogError(Exception):
@@ -88,9 +90,12 @@ def plateau(rows: list[dict]) -> dict | None:
     after = rows[start:]
     kls = [row["mean_kl_loss"] for row in after if not math.isnan(row.get("mean_kl_loss", math.nan))]
     rewards = [row["reward"] for row in after if not math.isnan(row["reward"])]
+    scales = [row[CLIP_SCALE] for row in after if CLIP_SCALE in row]  # training.update_clipping
     return {"iteration": rows[start]["iteration"], "t": rows[start].get("t"), "reward": rows[start]["reward"],
             "iterations": len(after), "spikes": sum(kl > SPIKE_KL for kl in kls), "max_kl": max(kls, default=math.nan),
-            "lowest": min(rewards, default=math.nan)}
+            "lowest": min(rewards, default=math.nan),
+            "clipped": sum(scale < CLIPPED for scale in scales) if scales else None,
+            "smallest_scale": min(scales, default=math.nan)}
 
 
 COMPARED = ("reward", "total_loss", GRAD_NORM)  # where same-seed runs part: the first of these to differ
@@ -127,6 +132,9 @@ def report(path: str, s: dict) -> None:
         print(f"  nearly deterministic (entropy < {PLATEAU_ENTROPY}) from iteration {pl['iteration']}{when}, reward "
               f"{pl['reward']:.3f}: over its {pl['iterations']} iterations {pl['spikes']} updates with a KL above "
               f"{SPIKE_KL} (largest {pl['max_kl']:.3g}), lowest reward {pl['lowest']:.3f}")
+        if pl["clipped"] is not None:
+            print(f"  update clipping there: {pl['clipped']} updates with a tensor's step scaled below {CLIPPED} "
+                  f"(smallest scale {pl['smallest_scale']:.3g})")
     for f in s["falls"]:
         extra = "".join(f", {k} {f[k]:.3g}" for k in ("kl", "grad_norm", "entropy", "check") if f[k] is not None)
         print(f"  fall at iteration {f['iteration']}: {f['from']:.3f} -> {f['to']:.3f}{extra}")

@@ -114,3 +114,19 @@ def test_the_plateau_is_reported_in_one_line(capsys):
     out = capsys.readouterr().out
     assert ("nearly deterministic (entropy < 0.05) from iteration 5, reward 0.600: over its 4 iterations "
             "1 updates with a KL above 0.1 (largest 0.4), lowest reward 0.600") in out
+
+
+def test_update_clipping_on_the_plateau_is_counted_where_the_log_has_it(capsys):
+    from benchmarks.learner_log import report
+
+    rows = _run()
+    for row in rows[4:]:
+        row["entropy"] = 0.01
+    assert summarize(rows)["plateau"]["clipped"] is None  # a run without training.update_clipping
+    for row, scale in zip(rows, (1.0, 0.2, 1.0, 1.0, 1.0, 0.9, 0.3, 0.45)):
+        row["update_clip_scale"] = scale
+    pl = summarize(rows)["plateau"]
+    assert (pl["clipped"], pl["smallest_scale"]) == (2, 0.3)  # iterations 7 and 8; iteration 2's was before
+    report("run.jsonl", summarize(rows))
+    assert "update clipping there: 2 updates with a tensor's step scaled below 0.5 (smallest scale 0.3)" in (
+        capsys.readouterr().out)

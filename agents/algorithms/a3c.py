@@ -145,7 +145,7 @@ class A3CSpec(PPOSpec):
     summary = "A3C (asynchronous actor-critic; A2C with num_env_runners 0): one gradient step per batch"
     # One step per arriving batch: no minibatches, epochs, ratio clipping or value clipping.
     training_params = pick(TOKEN_TRAINING, "lambda", "vf_loss_coeff", "entropy_coeff", "advantage_std_floor",
-                           "mle_coef", "mle_batch_size", "static_update")
+                           "mle_coef", "mle_batch_size", "static_update", "update_clipping")
 
     def config_class(self):
         return A3CConfig

@@ -170,12 +170,18 @@ def adam(params: list, learner):
     for the parameters' device (CPU, CUDA; on the quickstart's 30 tensors 0.19 ms a step against
     0.75 ms for the per-tensor loop, idle), the multi-tensor loop under fp16's loss scaler (which
     unscales the gradients before the step) and elsewhere. Same update, same state dict; a restored
-    optimizer state brings the kernel choice it was saved with (torch keeps the saved group flags)."""
+    optimizer state brings the kernel choice it was saved with (torch keeps the saved group flags).
+    With `training.update_clipping`, StableAdamW's update clipping hooks its step."""
     import torch
 
     fused = (getattr(learner, "_grad_scalers", None) is None
              and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params))
-    return torch.optim.Adam(params, fused=True) if fused else torch.optim.Adam(params, foreach=True)
+    optimizer = torch.optim.Adam(params, fused=True) if fused else torch.optim.Adam(params, foreach=True)
+    if getattr(learner.config, "update_clipping", False):  # training.update_clipping
+        from agents.algorithms.gradients import UpdateClipping
+
+        UpdateClipping(optimizer)
+    return optimizer
 
 
 def use_configured_lr(learner) -> None:

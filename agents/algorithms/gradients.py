@@ -19,8 +19,12 @@ time in these loops (`benchmarks/ppo_profile.py --device cuda`, docs/results/gpu
     When it fails, and wherever RLlib's method does more (a loss scaler, torch lr schedulers,
     `torch_skip_nan_gradients`), RLlib's own `apply_gradients` decides, per tensor, warnings and
     `nan_to_num` included.
+
+`UpdateClipping` (`training.update_clipping`) adds StableAdamW's update clipping to a torch Adam.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from ray.rllib.utils.torch_utils import clip_gradients as rllib_clip_gradients
@@ -70,9 +74,92 @@ class FusedGradients:
         if (self.config.torch_skip_nan_gradients or self._grad_scalers is not None
                 or self._lr_scheduler_classes is not None
                 or not all_finite([g for g in gradients_dict.values() if g is not None])):
-            return super().apply_gradients(gradients_dict)
+            super().apply_gradients(gradients_dict)
+            return self.log_update_clipping()
         for pid, grad in gradients_dict.items():
             self._params[pid].grad = grad
         for module_id, names in self._module_optimizers.items():
             for name in names:
                 self.get_optimizer(module_id, name).step()
+        self.log_update_clipping()
+
+    def log_update_clipping(self) -> None:
+        """With `training.update_clipping`: the smallest scale any tensor's step took in this
+        iteration's updates (`update_clip_scale`; 1: none was clipped)."""
+        for module_id, names in self._module_optimizers.items():
+            for name in names:
+                clipping = update_clipping_of(self.get_optimizer(module_id, name))
+                if clipping is not None and clipping.last_scale is not None:
+                    self.metrics.log_value((module_id, "update_clip_scale"), clipping.last_scale.detach(),
+                                           reduce="min", clear_on_reduce=True)
+
+
+class UpdateClipping:
+    """StableAdamW's update clipping (Wortsman et al. 2023, "Stable and low-precision training for
+    large-scale vision-language models", Adafactor's clipping in AdamW) on a torch Adam: each
+    parameter tensor's step is scaled by 1 / max(1, RMS), where RMS = sqrt(mean(g^2 / max(v, eps^2)))
+    over the tensor, g its gradient and v Adam's bias-corrected second moment after this step.
+    Where v still describes the gradients (RMS about 1 or below) Adam's step is unchanged. Where a
+    gradient far larger than those of recent steps arrives, as when a nearly deterministic policy
+    samples a rare continuation after hundreds of updates with gradients near zero, v is out of
+    date, and plain Adam would step each coordinate by up to about 3x the lr at once
+    (docs/results/plateau.md).
+
+    It hooks the optimizer's step (a pre-hook copies the parameters, a post-hook scales each
+    tensor's change), so every path that steps the optimizer takes it: RLlib's, the fused one and
+    the static update, captured with it (tensor ops only, no host read). A skipped step (a
+    non-finite gradient) stays skipped. `last_scale` is the smallest scale of the last step (1: no
+    tensor clipped), a tensor on the parameters' device."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.before: dict = {}  # parameter -> its copy from before the step (made once, reused)
+        self.last_scale = None
+        self._sizes: dict = {}  # (group index, ids of its stepped tensors) -> sqrt(numel) of each, on their device
+        optimizer.update_clipping = self
+        optimizer.register_step_pre_hook(self._copy_params)
+        optimizer.register_step_post_hook(self._scale_steps)
+
+    def _stepped(self, group) -> list:
+        return [p for p in group["params"] if p.grad is not None]
+
+    @torch.no_grad()
+    def _copy_params(self, optimizer, args, kwargs) -> None:
+        params = [p for group in optimizer.param_groups for p in self._stepped(group)]
+        for p in params:
+            if p not in self.before:
+                self.before[p] = torch.empty_like(p)
+        if params:
+            torch._foreach_copy_([self.before[p] for p in params], params)
+
+    @torch.no_grad()
+    def _scale_steps(self, optimizer, args, kwargs) -> None:
+        smallest = []
+        for index, group in enumerate(optimizer.param_groups):
+            params = [p for p in self._stepped(group) if p in self.before and "exp_avg_sq" in optimizer.state[p]]
+            if not params:
+                continue
+            beta2, eps = group["betas"][1], group["eps"]
+            step = optimizer.state[params[0]]["step"]
+            correction = (1.0 - beta2 ** step.to(device=params[0].device, dtype=torch.float32))
+            denominators = torch._foreach_div([optimizer.state[p]["exp_avg_sq"] for p in params], correction)
+            torch._foreach_clamp_min_(denominators, eps * eps)
+            torch._foreach_sqrt_(denominators)
+            ratios = torch._foreach_div([p.grad for p in params], denominators)
+            norms = torch.stack(torch._foreach_norm(ratios, 2.0)).float()
+            key = (index, *map(id, params))
+            if key not in self._sizes:  # made on the first (eager) step: no host copy inside a capture
+                self._sizes[key] = torch.tensor([math.sqrt(p.numel()) for p in params], device=norms.device)
+            rms = norms / self._sizes[key]
+            # 1 / max(1, RMS); a NaN RMS (a non-finite gradient: the step was skipped) leaves 1
+            scale = torch.where(rms > 1.0, 1.0 / rms, torch.ones_like(rms))
+            before = [self.before[p] for p in params]
+            torch._foreach_lerp_(before, params, [s.to(p.dtype) for s, p in zip(scale.unbind(), params)])
+            torch._foreach_copy_(params, before)
+            smallest.append(scale.min())
+        self.last_scale = torch.stack(smallest).min() if smallest else None
+
+
+def update_clipping_of(optimizer) -> UpdateClipping | None:
+    """The optimizer's `UpdateClipping`, or None."""
+    return getattr(optimizer, "update_clipping", None)

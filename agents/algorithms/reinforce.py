@@ -185,7 +185,8 @@ class Reinforce(TokenAlgorithm):
 class ReinforceSpec(PPOSpec):
     names = ("reinforce", "self_critical")
     summary = "sequence-level policy gradient with a per-prompt mean (reinforce) or greedy (self_critical) baseline"
-    training_params = pick(TOKEN_TRAINING, "minibatch_size", "num_epochs", "entropy_coeff", "mle_coef", "mle_batch_size")
+    training_params = pick(TOKEN_TRAINING, "minibatch_size", "num_epochs", "entropy_coeff", "mle_coef", "mle_batch_size",
+                           "update_clipping")
     section = "reinforce"
     schema = {"num_samples": REINFORCE_PARAMS["num_samples"]}
     section_searchable = False  # the env repeats prompts by it: EnvRunners and learner must agree

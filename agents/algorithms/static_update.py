@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from ray.rllib.core.columns import Columns
 
-from agents.algorithms.gradients import clip_by_global_norm
+from agents.algorithms.gradients import clip_by_global_norm, update_clipping_of
 from agents.core import PASS_ROWS, SEQ_ID
 from agents.models import static_pass
 from agents.modules.kv_cache import gpt2_forward_blocks, lean_forward_verdict, sequence_groups
@@ -208,6 +208,9 @@ class StaticUpdate:
         bucket, inputs = static_inputs(module_batch, entropy_coeff)
         self.static_last_bucket = bucket
         (total, metrics), replayed = self._static_run(module_id, bucket, inputs)
+        scale = metrics.pop("update_clip_scale", None)
+        if scale is not None:  # as the eager path logs it (FusedGradients.log_update_clipping)
+            self.metrics.log_value((module_id, "update_clip_scale"), scale, reduce="min", clear_on_reduce=True)
         self.metrics.log_dict(metrics, key=module_id, window=1)
         self.metrics.log_value((module_id, "static_update_replays"), float(replayed), reduce="sum")
         return {}, {module_id: total}, {}
@@ -317,6 +320,9 @@ class StaticUpdate:
             del optimizer.found_inf
         out = {"total_loss": total, **metrics, f"gradients_{name}_global_norm": global_norm,
                "static_update_skipped": skipped}
+        clipping = update_clipping_of(optimizer)
+        if clipping is not None and clipping.last_scale is not None:
+            out["update_clip_scale"] = clipping.last_scale
         return torch.stack([v.detach().float().reshape(()) for v in out.values()]), list(out)
 
     def _unpack(self, module_id, values: torch.Tensor, names: list) -> tuple:

@@ -127,6 +127,9 @@ TOKEN_TRAINING = {
     # The update as one static function of bucketed shapes; on a GPU captured once per bucket as
     # a CUDA graph and replayed (agents/algorithms/static_update.py); on a CPU run eagerly.
     "static_update": Param(Field(bool, False)),
+    # StableAdamW's update clipping: each tensor's Adam step scaled by 1 / max(1, RMS of g / sqrt(v))
+    # (agents/algorithms/gradients.py UpdateClipping)
+    "update_clipping": Param(Field(bool, False)),
 }
 
 
