@@ -55,12 +55,14 @@
 # captured as CUDA graphs); their logs are then named <step>_static.
 # FLOOR=x does the same with training.advantage_std_floor x (advantages divided by at least x, not
 # by their own std alone: docs/results/plateau.md); logs named <step>_floor<x>.
+# CLIP=1 does the same with training.update_clipping true (StableAdamW's update clipping on the
+# learner's Adam: docs/results/plateau.md); logs named <step>_clip.
 #   plateau    the project side of peer_trl.py alone (its peer settings) with training.static_update
-#              for 120 s, for each floor in FLOORS (default "1e-4 1": RLlib's standardized advantages,
-#              then centred and unscaled ones), each
-#              iteration's learner metrics in $OUT/plateau_floor<x>.jsonl, then learner_log.py's
-#              summary: the updates with a KL above 0.1 once the policy is nearly deterministic, the
-#              reward's falls (about 140 s a run; not yet run)
+#              for 120 s, for each variant in PLATEAU (default "clipped standardized unscaled": with
+#              update clipping, RLlib's standardized advantages as they are, centred and unscaled
+#              ones), each iteration's learner metrics in $OUT/plateau_<variant>.jsonl, then
+#              learner_log.py's summary: the updates with a KL above 0.1 once the policy is nearly
+#              deterministic, the reward's falls (about 140 s a run; not yet run)
 # COMPILE=1 does the same with env_runners.compile_step true (the rollout step through torch.compile
 # before capture; the compile falls in the first iteration); logs named <step>_compiled.
 # BLOCK=k runs rollouts, peer and ppo_profile with env_runners.decode_block k (k module steps per
@@ -78,11 +80,11 @@ tag=${BLOCK:+_block$BLOCK}
 block_arg=(${BLOCK:+--decode-block "$BLOCK"})
 block_only=(${BLOCK:+--set env_runners.decode_block="$BLOCK"})
 block_set=("${block_only[@]}" ${STATIC:+--set training.static_update=true} ${COMPILE:+--set env_runners.compile_step=true}
-           ${FLOOR:+--set training.advantage_std_floor="$FLOOR"})
+           ${FLOOR:+--set training.advantage_std_floor="$FLOOR"} ${CLIP:+--set training.update_clipping=true})
 tag_only=$tag
 pool_arg=(${POOLS:+--static-private-pools})  # POOLS=private
 pool_tag=${POOLS:+_$POOLS}
-tag=$tag${STATIC:+_static}${COMPILE:+_compiled}${FLOOR:+_floor$FLOOR}
+tag=$tag${STATIC:+_static}${COMPILE:+_compiled}${FLOOR:+_floor$FLOOR}${CLIP:+_clip}
 [ ${#steps[@]} -gt 0 ] || steps=(tests rollouts peer weights)
 
 run() {  # run NAME LIMIT_S CMD...: the command's output into $OUT/NAME.log, its tail and status here
@@ -129,16 +131,18 @@ for step in "${steps[@]}"; do
              --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
              --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
              --set training.lr=1e-4 --set env_runners.precision="$precision" "${block_set[@]}" ;;
-    plateau) for floor in ${FLOORS:-1e-4 1}; do
-             run "plateau_floor$floor$tag_only" 200 $PY benchmarks/peer_trl.py --device cuda \
-             --model gpt2-small-shaped --seconds 120 --project-only --plot "$OUT/plateau_floor$floor.png" \
-             --learner-log "$OUT/plateau_floor$floor.jsonl" \
+    plateau) for variant in ${PLATEAU:-clipped standardized unscaled}; do
+             case $variant in clipped) extra=(--set training.update_clipping=true) ;;
+               unscaled) extra=(--set training.advantage_std_floor=1) ;; *) extra=() ;; esac
+             run "plateau_$variant$tag_only" 200 $PY benchmarks/peer_trl.py --device cuda \
+             --model gpt2-small-shaped --seconds 120 --project-only --plot "$OUT/plateau_$variant.png" \
+             --learner-log "$OUT/plateau_$variant.jsonl" \
              --set env_runners.num_envs_per_env_runner=128 --set training.train_batch_size=2560 \
              --set training.minibatch_size=2560 --set training.num_epochs=1 --set reward.kl_coef=0 \
-             --set training.lr=1e-4 --set training.static_update=true --set training.advantage_std_floor="$floor" \
+             --set training.lr=1e-4 --set training.static_update=true "${extra[@]}" \
              --set seed=0 "${block_only[@]}"
            done
-           run plateau_summary 30 $PY benchmarks/learner_log.py "$OUT"/plateau_floor*.jsonl ;;
+           run plateau_summary 30 $PY benchmarks/learner_log.py "$OUT"/plateau_*.jsonl ;;
     static_long) for seed in ${SEEDS:-0}; do for update in false true; do
              run "static_long_${update}_seed$seed$tag_only" 200 $PY benchmarks/peer_trl.py --device cuda \
              --model gpt2-small-shaped --seconds 120 --project-only --plot "$OUT/static_long_${update}_seed$seed.png" \

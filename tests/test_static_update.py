@@ -269,12 +269,13 @@ def test_an_unsupported_model_falls_back_to_rllibs_update_with_one_warning(learn
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("algorithm, shared_pool", [("ppo", True), ("a2c", True), ("ppo", False)])
-def test_captured_updates_equal_the_eager_static_updates_on_cuda(ray_local, algorithm, shared_pool, monkeypatch):
+@pytest.mark.parametrize("algorithm, shared_pool, more", [("ppo", True, []), ("a2c", True, []), ("ppo", False, []),
+                                                     ("ppo", True, ["training.update_clipping=true"])])
+def test_captured_updates_equal_the_eager_static_updates_on_cuda(ray_local, algorithm, shared_pool, more, monkeypatch):
     """On CUDA the static function is captured once per bucket and replayed: the same learning
     as running it eagerly each time (first update eager, second captured, later replayed), up to
     the summation order of index_add_'s atomics. `shared_pool` False: each bucket's graph in its
-    own memory pool (static_update.SHARED_POOL)."""
+    own memory pool (static_update.SHARED_POOL); `more`: with update clipping in the graph too."""
     from agents.algorithms import static_update
 
     monkeypatch.setattr(static_update, "SHARED_POOL", shared_pool)
@@ -282,7 +283,7 @@ def test_captured_updates_equal_the_eager_static_updates_on_cuda(ray_local, algo
     config, small = (QUICKSTART, SMALL) if algorithm == "ppo" else (A3C_CONFIG, A2C_SMALL)
     results = {}
     for capture in (True, False):
-        cfg = load(config, small + gpu + ["training.static_update=true"])
+        cfg = load(config, small + gpu + ["training.static_update=true"] + more)
         algo = algorithm_config(cfg).build_algo()
         learner = algo.learner_group._learner
         start = {k: p.detach().cpu().clone() for k, p in learner.module[MID].named_parameters()}
