@@ -5,6 +5,7 @@ import inspect
 import re
 
 import numpy as np
+import pytest
 import torch
 
 from ray import tune
@@ -156,6 +157,31 @@ def test_clip_function_and_apply_gradients_hooks_used_by_the_fused_gradients():
     assert grads[0].tolist() == [1.5, 1.5]
 
 
+def test_foreach_ops_and_adam_state_used_by_the_update_clipping():
+    # agents/algorithms/gradients.py UpdateClipping hooks torch's Adam step (register_step_pre_hook /
+    # register_step_post_hook), reads its state's "step" and "exp_avg_sq" after the step, and
+    # computes with torch._foreach_div (by a 0-d tensor), _foreach_clamp_min_, _foreach_sqrt_ and
+    # _foreach_lerp_ (a list of 0-d tensor weights).
+    p = torch.nn.Parameter(torch.zeros(3))
+    for kind in ({"fused": True}, {"foreach": True}, {"foreach": False}):
+        optimizer = torch.optim.Adam([p], lr=0.1, **kind)
+        seen = []
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append("pre"))
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: seen.append("post"))
+        p.grad = torch.full((3,), 2.0)
+        optimizer.step()
+        assert seen == ["pre", "post"], kind
+        state = optimizer.state[p]
+        assert float(state["step"]) == 1.0 and torch.allclose(state["exp_avg_sq"], torch.full((3,), 0.004)), kind
+    x = torch._foreach_div([torch.full((2,), 4.0)], torch.tensor(2.0))
+    torch._foreach_clamp_min_(x, 3.0)
+    torch._foreach_sqrt_(x)
+    assert x[0].tolist() == pytest.approx([3.0 ** 0.5] * 2)
+    a, b = [torch.zeros(2), torch.zeros(3)], [torch.ones(2), torch.ones(3)]
+    torch._foreach_lerp_(a, b, [torch.tensor(0.25), torch.tensor(0.0)])
+    assert a[0].tolist() == [0.25, 0.25] and a[1].tolist() == [0.0] * 3
+
+
 # Every private Ray/RLlib/Tune/Gymnasium/transformers name the project overrides or reads, each
 # pinned by a test above. RLlib's documented extension points (methods it marks
 # @OverrideToImplementCustomLogic, e.g. RLModule._forward_train) are not private in that sense.
@@ -167,7 +193,8 @@ PINNED = {
     "_schedule_tracked_actor_task", "_tracked_actor", "_actor_task_events", "_tracked_futures",
     "_tracked_actors_to_task_futures", "_forward_hooks", "_forward_pre_hooks", "_foreach_copy_",
     "_FilesystemSyncer", "_sync_up_command", "_get_clip_function", "_lr_scheduler_classes", "_params",
-    "_foreach_norm", "_foreach_mul_", "_update", "_compute_off_policyness", "_worker_logs_enabled",
+    "_foreach_norm", "_foreach_mul_", "_foreach_div", "_foreach_clamp_min_", "_foreach_sqrt_", "_foreach_lerp_",
+    "_update", "_compute_off_policyness", "_worker_logs_enabled",
 }
 THIRD_PARTY_PRIVATE_OK = {"_model"}  # bert_score's scorer (env/rewards/bertscore.py), not Ray's or transformers'
 

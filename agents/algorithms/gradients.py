@@ -148,14 +148,16 @@ class UpdateClipping:
             ratios = torch._foreach_div([p.grad for p in params], denominators)
             norms = torch.stack(torch._foreach_norm(ratios, 2.0)).float()
             key = (index, *map(id, params))
-            if key not in self._sizes:  # made on the first (eager) step: no host copy inside a capture
-                self._sizes[key] = torch.tensor([math.sqrt(p.numel()) for p in params], device=norms.device)
+            if key not in self._sizes:  # made on the first (eager) step, by fills: no host-to-device copy
+                self._sizes[key] = torch.stack([torch.full((), math.sqrt(p.numel()), device=norms.device)
+                                                for p in params])
             rms = norms / self._sizes[key]
             # 1 / max(1, RMS); a NaN RMS (a non-finite gradient: the step was skipped) leaves 1
             scale = torch.where(rms > 1.0, 1.0 / rms, torch.ones_like(rms))
-            before = [self.before[p] for p in params]
-            torch._foreach_lerp_(before, params, [s.to(p.dtype) for s, p in zip(scale.unbind(), params)])
-            torch._foreach_copy_(params, before)
+            # p + (1 - scale) (before - p): the step scaled; a scale of 1 leaves p as it is, bit for bit
+            weights = (1.0 - scale).unbind()
+            torch._foreach_lerp_(params, [self.before[p] for p in params],
+                                 [w if w.dtype == p.dtype else w.to(p.dtype) for w, p in zip(weights, params)])
             smallest.append(scale.min())
         self.last_scale = torch.stack(smallest).min() if smallest else None
 
