@@ -90,8 +90,8 @@ class FusedGradients:
             for name in names:
                 clipping = update_clipping_of(self.get_optimizer(module_id, name))
                 if clipping is not None and clipping.last_scale is not None:
-                    self.metrics.log_value((module_id, "update_clip_scale"), clipping.last_scale.detach(),
-                                           reduce="min", clear_on_reduce=True)
+                    log_clip_scale(self.metrics, module_id, clipping.last_scale)
+                    clipping.last_scale = None  # a later update whose optimizer does not step logs nothing
 
 
 class UpdateClipping:
@@ -152,14 +152,25 @@ class UpdateClipping:
                 self._sizes[key] = torch.stack([torch.full((), math.sqrt(p.numel()), device=norms.device)
                                                 for p in params])
             rms = norms / self._sizes[key]
-            # 1 / max(1, RMS); a NaN RMS (a non-finite gradient: the step was skipped) leaves 1
-            scale = torch.where(rms > 1.0, 1.0 / rms, torch.ones_like(rms))
+            # 1 / max(1, RMS); 1 where the step was skipped (fused Adam's found_inf) or RMS is not
+            # finite (a non-finite gradient): the parameters did not move, and the scale says so
+            clip = torch.isfinite(rms) & (rms > 1.0)
+            found_inf = getattr(optimizer, "found_inf", None)
+            if found_inf is not None:
+                clip = clip & (found_inf.to(rms.device) == 0)
+            scale = torch.where(clip, 1.0 / rms, torch.ones_like(rms))
             # p + (1 - scale) (before - p): the step scaled; a scale of 1 leaves p as it is, bit for bit
             weights = (1.0 - scale).unbind()
             torch._foreach_lerp_(params, [self.before[p] for p in params],
                                  [w if w.dtype == p.dtype else w.to(p.dtype) for w, p in zip(weights, params)])
             smallest.append(scale.min())
         self.last_scale = torch.stack(smallest).min() if smallest else None
+
+
+def log_clip_scale(metrics, module_id, scale) -> None:
+    """`update_clip_scale`: the smallest of the iteration's updates (a windowed min: its pushes only
+    append, so no device sync before the iteration's reduce)."""
+    metrics.log_value((module_id, "update_clip_scale"), scale.detach(), reduce="min", window=1000)
 
 
 def update_clipping_of(optimizer) -> UpdateClipping | None:

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from ray.rllib.core.columns import Columns
 
-from agents.algorithms.gradients import clip_by_global_norm, update_clipping_of
+from agents.algorithms.gradients import clip_by_global_norm, log_clip_scale, update_clipping_of
 from agents.core import PASS_ROWS, SEQ_ID
 from agents.models import static_pass
 from agents.modules.kv_cache import gpt2_forward_blocks, lean_forward_verdict, sequence_groups
@@ -210,7 +210,7 @@ class StaticUpdate:
         (total, metrics), replayed = self._static_run(module_id, bucket, inputs)
         scale = metrics.pop("update_clip_scale", None)
         if scale is not None:  # as the eager path logs it (FusedGradients.log_update_clipping)
-            self.metrics.log_value((module_id, "update_clip_scale"), scale, reduce="min", clear_on_reduce=True)
+            log_clip_scale(self.metrics, module_id, scale)
         self.metrics.log_dict(metrics, key=module_id, window=1)
         self.metrics.log_value((module_id, "static_update_replays"), float(replayed), reduce="sum")
         return {}, {module_id: total}, {}
