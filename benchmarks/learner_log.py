@@ -90,7 +90,8 @@ def plateau(rows: list[dict]) -> dict | None:
     after = rows[start:]
     kls = [row["mean_kl_loss"] for row in after if not math.isnan(row.get("mean_kl_loss", math.nan))]
     rewards = [row["reward"] for row in after if not math.isnan(row["reward"])]
-    scales = [row[CLIP_SCALE] for row in after if CLIP_SCALE in row]  # training.update_clipping
+    scales = [row[CLIP_SCALE] for row in after  # training.update_clipping
+              if not math.isnan(row.get(CLIP_SCALE, math.nan))]
     return {"iteration": rows[start]["iteration"], "t": rows[start].get("t"), "reward": rows[start]["reward"],
             "iterations": len(after), "spikes": sum(kl > SPIKE_KL for kl in kls), "max_kl": max(kls, default=math.nan),
             "lowest": min(rewards, default=math.nan),

@@ -112,7 +112,6 @@ class UpdateClipping:
     tensor clipped), a tensor on the parameters' device."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
         self.before: dict = {}  # parameter -> its copy from before the step (made once, reused)
         self.last_scale = None
         self._sizes: dict = {}  # (group index, ids of its stepped tensors) -> sqrt(numel) of each, on their device
@@ -120,7 +119,8 @@ class UpdateClipping:
         optimizer.register_step_pre_hook(self._copy_params)
         optimizer.register_step_post_hook(self._scale_steps)
 
-    def _stepped(self, group) -> list:
+    @staticmethod
+    def _stepped(group) -> list:
         return [p for p in group["params"] if p.grad is not None]
 
     @torch.no_grad()
