@@ -18,9 +18,9 @@ one batched module call and one batched env step:
     arrays, in the format RLlib's learner connectors consume (with decode
     blocks, once the module's next block is queued: on a GPU while the
     device computes it);
-  * with `env_runners.decode_block` k > 1 an exploring module runs k steps per
-    call (`act_steps`: each row appends the token it drew, on the module's
-    device) and the env then steps through them: one host round trip per k tokens.
+  * with `env_runners.decode_block` k > 1 the module runs k steps per call
+    (`act_steps`, exploring or greedy: each row appends the token it took, on the
+    module's device) and the env then steps through them: one host round trip per k tokens.
 
 A training call (`sample()` with no arguments, or `num_timesteps`) samples
 at least the EnvRunner's share of the train batch (`train_batch_size /
@@ -246,6 +246,8 @@ class RestartSchedule:
 
 
 class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
+    samples_on_module_device = True  # wherever a colocated sync puts its module (agents.weight_sync)
+
     def __init__(self, *, config, **kwargs):
         super().__init__(config=config, **kwargs)
         self._episode_callbacks = [cls() for cls in force_list(self.config.callbacks_class)]
@@ -396,9 +398,9 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
 
     def _module_steps(self, st, module, env, explore, random_actions, device, t, meanwhile) -> list[dict]:
         """The module's outputs for the next env steps, on the host: one step, or with
-        `decode_block` k > 1 (exploring, a module that acts in blocks) k steps computed on the
-        device with each row appending the token it drew, as the env then does for every row
-        still running (rows that finished mid-block ignore the rest: they restart with a prefill).
+        `decode_block` k > 1 (a module that acts in blocks: greedy, or exploring with no guide) k
+        steps computed on the device with each row appending the token it took, as the env then
+        does for every row still running (rows that finished mid-block ignore the rest: they restart with a prefill).
         `meanwhile()` runs once a block's work is queued, before its outputs are read (they are the
         block's own tensors, not a graph's): on a GPU the host builds episodes while the device
         computes; after a single step's outputs are read."""
@@ -413,8 +415,8 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         batch = {Columns.OBS: {k: self._host.to_device(k, v, device) for k, v in obs.items()},
                  ROW_CONTINUES: torch.from_numpy(st.cont.copy())}
         block = decode_block_for(self._block, device)
-        if explore and block > 1 and getattr(module, "can_act_in_blocks", lambda: False)():
-            out = module.act_steps(batch, block)
+        if block > 1 and getattr(module, "can_act_in_blocks", lambda explore: False)(explore):
+            out = module.act_steps(batch, block, explore)
             meanwhile()
             out = self._host.to_host(out)
             return [{k: v[j] for k, v in out.items()} for j in range(block)]
@@ -448,7 +450,10 @@ def random_step(env) -> dict:
 
 
 def greedy_step(module, batch) -> dict:
-    """The most likely token of every row and its log-prob (`explore=False`)."""
+    """The most likely token of every row and its log-prob (`explore=False`): the module's own
+    greedy step where it has one (`Acting.act_greedy`), else from its logits."""
+    if hasattr(module, "act_greedy"):
+        return module.act_greedy(batch)
     logits = module.act(batch, explore=False)[Columns.ACTION_DIST_INPUTS]
     actions = logits.argmax(-1)
     return {Columns.ACTIONS: actions,

@@ -106,8 +106,8 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         # before the update); false finishes them in the call, so every batch is sampled by one set
         # of weights, as the stock runner's complete episodes always are (the stock runner ignores it)
         "carry_episodes": F(bool, True),
-        # fast runner: module steps per env round trip while exploring. Above 1, the module runs
-        # that many steps on its device, each row appending the token it drew (the env's
+        # fast runner: module steps per env round trip (exploring or greedy). Above 1, the module runs
+        # that many steps on its device, each row appending the token it took (the env's
         # transition), before the outputs come to the host and the env steps through them: fewer
         # host round trips (on a GPU, one device sync per block instead of per token), at the cost
         # of rows that finish mid-block waiting for the block's end before they restart. Unset:

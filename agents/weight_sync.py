@@ -10,8 +10,11 @@ the EnvRunner module's own (cast to the rollout precision where that differs; ti
 with LoRA, the adapters only: the frozen base is the same on both sides). No numpy, no object
 store, no host copy; tensors are never shared (the learner trains, the EnvRunner's module stays
 in eval mode and may hold another precision), and a captured decode step stays valid since its
-weights are written in place. `env_runners.colocated`: unset for this wherever it applies, true
-to require it (refused where it cannot apply), false for RLlib's sync.
+weights are written in place. Evaluation (`evaluation.interval`) samples in the learner's process
+too (RLlib's local evaluation EnvRunner), so with a local learner its syncs are colocated the same
+way, remote training EnvRunners or not: on one GPU it evaluates on that GPU. `env_runners.colocated`:
+unset for this wherever it applies, true to require it (refused where it cannot apply), false for
+RLlib's sync (evaluation's included).
 """
 from __future__ import annotations
 
@@ -78,27 +81,53 @@ def install_colocated_sync(algo) -> bool:
     """Makes `algo`'s weight syncs to its local EnvRunner colocated where that applies (see the
     module's docstring) and says whether it did. Syncs from anything else, to remote EnvRunners
     or with global vars keep RLlib's path. The EnvRunner gets the learner's weights (and device)
-    at once."""
+    at once. Evaluation that samples in the learner's process (`evaluation.interval` set: RLlib's
+    local evaluation EnvRunner) is colocated too, whatever the training EnvRunners are
+    (`colocate_evaluation`)."""
     setting = algo.config.env_config.get(COLOCATED)
     group, learners = algo.env_runner_group, algo.learner_group
-    if (setting is False or group is None or group.local_env_runner is None or learners is None
-            or not learners.is_local or group.num_remote_workers() > 0):
+    if setting is False or learners is None or not learners.is_local:
         return False
-    original = group.sync_weights
+    colocate_evaluation(algo)
+    if group is None or group.local_env_runner is None or group.num_remote_workers() > 0:
+        return False
     algo.colocated_sync_bytes = 0  # bytes copied by the last colocated sync
+    _colocate(group, learners, lambda copied: setattr(algo, "colocated_sync_bytes", copied))
+    return True
+
+
+def colocate_evaluation(algo) -> bool:
+    """Evaluation's weight syncs (from the learners, at each evaluation and after a restore) as
+    colocated copies, where RLlib's local evaluation EnvRunner samples (no remote evaluation
+    EnvRunner) and it is the project's fast runner, which samples on its module's device: on one
+    GPU the evaluation then runs on the learner's GPU (in the rollout precision), not on the CPU
+    with the weights through the host. Says whether it did; `algo.colocated_eval_sync_bytes` holds
+    the bytes of the last such sync."""
+    group = getattr(algo, "eval_env_runner_group", None)
+    runner = None if group is None else group.local_env_runner
+    if runner is None or group.num_remote_workers() > 0 or not getattr(runner, "samples_on_module_device", False):
+        return False
+    algo.colocated_eval_sync_bytes = 0
+    _colocate(group, algo.learner_group, lambda copied: setattr(algo, "colocated_eval_sync_bytes", copied))
+    return True
+
+
+def _colocate(group, learners, record) -> None:
+    """Wraps `group.sync_weights`: a sync from `learners` to its local EnvRunner alone becomes
+    `sync_colocated` (the bytes copied go to `record`); one sync at once."""
+    original = group.sync_weights
 
     def sync_weights(policies=None, from_worker_or_learner_group=None, to_worker_indices=None, global_vars=None,
                      timeout_seconds=0.0, inference_only=False):
         if from_worker_or_learner_group is learners and global_vars is None and group.num_remote_workers() == 0:
-            algo.colocated_sync_bytes = sync_colocated(learners, group.local_env_runner)
+            record(sync_colocated(learners, group.local_env_runner))
             return None
         return original(policies=policies, from_worker_or_learner_group=from_worker_or_learner_group,
                         to_worker_indices=to_worker_indices, global_vars=global_vars,
                         timeout_seconds=timeout_seconds, inference_only=inference_only)
 
     group.sync_weights = sync_weights
-    algo.colocated_sync_bytes = sync_colocated(learners, group.local_env_runner)
-    return True
+    record(sync_colocated(learners, group.local_env_runner))
 
 
 def settled_rollout_dtypes(env_runner) -> set:
@@ -114,11 +143,12 @@ def settle_sync_dtype(algo) -> str | None:
     Where every remote EnvRunner (evaluation ones included) settled bf16, the learners' syncs send
     bf16 from now on: half the bytes, the weights the runners would cast to anyway. Returns the
     dtype the syncs send ("torch.bfloat16"), or None where they stay as they were: also where
-    evaluation samples in the driver's process (its EnvRunner stays fp32 on the CPU and would get
-    bf16-rounded weights). The driver's own copy of the module (`Algorithm.get_module`) then holds
+    evaluation samples in the driver's process by RLlib's sync (its EnvRunner stays fp32 on the CPU
+    and would get bf16-rounded weights; a colocated one copies the learner's). The driver's own copy of the module (`Algorithm.get_module`) then holds
     bf16-rounded weights, as with `precision: bf16` named; checkpoints hold the learners' weights."""
     evaluation = getattr(algo, "eval_env_runner_group", None)
-    if evaluation is not None and not evaluation.num_remote_workers():
+    if (evaluation is not None and not evaluation.num_remote_workers()
+            and getattr(algo, "colocated_eval_sync_bytes", None) is None):
         return None
     groups = [g for g in (algo.env_runner_group, evaluation) if g is not None and g.num_remote_workers()]
     if not groups or algo.learner_group is None:

@@ -11,6 +11,8 @@ Measures tokens/s of
   (d0) the same with prefills never reused: every row that starts is prefilled, as if every prompt
        differed (this task's prompt is always the same, so (d) prefills it once per weight sync),
   (dw) (d) with the module stepping through the window cache (the path before the decode engine),
+  (g<k>) with --greedy-blocks k ...: the fast EnvRunner's greedy evaluation (`sample(num_episodes=
+       4 x --batch, explore=False)`, as `evaluation.interval` runs it) at `decode_block` k,
   (e)  the decode engine alone: one prefill, then static steps that sample inside the step (a
        replayed CUDA graph on CUDA), with the step's milliseconds beside the floor: the bytes a
        step must read (weights and KV buffers) over the device's measured copy bandwidth,
@@ -110,10 +112,13 @@ def make_env_runner(args, kv_cache: bool, runner: str):
 
 
 def env_runner_path(args, *, kv_cache: bool, runner: str, stored: list, reuse_prefills: bool = True,
-                    window_cache: bool = False):
+                    window_cache: bool = False, greedy_block: int | None = None):
     """One rep of an EnvRunner's sample(): (env steps, seconds). `runner`: fast or stock.
     `reuse_prefills=False`: every row that starts is prefilled, as if every prompt differed.
-    `window_cache`: the module steps through `WindowKVCache` (the path before the decode engine)."""
+    `window_cache`: the module steps through `WindowKVCache` (the path before the decode engine).
+    `greedy_block` k: greedy evaluation episodes (4 per row) at `decode_block` k."""
+    if greedy_block is not None:
+        args = argparse.Namespace(**{**vars(args), "decode_block": greedy_block})
     env_runner = make_env_runner(args, kv_cache, runner)
     if window_cache:
         from agents.modules.kv_cache import WindowKVCache
@@ -126,7 +131,10 @@ def env_runner_path(args, *, kv_cache: bool, runner: str, stored: list, reuse_pr
 
     def rep():
         start = time.perf_counter()
-        episodes = env_runner.sample(num_timesteps=steps, random_actions=False)
+        if greedy_block is not None:
+            episodes = env_runner.sample(num_episodes=4 * args.batch, explore=False)
+        else:
+            episodes = env_runner.sample(num_timesteps=steps, random_actions=False)
         sync(device)
         elapsed = time.perf_counter() - start
         stored.append(stored_bytes_per_step(episodes))
@@ -244,6 +252,8 @@ def main():
     p.add_argument("--decode-block", type=int, default=None,
                    help="the fast EnvRunner rows' env_runners.decode_block (module steps per env round trip; "
                         "default: the config's, 4 on a GPU and 1 on the CPU)")
+    p.add_argument("--greedy-blocks", type=int, nargs="*", default=[], metavar="K",
+                   help="also the fast EnvRunner's greedy evaluation at each decode_block K (rows g<K>)")
     p.add_argument("--tf32", action="store_true",
                    help="TF32 matmuls for every path (what training.precision auto turns on for a GPU run's process)")
     p.add_argument("--profile", action="store_true", help="also profile the stock cached path, by area")
@@ -268,6 +278,9 @@ def main():
                                                                        stored=[], window_cache=True)),
         "e": ("(e) decode engine alone, --new tokens", engine_path(args, engine_report)),
     }
+    for k in args.greedy_blocks:
+        paths[f"g{k}"] = (f"(g{k}) fast, greedy evaluation, blocks of {k}",
+                          env_runner_path(args, kv_cache=True, runner="fast", stored=[], greedy_block=k))
     if args.uncached:
         paths["c"] = ("(c) stock RLlib EnvRunner, no cache", env_runner_path(args, kv_cache=False, runner="stock",
                                                                              stored=[]))
@@ -288,6 +301,9 @@ def main():
         print(f"{label:42s} {rate[k]:10.1f} tokens/s{extra}", flush=True)
     print(f"stored per step: stock {np.mean(stored_stock):,.0f} B, fast {np.mean(stored_fast):,.0f} B")
     print(f"fast / stock = {rate['d'] / rate['b']:.2f}   engine / window cache (d / dw) = {rate['d'] / rate['dw']:.2f}")
+    for k in args.greedy_blocks[1:]:
+        first = args.greedy_blocks[0]
+        print(f"greedy evaluation, blocks of {k} / blocks of {first} = {rate[f'g{k}'] / rate[f'g{first}']:.2f}")
     step_ms = 1e3 * float(np.median(engine_report["step_s"]))
     bandwidth = copy_bandwidth(torch.device(args.device))
     floor_ms = 1e3 * engine_report["bytes"] / bandwidth

@@ -12,6 +12,7 @@ from agents.modules import CausalLMActorCritic
 from agents.modules.decode_engine import DecodeEngine, RingKVCache
 from agents.core import ROW_CONTINUES
 from agents.modules.kv_cache import WindowKVCache, prefill_pass
+from agents.samplers import MASKED
 from benchmarks.emulated_capture import capture_on_the_cpu
 from env.text_env import TokenGenerationEnv
 
@@ -568,4 +569,27 @@ def test_a_blocks_steps_compile_with_fullgraph_and_give_the_steps_one_at_a_time(
                 torch.testing.assert_close(got[k][j], want[k], atol=1e-5, rtol=1e-5)
             token = want[Columns.ACTIONS]
     assert torch.equal(compiled.real, one_by_one.real) and torch.equal(compiled.slot, one_by_one.slot)
+    torch.testing.assert_close(compiled.kv, one_by_one.kv, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("sampler", [None, {"name": "top_k", "k": 4}])
+def test_a_greedy_blocks_steps_compile_with_fullgraph_and_take_the_masked_argmax(sampler):
+    """The greedy rollout step (`Acting._greedy`, evaluation's) as a block of 3 steps: no graph
+    break, each step's token the argmax of the sampler-masked logits at the hidden state the
+    one-at-a-time steps reach, its log-prob that token's."""
+    module, _, _, one_by_one, compiled = _two_loaded_engines(sampler)
+    block = torch.compile(lambda token, placeholder: compiled._steps(module._greedy, token, (placeholder,),
+                                                                     lambda out: out[Columns.ACTIONS]),
+                          fullgraph=True, backend="aot_eager")
+    token = torch.randint(2, 12, (5,), generator=torch.Generator().manual_seed(5))
+    for _ in range(3):  # 9 steps: past the ring's end
+        got = block(token, torch.zeros(3, 1))
+        for j in range(3):
+            logits = module._masked_logits(one_by_one.step_hidden(token))[0]
+            torch.testing.assert_close(got[Columns.ACTIONS][j], logits.argmax(-1))
+            torch.testing.assert_close(got[Columns.ACTION_LOGP][j], torch.log_softmax(logits, -1).max(-1).values,
+                                       atol=1e-5, rtol=1e-5)
+            token = got[Columns.ACTIONS][j]
+        assert sampler is None or bool((logits == MASKED).any())  # the mask was on
     torch.testing.assert_close(compiled.kv, one_by_one.kv, atol=1e-5, rtol=1e-5)

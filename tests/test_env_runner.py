@@ -215,7 +215,7 @@ def test_decode_blocks_sample_what_the_env_steps_through(sampler, captured, monk
     runner.module.kv_cache.static_restarts = None if captured != "eager restarts" else False
     module, blocks = runner.module, []
     act_steps = module.act_steps
-    module.act_steps = lambda batch, steps: blocks.append(steps) or act_steps(batch, steps)
+    module.act_steps = lambda batch, steps, explore=True: blocks.append(steps) or act_steps(batch, steps, explore)
     carried = 0
     for call in range(4):
         episodes = runner.sample()
@@ -237,6 +237,54 @@ def test_decode_blocks_sample_what_the_env_steps_through(sampler, captured, monk
         runner._restarts.note_windows(runner._rollout.obs, np.arange(2))
         assert runner._restarts.free == (captured == "restarts in the step")
     runner.stop()
+
+
+def greedy_episodes(raw: dict, block: int, captured: bool, monkeypatch) -> tuple[list, list]:
+    """Two greedy `sample(num_episodes=12)` calls of a fresh runner (a weight sync between them):
+    (prompt, actions, log-probs) per episode, and the steps of each `act_steps` call."""
+    from agents.modules.decode_engine import DecodeEngine
+    from benchmarks.emulated_capture import capturing_init
+
+    if captured:
+        monkeypatch.setattr(DecodeEngine, "__init__", capturing_init())
+    runner = FastTokenEnvRunner(config=algorithm_config(validate(
+        {**raw, "env_runners": {**raw["env_runners"], "decode_block": block}})))
+    module, blocks = runner.module, []
+    act_steps = module.act_steps
+    module.act_steps = lambda batch, steps, explore=True: blocks.append((steps, explore)) or act_steps(
+        batch, steps, explore)
+    out = []
+    for call in range(2):
+        for e in runner.sample(num_episodes=12, explore=False):
+            out.append((e.get_observations(0)["input_ids"].tolist(), e.get_actions().tolist(),
+                        e.get_extra_model_outputs("action_logp")))
+        runner.set_state(runner.get_state())
+    graphs = set(getattr(getattr(module.kv_cache, "engine", None), "graphs", {}))
+    runner.stop()
+    monkeypatch.undo()
+    return out, blocks, graphs
+
+
+@pytest.mark.parametrize("raw, captured", [(CAUSAL, False), (CAUSAL, True),
+                                           ({**CAUSAL, "sampler": {"name": "top_k", "k": 3}}, True),
+                                           ({**CAUSAL, "sampler": {"name": "mirostat", "tau": 2.0}}, False),
+                                           (SEQ2SEQ, False)])
+def test_greedy_decode_blocks_give_the_episodes_of_one_step_per_round_trip(raw, captured, monkeypatch):
+    """Evaluation (`explore=False`) in decode blocks (4 steps per env round trip, the default on a
+    GPU): the same episodes, token for token, as one step per round trip, log-probs equal; for the
+    decode engine's static greedy step (its blocks one captured graph, as on a GPU), a masking
+    sampler, a stateful one (mirostat: step by step inside the block) and a seq2seq policy."""
+    one, single, _ = greedy_episodes(raw, 1, captured, monkeypatch)
+    four, blocks, graphs = greedy_episodes(raw, 4, captured, monkeypatch)
+    assert not single and blocks and set(blocks) == {(4, False)}
+    assert len(four) == len(one) == 24
+    for (prompt, actions, logp), (prompt4, actions4, logp4) in zip(one, four):
+        assert prompt4 == prompt and actions4 == actions
+        np.testing.assert_allclose(logp4, logp, atol=1e-6)
+    if captured:  # the greedy step and its blocks' later steps replayed as graphs
+        from agents.modules.acting import GREEDY_KEY
+
+        assert GREEDY_KEY in graphs and ("steps", 3, GREEDY_KEY) in graphs
 
 
 def test_act_steps_equals_act_called_on_the_windows_the_env_would_give():

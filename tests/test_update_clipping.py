@@ -143,7 +143,7 @@ def test_rllibs_update_and_the_static_one_both_take_it(ray_local):
     assert update_clipping_of(algo.learner_group._learner.get_optimizers_for_module(MID)[0][1]) is not None
     _, ours, our_metrics = _train(["training.static_update=true"])
     for metrics in (their_metrics, our_metrics):
-        assert 0.0 < metrics["update_clip_scale"] <= 1.0
+        assert 0.0 < metrics["update_clip_scale"] < 1.0  # some tensor's step was clipped (0.78 here)
     assert our_metrics["update_clip_scale"] == pytest.approx(their_metrics["update_clip_scale"], rel=1e-4)
     for name, p in theirs.items():
         torch.testing.assert_close(ours[name], p, rtol=0, atol=1e-5)

@@ -74,6 +74,41 @@ def test_colocated_sync_casts_to_the_rollout_precision(ray_local, monkeypatch):
     assert same and put_bytes == 0 and copied > 100_000  # ...the learner's, cast, copied in place
 
 
+def evaluate(overrides, monkeypatch, iterations=2):
+    """Trains with an evaluation each iteration; per iteration: whether the evaluation EnvRunner's
+    weights were the learner's, the bytes `ray.put` got, the colocated evaluation sync's bytes, the
+    evaluation's mean return."""
+    cfg = load(QUICKSTART, SMALL + ["evaluation.interval=1", "evaluation.episodes=8"] + overrides)
+    counted = object_store_bytes(monkeypatch)
+    algo = algorithm_config(cfg).build_algo()
+    out = []
+    try:
+        for _ in range(iterations):
+            before = sum(counted)
+            result = algo.train()
+            _, learner = runner_and_learner_modules(algo)
+            learned = learner.state_dict()  # RLlib evaluates after the iteration's update
+            evaluator = algo.eval_env_runner_group.local_env_runner.module
+            same = all(torch.equal(t, learned[k].to(t.dtype)) for k, t in evaluator.state_dict().items())
+            out.append((same, sum(counted) - before, getattr(algo, "colocated_eval_sync_bytes", None),
+                        result["evaluation"]["env_runners"]["episode_return_mean"]))
+    finally:
+        algo.stop()
+    return out
+
+
+def test_evaluation_in_the_learners_process_is_colocated_too(ray_local, monkeypatch):
+    """`evaluation.interval` set: RLlib's local evaluation EnvRunner gets the learner's weights by the
+    same in-place copy (nothing through the object store), and evaluates as with RLlib's sync."""
+    colocated = evaluate([], monkeypatch)
+    rllib = evaluate(["env_runners.colocated=false"], monkeypatch)
+    for same, put_bytes, copied, _ in colocated:
+        assert same and put_bytes == 0 and copied > 100_000
+    for same, put_bytes, copied, _ in rllib:
+        assert same and put_bytes > 100_000 and copied is None  # the weights went through the store
+    assert [r[-1] for r in colocated] == [r[-1] for r in rllib]  # the same evaluations
+
+
 @pytest.mark.parametrize("setting, why", [("env_runners.num_env_runners=2", "env_runners.num_env_runners is 2"),
                                           ("learners.num_learners=2", "learners.num_learners is 2")])
 def test_colocated_true_is_refused_where_rollouts_cannot_share_the_learners_process(setting, why):
@@ -312,3 +347,9 @@ def test_auto_precision_keeps_the_cpu_learner_in_fp32_and_picks_bf16_on_a_gpu_wi
     assert auto_precision("cpu") == "fp32"
     if torch.cuda.is_available():
         assert auto_precision("cuda") == ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32")
+
+
+def test_evaluation_is_colocated_while_remote_envrunners_train(ray_local, monkeypatch):
+    [(same, _, copied, _)] = evaluate(["env_runners.num_env_runners=1", "env_runners.num_cpus_per_env_runner=0.5"],
+                                      monkeypatch, iterations=1)
+    assert same and copied > 100_000

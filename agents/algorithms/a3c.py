@@ -131,7 +131,7 @@ class A3C(TokenAlgorithm):
                 minibatch_size=None,
             )
             self.metrics.aggregate(results, key=LEARNER_RESULTS)
-            self.metrics.log_value("num_async_updates", 1, reduce="sum", clear_on_reduce=True)
+            self.metrics.log_value("num_async_updates", 1, reduce="sum")  # per iteration (a "sum" clears on reduce)
             self.updates_by_env_runner[runner_id] = self.updates_by_env_runner.get(runner_id, 0) + 1
             if runner_id is not None:  # new weights to the EnvRunner that sent this batch, no waiting
                 self.env_runner_group.sync_weights(

@@ -31,26 +31,36 @@ def shift_windows(obs: dict, tokens: torch.Tensor) -> dict:
             "attention_mask": torch.cat([mask[:, 1:], torch.ones_like(mask[:, :1])], 1)}
 
 
-def static_rollout_step(module) -> bool:
-    """Whether the module's exploring step is one static function of the decode engine: no guide,
-    a sampler with no learned mask and no per-row state, a `RingKVCache`."""
-    return module.guided is None and module._static_tail() and isinstance(module.kv_cache, RingKVCache)
+def static_rollout_step(module, explore: bool = True) -> bool:
+    """Whether the module's rollout step (exploring, or greedy) is one static function of the
+    decode engine: a sampler with no learned mask and no per-row state, a `RingKVCache`, and while
+    exploring no guide (a greedy step takes no guide's token)."""
+    return ((module.guided is None or not explore) and module._static_tail()
+            and isinstance(module.kv_cache, RingKVCache))
 
 
-def static_block(module, first: dict, steps: int, device: torch.device) -> dict | None:
+def static_block(module, first: dict, steps: int, device: torch.device, explore: bool = True) -> dict | None:
     """`act_steps`' outputs (first step's `first`, read before any other replay) with its other
     steps in one static function (`RingKVCache.continue_block`), or None where that does not apply
-    (not `static_rollout_step`, no decode engine). The uniforms are drawn as the steps one at a
-    time would draw them."""
-    if steps < 2 or not static_rollout_step(module):
+    (not `static_rollout_step`, no decode engine). Exploring, the uniforms are drawn as the steps
+    one at a time would draw them; a greedy block's tail takes a placeholder input."""
+    if steps < 2 or not static_rollout_step(module, explore):
         return None
     rows = len(first[Columns.ACTIONS])
-    draw = lambda: (torch.stack([torch.rand(rows, 1, dtype=torch.float64, device=device,  # noqa: E731
-                                            generator=module.rollout_generator(device)) for _ in range(steps - 1)]),)
+    if explore:
+        tail, key = module._sample, ("explore", module.values_in_rollouts)
+        draw = lambda: (torch.stack([torch.rand(rows, 1, dtype=torch.float64, device=device,  # noqa: E731
+                                                generator=module.rollout_generator(device))
+                                     for _ in range(steps - 1)]),)
+    else:
+        tail, key = module._greedy, GREEDY_KEY
+        draw = lambda: (torch.zeros(steps - 1, 1, device=device),)  # noqa: E731
     rest = module.kv_cache.continue_block(module._trunk(module.lm), first[Columns.ACTIONS], steps - 1, draw,
-                                          module._sample, ("explore", module.values_in_rollouts),
-                                          lambda out: out[Columns.ACTIONS])
+                                          tail, key, lambda out: out[Columns.ACTIONS])
     return None if rest is None else {k: torch.cat([v[None], rest[k]]) for k, v in first.items()}
+
+
+GREEDY_KEY = ("greedy step",)  # the greedy rollout step's graphs (`Acting._greedy`)
 
 
 GREEDY_BLOCK = 8  # a greedy decode's steps per static block; EOS is read back between blocks
@@ -150,7 +160,60 @@ class RowSamplerState:
         return state
 
 
-class Acting:
+class RolloutState:
+    """The rollout state of an acting module (EnvRunner side): seeded per EnvRunner, saved in its
+    checkpoints. Needs `Acting`'s `row_sampler_state` and `guided`."""
+
+    def seed_rollouts(self, seed: int) -> None:
+        """Reseeds what acting draws from: the sampling generator (`rollout_generator`), the
+        guide's roll-in plans and an LM guide's sampling. EnvRunners call it with their own seed."""
+        self._sampling_seed = int(np.random.SeedSequence([int(seed), 0x73616D70]).generate_state(1)[0])
+        self._sampling_generator = None
+        if self.guided is not None:
+            self.guided.seed(seed)
+
+    def rollout_generator(self, device: torch.device) -> torch.Generator:
+        """The generator rollout sampling draws from: the module's own, on `device`, so nothing
+        else in the process (a colocated learner's draws on the same device included) moves it.
+        Seeded by `seed_rollouts` (else from torch's global seed); made anew from its seed where
+        the device changes (a colocated EnvRunner moving to the learner's GPU, before it samples)."""
+        g = getattr(self, "_sampling_generator", None)
+        if g is None or g.device.type != device.type:
+            g = self._sampling_generator = torch.Generator(device)
+            seed = getattr(self, "_sampling_seed", None)
+            g.manual_seed(seed if seed is not None else torch.initial_seed())
+        return g
+
+    def get_rollout_state(self) -> dict:
+        """Per-row state carried from one rollout call to the next (mirostat's mu, guide plans)
+        and the rollout generators, for an EnvRunner's checkpoint. KV caches are left out: every
+        weight sync drops them, and a restore is followed by one."""
+
+        state = {}
+        if self.row_sampler_state is not None:
+            rs = self.row_sampler_state
+            state["sampler"] = {k: cpu_copy(v) for k, v in (("ids", rs.ids), ("mask", rs.mask), ("state", rs.state),
+                                                            ("source", rs.source))}
+        if self.guided is not None:
+            state["guided"] = self.guided.get_state()
+        g = getattr(self, "_sampling_generator", None)
+        if g is not None:
+            state["sampling"] = {"device": g.device.type, "state": g.get_state()}
+        return state
+
+    def set_rollout_state(self, state: dict) -> None:
+
+        device = next(self.parameters()).device
+        if "sampler" in state and self.row_sampler_state is not None:
+            for k, v in state["sampler"].items():
+                setattr(self.row_sampler_state, k, on_device(v, device))
+        if "guided" in state and self.guided is not None:
+            self.guided.set_state(state["guided"], device=device)
+        if "sampling" in state and state["sampling"]["device"] == device.type:
+            self.rollout_generator(device).set_state(state["sampling"]["state"])
+
+
+class Acting(RolloutState):
     """The acting half of a policy module (see the module docstring). The module provides
     `lm`, `_trunk`, `_hidden`, `_logits`, `_new_cache`, `mask_lm_logits`, `values_in_rollouts`
     and `value_head`."""
@@ -219,18 +282,19 @@ class Acting:
             self.eval()
         return self._forward_exploration(batch, **kwargs) if explore else self._forward(batch, **kwargs)
 
-    def can_act_in_blocks(self) -> bool:
-        return self.guided is None  # a guide's roll-in plans are drawn on the host, step by step
+    def can_act_in_blocks(self, explore: bool = True) -> bool:
+        return self.guided is None or not explore  # a guide's roll-in plans are drawn on the host, step by step
 
     @torch.no_grad()
-    def act_steps(self, batch, steps: int) -> dict:
-        """`steps` exploration steps with no host round trip between them: after `act`'s, each row
-        continues on its window shifted by the token it drew (`shift_windows`, on the device, as
-        the env's transition). Each output stacked (steps, rows)."""
+    def act_steps(self, batch, steps: int, explore: bool = True) -> dict:
+        """`steps` exploration (or greedy: `act_greedy`) steps with no host round trip between
+        them: after the first, each row continues on its window shifted by the token it took
+        (`shift_windows`, on the device, as the env's transition). Each output stacked (steps, rows)."""
         if self.training:
             self.eval()
-        obs, first = batch[Columns.OBS], self._forward_exploration(batch)
-        block = static_block(self, first, steps, obs["input_ids"].device)
+        forward = self._forward_exploration if explore else self.act_greedy
+        obs, first = batch[Columns.OBS], forward(batch)
+        block = static_block(self, first, steps, obs["input_ids"].device, explore)
         if block is not None:  # the steps after the first in one static function (a CUDA graph on CUDA)
             return block
         # each step's outputs copied out: a replayed CUDA graph returns its static output tensors,
@@ -239,9 +303,22 @@ class Acting:
         every_row = torch.ones(obs["input_ids"].shape[0], dtype=torch.bool)
         for _ in range(steps - 1):
             obs = shift_windows(obs, outs[-1][Columns.ACTIONS])
-            out = self._forward_exploration({Columns.OBS: obs, ROW_CONTINUES: every_row})
+            out = forward({Columns.OBS: obs, ROW_CONTINUES: every_row})
             outs.append({k: v.clone() for k, v in out.items()})
         return {k: torch.stack([o[k] for o in outs]) for k in outs[0]}
+
+    @torch.no_grad()
+    def act_greedy(self, batch) -> dict:
+        """A greedy rollout step (`explore=False`): every row's most likely token under the
+        sampler's mask and its log-prob, as one static step of the decode engine where the sampler
+        allows (`_greedy`, captured on CUDA), else from `act`'s logits."""
+        if self.training:
+            self.eval()
+        cont, obs = batch.get(ROW_CONTINUES), batch[Columns.OBS]
+        if static_rollout_step(self, explore=False):
+            return dict(self.kv_cache.hidden_at_last_token(self._trunk(self.lm), obs, cont, tail=self._greedy,
+                                                           key=GREEDY_KEY))
+        return self._argmax(self._acting_logits(obs, cont)[0])
 
     @torch.no_grad()
     def _forward_exploration(self, batch, **kwargs):
@@ -276,6 +353,17 @@ class Acting:
         the action drawn at `uniform`, its log-prob and V(s). Tensors of fixed shapes only."""
         return self._draw(*self._masked_logits(hidden, values=True), uniform)
 
+    def _greedy(self, hidden: torch.Tensor, _unused=None) -> dict:
+        """The greedy step after the trunk (`_static_tail` samplers; a block's placeholder input
+        unused). Tensors of fixed shapes only."""
+        return self._argmax(self._masked_logits(hidden)[0])
+
+    @staticmethod
+    def _argmax(logits: torch.Tensor) -> dict:
+        actions = logits.argmax(-1)
+        return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: torch.log_softmax(logits.float(), -1)
+                .gather(-1, actions[:, None])[:, 0]}
+
     @staticmethod
     def _draw(logits: torch.Tensor, extra: dict, uniform: torch.Tensor, guide=None) -> dict:
         """The action drawn at `uniform` from the (masked) logits (masked tokens have probability
@@ -285,56 +373,6 @@ class Acting:
         if guide is not None:
             actions, extra[GUIDE_ROLE] = guide(actions)
         return {Columns.ACTIONS: actions, Columns.ACTION_LOGP: logp_all.gather(-1, actions[:, None])[:, 0], **extra}
-
-    # -- rollout state (EnvRunner side): seeded per EnvRunner, saved in its checkpoints --------
-
-    def seed_rollouts(self, seed: int) -> None:
-        """Reseeds what acting draws from: the sampling generator (`rollout_generator`), the
-        guide's roll-in plans and an LM guide's sampling. EnvRunners call it with their own seed."""
-        self._sampling_seed = int(np.random.SeedSequence([int(seed), 0x73616D70]).generate_state(1)[0])
-        self._sampling_generator = None
-        if self.guided is not None:
-            self.guided.seed(seed)
-
-    def rollout_generator(self, device: torch.device) -> torch.Generator:
-        """The generator rollout sampling draws from: the module's own, on `device`, so nothing
-        else in the process (a colocated learner's draws on the same device included) moves it.
-        Seeded by `seed_rollouts` (else from torch's global seed); made anew from its seed where
-        the device changes (a colocated EnvRunner moving to the learner's GPU, before it samples)."""
-        g = getattr(self, "_sampling_generator", None)
-        if g is None or g.device.type != device.type:
-            g = self._sampling_generator = torch.Generator(device)
-            seed = getattr(self, "_sampling_seed", None)
-            g.manual_seed(seed if seed is not None else torch.initial_seed())
-        return g
-
-    def get_rollout_state(self) -> dict:
-        """Per-row state carried from one rollout call to the next (mirostat's mu, guide plans)
-        and the rollout generators, for an EnvRunner's checkpoint. KV caches are left out: every
-        weight sync drops them, and a restore is followed by one."""
-
-        state = {}
-        if self.row_sampler_state is not None:
-            rs = self.row_sampler_state
-            state["sampler"] = {k: cpu_copy(v) for k, v in (("ids", rs.ids), ("mask", rs.mask), ("state", rs.state),
-                                                            ("source", rs.source))}
-        if self.guided is not None:
-            state["guided"] = self.guided.get_state()
-        g = getattr(self, "_sampling_generator", None)
-        if g is not None:
-            state["sampling"] = {"device": g.device.type, "state": g.get_state()}
-        return state
-
-    def set_rollout_state(self, state: dict) -> None:
-
-        device = next(self.parameters()).device
-        if "sampler" in state and self.row_sampler_state is not None:
-            for k, v in state["sampler"].items():
-                setattr(self.row_sampler_state, k, on_device(v, device))
-        if "guided" in state and self.guided is not None:
-            self.guided.set_state(state["guided"], device=device)
-        if "sampling" in state and state["sampling"]["device"] == device.type:
-            self.rollout_generator(device).set_state(state["sampling"]["state"])
 
     def set_guide_mode(self, mode: str) -> None:
         """Which roll-in new episodes get (`none`, `ppo_pp`, `aggrevated`); DLOLS/LOLS switch it."""
