@@ -12,7 +12,8 @@ Measures tokens/s of
        differed (this task's prompt is always the same, so (d) prefills it once per weight sync),
   (dw) (d) with the module stepping through the window cache (the path before the decode engine),
   (g<k>) with --greedy-blocks k ...: the fast EnvRunner's greedy evaluation (`sample(num_episodes=
-       4 x --batch, explore=False)`, as `evaluation.interval` runs it) at `decode_block` k,
+       4 x --batch, explore=False)`, as `evaluation.interval` runs it) at `decode_block` k (with
+       --count-ops also its ops outside the decode engine's graphs per token, graphs emulated),
   (e)  the decode engine alone: one prefill, then static steps that sample inside the step (a
        replayed CUDA graph on CUDA), with the step's milliseconds beside the floor: the bytes a
        step must read (weights and KV buffers) over the device's measured copy bandwidth,
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import numpy as np
@@ -35,6 +37,7 @@ import torch
 import tree
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.emulated_capture
 
 from agents.config import algorithm_config, validate  # noqa: E402
 from agents.env_runner import decode_block_for  # noqa: E402
@@ -141,6 +144,20 @@ def env_runner_path(args, *, kv_cache: bool, runner: str, stored: list, reuse_pr
         return sum(len(e) for e in episodes), elapsed
 
     return rep
+
+
+def greedy_ops(args, k: int) -> tuple[float, float]:
+    """Per token of greedy evaluation at `decode_block` k (a call after the one that captures): the
+    ops run outside the decode engine's graphs and the graph replays, its graphs emulated on the
+    CPU (benchmarks/emulated_capture.py): what would be kernel launches on a GPU."""
+    from benchmarks.emulated_capture import OpCounter, emulate_capture
+
+    with OpCounter() as ops, emulate_capture(ops):
+        rep = env_runner_path(args, kv_cache=True, runner="fast", stored=[], greedy_block=k)
+        rep()
+        ops.n = ops.replays = 0
+        tokens, _ = rep()
+    return ops.n / tokens, ops.replays / tokens
 
 
 def engine_module(args):
@@ -254,6 +271,9 @@ def main():
                         "default: the config's, 4 on a GPU and 1 on the CPU)")
     p.add_argument("--greedy-blocks", type=int, nargs="*", default=[], metavar="K",
                    help="also the fast EnvRunner's greedy evaluation at each decode_block K (rows g<K>)")
+    p.add_argument("--count-ops", action="store_true",
+                   help="with --greedy-blocks: also count each row's ops outside the decode engine's graphs per "
+                        "token, graphs emulated on the CPU")
     p.add_argument("--tf32", action="store_true",
                    help="TF32 matmuls for every path (what training.precision auto turns on for a GPU run's process)")
     p.add_argument("--profile", action="store_true", help="also profile the stock cached path, by area")
@@ -304,6 +324,11 @@ def main():
     for k in args.greedy_blocks[1:]:
         first = args.greedy_blocks[0]
         print(f"greedy evaluation, blocks of {k} / blocks of {first} = {rate[f'g{k}'] / rate[f'g{first}']:.2f}")
+    for k in args.greedy_blocks if args.count_ops else ():
+        ops, replays = greedy_ops(args, k)
+        print(f"greedy evaluation, blocks of {k}: {ops * args.batch:.1f} ops outside graphs and "
+              f"{replays * args.batch:.2f} graph replays per {args.batch} tokens (a step of every row; graphs "
+              f"emulated on the CPU)")
     step_ms = 1e3 * float(np.median(engine_report["step_s"]))
     bandwidth = copy_bandwidth(torch.device(args.device))
     floor_ms = 1e3 * engine_report["bytes"] / bandwidth

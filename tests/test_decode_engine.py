@@ -277,6 +277,21 @@ def test_rollout_benchmark_engine_row_samples_every_token_and_counts_the_bytes_a
     assert report["bytes"] == weights + 2 * 2 * 4 * 11 * 64 * 4
 
 
+def test_greedy_evaluation_in_blocks_of_four_replays_half_the_graphs_and_runs_fewer_ops_outside_them():
+    """benchmarks/rollout_throughput.py --greedy-blocks 1 4 --count-ops: with the graphs emulated, a
+    greedy step of blocks of 1 replays one graph; blocks of 4 replay two per 4 steps (the first
+    step's, the later three's) and run fewer ops outside them."""
+    import argparse
+
+    from benchmarks.rollout_throughput import greedy_ops
+
+    args = argparse.Namespace(model="tiny-gpt2", vocab=52, batch=8, prompt=6, new=16, device="cpu", precision="fp32",
+                              decode_block=None)
+    (ops1, replays1), (ops4, replays4) = greedy_ops(args, 1), greedy_ops(args, 4)
+    assert replays1 * 8 == pytest.approx(1.0, rel=0.05) and replays4 * 8 == pytest.approx(0.5, rel=0.1)
+    assert 0 < ops4 < ops1
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_host_transfers_round_trip_a_steps_observations_and_outputs(device):
