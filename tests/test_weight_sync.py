@@ -318,16 +318,22 @@ def test_remote_runners_that_all_settled_bf16_receive_bf16(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_colocated_rollouts_on_a_gpu_take_bf16_by_default(ray_local, monkeypatch):
     from agents.models import gpu_has_bf16
+    from agents.modules.acting import GREEDY_KEY
 
-    cfg = load(QUICKSTART, SMALL + ["learners.num_gpus_per_learner=1"])
+    cfg = load(QUICKSTART, SMALL + ["learners.num_gpus_per_learner=1", "evaluation.interval=1",
+                                    "evaluation.episodes=8"])
     algo = algorithm_config(cfg).build_algo()
     try:
-        algo.train()
+        result = algo.train()
         runner, _ = runner_and_learner_modules(algo)
-        assert next(runner.lm.parameters()).device.type == "cuda"
+        evaluator = algo.eval_env_runner_group.local_env_runner.module  # evaluation too, on the GPU in blocks
         expected = torch.bfloat16 if gpu_has_bf16() else torch.float32
-        assert all(p.dtype == expected for p in runner.lm.parameters())
-        assert algo.colocated_sync_bytes > 0
+        for module in (runner, evaluator):
+            assert next(module.lm.parameters()).device.type == "cuda"
+            assert all(p.dtype == expected for p in module.lm.parameters())
+        assert algo.colocated_sync_bytes > 0 and algo.colocated_eval_sync_bytes > 0
+        assert result["evaluation"]["env_runners"]["num_episodes"] >= 8
+        assert ("steps", 3, GREEDY_KEY) in evaluator.kv_cache.engine.graphs
     finally:
         algo.stop()
 
