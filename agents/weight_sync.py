@@ -11,8 +11,8 @@ with LoRA, the adapters only: the frozen base is the same on both sides). No num
 store, no host copy; tensors are never shared (the learner trains, the EnvRunner's module stays
 in eval mode and may hold another precision), and a captured decode step stays valid since its
 weights are written in place. Evaluation (`evaluation.interval`) samples in the learner's process
-too (RLlib's local evaluation EnvRunner), so with a local learner its syncs are colocated the same
-way, remote training EnvRunners or not: on one GPU it evaluates on that GPU. `env_runners.colocated`:
+too (RLlib's local evaluation EnvRunner), so with a local learner and the fast EnvRunner its syncs
+are colocated the same way, remote training EnvRunners or not: on one GPU it evaluates on that GPU. `env_runners.colocated`:
 unset for this wherever it applies, true to require it (refused where it cannot apply), false for
 RLlib's sync (evaluation's included).
 """
@@ -97,12 +97,14 @@ def install_colocated_sync(algo) -> bool:
 
 
 def colocate_evaluation(algo) -> bool:
-    """Evaluation's weight syncs (from the learners, at each evaluation and after a restore) as
+    """Evaluation's weight syncs from the learners (RLlib makes one before each evaluation) as
     colocated copies, where RLlib's local evaluation EnvRunner samples (no remote evaluation
     EnvRunner) and it is the project's fast runner, which samples on its module's device: on one
     GPU the evaluation then runs on the learner's GPU (in the rollout precision), not on the CPU
-    with the weights through the host. Says whether it did; `algo.colocated_eval_sync_bytes` holds
-    the bytes of the last such sync."""
+    with the weights through the host. That module is a second copy of the rollout weights on the
+    GPU, with its own KV ring and graphs (`env_runners.colocated: false` keeps evaluation on the
+    CPU, by RLlib's sync). Says whether it did; `algo.colocated_eval_sync_bytes` holds the bytes
+    of the last such sync."""
     group = getattr(algo, "eval_env_runner_group", None)
     runner = None if group is None else group.local_env_runner
     if runner is None or group.num_remote_workers() > 0 or not getattr(runner, "samples_on_module_device", False):

@@ -29,9 +29,9 @@
 #              block's later steps as one graph), then ppo_profile as before both (eager restarts,
 #              one replay per step), with the restarts in the step, and with both (the default;
 #              about 45 s each; not yet run)
-#   evaluation rollout_throughput.py as rollouts (--reps 2), with the fast EnvRunner's greedy
+#   evaluation rollout_throughput.py as rollouts_bf16 (--reps 2), with the fast EnvRunner's greedy
 #              evaluation at decode_block 1 and 4 (rows g1, g4): evaluation on the learner's GPU
-#              in blocks of 4, as a colocated run evaluates (not yet run)
+#              in bf16 and blocks of 4, as a colocated run evaluates (not yet run)
 # rollouts_bf16, peer_bf16 and peer_fp32: the same with the rollouts' weights in bf16 or fp32
 # (env_runners.precision; its default, auto, is bf16 on a GPU with bf16, so peer is peer_bf16 there);
 # rollouts_tf32: fp32 weights with TF32 matmuls on every path (as a training run's process has them).
@@ -121,7 +121,7 @@ for step in "${steps[@]}"; do
              --model gpt2-small-shaped --vocab 50257 --reps "${REPS:-3}" --precision "$precision" \
              $tf32 "${block_arg[@]}" ;;
     evaluation) run "evaluation$tag" 200 $PY benchmarks/rollout_throughput.py --device cuda --batch 128 \
-             --model gpt2-small-shaped --vocab 50257 --reps 2 --greedy-blocks 1 4 ;;
+             --model gpt2-small-shaped --vocab 50257 --reps 2 --greedy-blocks 1 4 --precision bf16 ;;
     seeds) for seed in ${SEEDS:-1 2}; do for precision in fp32 bf16; do
              run "seeds_${precision}_seed$seed$tag" 150 $PY benchmarks/peer_trl.py --device cuda \
              --model gpt2-small-shaped --seconds 60 --project-only \

@@ -152,6 +152,7 @@ def greedy_ops(args, k: int) -> tuple[float, float]:
     CPU (benchmarks/emulated_capture.py): what would be kernel launches on a GPU."""
     from benchmarks.emulated_capture import OpCounter, emulate_capture
 
+    args = argparse.Namespace(**{**vars(args), "device": "cpu"})  # the emulation is of a GPU's graphs, on the CPU
     with OpCounter() as ops, emulate_capture(ops):
         rep = env_runner_path(args, kv_cache=True, runner="fast", stored=[], greedy_block=k)
         rep()

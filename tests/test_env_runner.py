@@ -50,13 +50,17 @@ def test_default_runner_is_fast_except_dqn():
     assert algorithm_config(dqn).env_runner_cls is StockTokenEnvRunner
 
 
-def full_pass_logp(module, episode) -> np.ndarray:
-    """Each action's log-prob from an uncached forward over the episode's recorded windows (masked
-    by the module's sampler where it is stateless, as the rollout's were)."""
+def full_pass_logp(module, episode, every_token: bool = False) -> np.ndarray:
+    """Each action's log-prob (`every_token`: every token's, (steps, vocabulary)) from an uncached
+    forward over the episode's recorded windows (masked by the module's sampler where it is
+    stateless, as the rollout's were)."""
     obs = {k: torch.as_tensor(v[:-1]) for k, v in episode.get_observations().items()}
     with torch.no_grad():
         logits, _ = module._masked_logits(module._hidden(module._trunk(module.lm), obs))
-    return torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(episode.get_actions())[:, None])[:, 0].numpy()
+    logp = torch.log_softmax(logits, -1)
+    if every_token:
+        return logp.numpy()
+    return logp.gather(-1, torch.as_tensor(episode.get_actions())[:, None])[:, 0].numpy()
 
 
 def test_fast_runner_episodes_are_complete_and_consistent():
@@ -241,7 +245,9 @@ def test_decode_blocks_sample_what_the_env_steps_through(sampler, captured, monk
 
 def greedy_episodes(raw: dict, block: int, captured: bool, monkeypatch) -> tuple[list, list]:
     """Two greedy `sample(num_episodes=12)` calls of a fresh runner (a weight sync between them):
-    (prompt, actions, log-probs) per episode, and the steps of each `act_steps` call."""
+    (prompt, actions, log-probs) per episode, the steps of each `act_steps` call, and the names of
+    the decode engine's graphs where the greedy step is static (else None)."""
+    from agents.modules.acting import static_rollout_step
     from agents.modules.decode_engine import DecodeEngine
     from benchmarks.emulated_capture import capturing_init
 
@@ -258,22 +264,31 @@ def greedy_episodes(raw: dict, block: int, captured: bool, monkeypatch) -> tuple
         for e in runner.sample(num_episodes=12, explore=False):
             out.append((e.get_observations(0)["input_ids"].tolist(), e.get_actions().tolist(),
                         e.get_extra_model_outputs("action_logp")))
+            if module._static_tail():  # each token the argmax of an uncached pass over its window, masked
+                logp = full_pass_logp(module, e, every_token=True)
+                assert (logp.argmax(-1) == e.get_actions()).all()
+                np.testing.assert_allclose(logp.max(-1), out[-1][2], atol=1e-5)
         runner.set_state(runner.get_state())
     graphs = set(getattr(getattr(module.kv_cache, "engine", None), "graphs", {}))
+    static = static_rollout_step(module, explore=False)
     runner.stop()
     monkeypatch.undo()
-    return out, blocks, graphs
+    return out, blocks, graphs if static else None
 
 
-@pytest.mark.parametrize("raw, captured", [(CAUSAL, False), (CAUSAL, True),
-                                           ({**CAUSAL, "sampler": {"name": "top_k", "k": 3}}, True),
-                                           ({**CAUSAL, "sampler": {"name": "mirostat", "tau": 2.0}}, False),
-                                           (SEQ2SEQ, False)])
+@pytest.mark.parametrize("raw, captured", [
+    (CAUSAL, False), (CAUSAL, True), ({**CAUSAL, "sampler": {"name": "top_k", "k": 3}}, True),
+    ({**CAUSAL, "sampler": {"name": "mirostat", "tau": 2.0}}, False),
+    ({**CAUSAL, "sampler": {"name": "top_p", "p": 0.9, "masking": "learned"}}, True),
+    ({**CAUSAL, "algorithm": "ppo_pp", "guide": {"callable": "tests.test_guided:count_up_guide"}}, True),
+    (SEQ2SEQ, False)])
 def test_greedy_decode_blocks_give_the_episodes_of_one_step_per_round_trip(raw, captured, monkeypatch):
     """Evaluation (`explore=False`) in decode blocks (4 steps per env round trip, the default on a
-    GPU): the same episodes, token for token, as one step per round trip, log-probs equal; for the
-    decode engine's static greedy step (its blocks one captured graph, as on a GPU), a masking
-    sampler, a stateful one (mirostat: step by step inside the block) and a seq2seq policy."""
+    GPU): the same episodes, token for token, as one step per round trip, log-probs equal; each
+    token the argmax of an uncached pass (masked by a stateless sampler). For the decode engine's
+    static greedy step (its blocks one captured graph, as on a GPU), a masking sampler, a stateful
+    one (mirostat: step by step inside the block), NLPO's learned mask (likewise), a guided policy
+    (greedy steps take no guide token) and a seq2seq policy."""
     one, single, _ = greedy_episodes(raw, 1, captured, monkeypatch)
     four, blocks, graphs = greedy_episodes(raw, 4, captured, monkeypatch)
     assert not single and blocks and set(blocks) == {(4, False)}
@@ -281,7 +296,7 @@ def test_greedy_decode_blocks_give_the_episodes_of_one_step_per_round_trip(raw, 
     for (prompt, actions, logp), (prompt4, actions4, logp4) in zip(one, four):
         assert prompt4 == prompt and actions4 == actions
         np.testing.assert_allclose(logp4, logp, atol=1e-6)
-    if captured:  # the greedy step and its blocks' later steps replayed as graphs
+    if captured and graphs is not None:  # the greedy step and its blocks' later steps replayed as graphs
         from agents.modules.acting import GREEDY_KEY
 
         assert GREEDY_KEY in graphs and ("steps", 3, GREEDY_KEY) in graphs

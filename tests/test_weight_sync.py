@@ -85,6 +85,8 @@ def evaluate(overrides, monkeypatch, iterations=2):
     try:
         for _ in range(iterations):
             before = sum(counted)
+            if hasattr(algo, "colocated_eval_sync_bytes"):
+                algo.colocated_eval_sync_bytes = 0  # set again only by this iteration's evaluation sync
             result = algo.train()
             _, learner = runner_and_learner_modules(algo)
             learned = learner.state_dict()  # RLlib evaluates after the iteration's update
@@ -332,6 +334,9 @@ def test_colocated_rollouts_on_a_gpu_take_bf16_by_default(ray_local, monkeypatch
             assert next(module.lm.parameters()).device.type == "cuda"
             assert all(p.dtype == expected for p in module.lm.parameters())
         assert algo.colocated_sync_bytes > 0 and algo.colocated_eval_sync_bytes > 0
+        algo.colocated_eval_sync_bytes = 0
+        result = algo.train()  # this iteration's evaluation synced in place again
+        assert algo.colocated_eval_sync_bytes > 0
         assert result["evaluation"]["env_runners"]["num_episodes"] >= 8
         assert ("steps", 3, GREEDY_KEY) in evaluator.kv_cache.engine.graphs
     finally:
