@@ -96,23 +96,24 @@ CARRY_EPISODES = "carry_episodes"  # env_config key: env_runners.carry_episodes 
 DECODE_BLOCK = "decode_block"  # env_config key: env_runners.decode_block (FastTokenEnvRunner)
 COMPILE_STEP = "compile_step"  # env_config key: env_runners.compile_step (FastTokenEnvRunner)
 SEEN_WINDOWS_MAX = 100_000  # windows remembered per weight version (for the restart schedule only)
-# env_runners.decode_block unset: module steps per env round trip where the module is on a GPU
-# (PPO at GPT-2-small shape on an H100, 20-token episodes, one run each: sampling took 128, 93,
-# 99 and 142 ms per iteration at 1, 4, 8 and 16; docs/results/gpu.md), one elsewhere (the CPU's
-# sampled curves unchanged)
-GPU_DECODE_BLOCK = 4
+# env_runners.decode_block unset: module steps per env round trip, on every device. On an H100 (PPO
+# at GPT-2-small shape, 20-token episodes, one run each) sampling took 128, 93, 99 and 142 ms per
+# iteration at 1, 4, 8 and 16 (docs/results/gpu.md); on 2 CPU cores PPO's iterations took 8-14% less
+# time at the quickstart's settings than at 1, and its seeds 0-7 passed 0.9 in a median of 52
+# iterations against 57.5 (docs/results/host_time.md)
+DEFAULT_DECODE_BLOCK = 4
 
 
-def decode_block_for(configured: int | None, device: torch.device) -> int:
-    """Module steps per env round trip: `env_runners.decode_block` where set, else by device."""
-    return configured or (GPU_DECODE_BLOCK if device.type == "cuda" else 1)
+def decode_block_for(configured: int | None) -> int:
+    """Module steps per env round trip: `env_runners.decode_block` where set, else the default."""
+    return configured or DEFAULT_DECODE_BLOCK
 
 
 def runner_decode_block(runner) -> int:
     """The module steps per env round trip an EnvRunner takes while exploring (the stock one: 1)."""
     if not isinstance(runner, FastTokenEnvRunner) or runner.module is None:
         return 1
-    return decode_block_for(runner._block, next(runner.module.parameters()).device)
+    return decode_block_for(runner._block)
 
 
 class _SeededRunnerMixin:
@@ -254,7 +255,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         self._env_seeded = False
         self._rollout = None  # unfinished episodes carried from one sample() call to the next
         self._carry = bool(self.config.env_config.get(CARRY_EPISODES, True))
-        self._block = self.config.env_config.get(DECODE_BLOCK)  # None: by the module's device
+        self._block = self.config.env_config.get(DECODE_BLOCK)  # None: DEFAULT_DECODE_BLOCK
         self._cache = getattr(self.module, "kv_cache", None) if self.module is not None else None
         compile_rollout_step(self._cache, self.config.env_config)
         self._restarts = RestartSchedule(self._cache, self.module is not None)
@@ -414,7 +415,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         # ROW_CONTINUES stays on the CPU: the caches branch on it with no device sync
         batch = {Columns.OBS: {k: self._host.to_device(k, v, device) for k, v in obs.items()},
                  ROW_CONTINUES: torch.from_numpy(st.cont.copy())}
-        block = decode_block_for(self._block, device)
+        block = decode_block_for(self._block)
         if block > 1 and getattr(module, "can_act_in_blocks", lambda explore: False)(explore):
             out = module.act_steps(batch, block, explore)
             meanwhile()

@@ -111,7 +111,7 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         # transition), before the outputs come to the host and the env steps through them: fewer
         # host round trips (on a GPU, one device sync per block instead of per token), at the cost
         # of rows that finish mid-block waiting for the block's end before they restart. Unset:
-        # 4 where the rollouts run on a GPU, 1 on a CPU (agents/env_runner.py GPU_DECODE_BLOCK)
+        # 4, on a GPU and a CPU alike (agents/env_runner.py DEFAULT_DECODE_BLOCK)
         "decode_block": F(int, None, optional=True, **POS_INT),
         # fast runner: its decode engine's step through torch.compile (inductor) before capture:
         # fused kernels, after a compile of tens of seconds at the first step; an experiment

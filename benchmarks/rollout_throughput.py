@@ -269,7 +269,7 @@ def main():
                    help="every path's weights in it (the EnvRunners' env_runners.precision)")
     p.add_argument("--decode-block", type=int, default=None,
                    help="the fast EnvRunner rows' env_runners.decode_block (module steps per env round trip; "
-                        "default: the config's, 4 on a GPU and 1 on the CPU)")
+                        "default: the config's, 4)")
     p.add_argument("--greedy-blocks", type=int, nargs="*", default=[], metavar="K",
                    help="also the fast EnvRunner's greedy evaluation at each decode_block K (rows g<K>)")
     p.add_argument("--count-ops", action="store_true",
@@ -283,7 +283,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
     print(f"model={args.model} vocab={args.vocab} batch={args.batch} prompt={args.prompt} new={args.new} "
           f"threads={torch.get_num_threads()} device={args.device} precision={args.precision} tf32={args.tf32} "
-          f"decode_block={decode_block_for(args.decode_block, torch.device(args.device))} (fast EnvRunner rows)",
+          f"decode_block={decode_block_for(args.decode_block)} (fast EnvRunner rows)",
           flush=True)
     stored_stock, stored_fast, engine_report = [], [], {}
     paths = {  # label -> one-rep callable; reps run round-robin so every path sees the same machine state

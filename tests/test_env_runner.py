@@ -335,13 +335,19 @@ def test_act_steps_equals_act_called_on_the_windows_the_env_would_give():
         runner.stop()
 
 
-def test_decode_block_unset_is_four_on_a_gpu_and_one_on_the_cpu():
-    from agents.env_runner import decode_block_for
+def test_decode_block_unset_is_four_on_the_cpu_too_and_one_steps_a_token_per_round_trip():
+    from agents.env_runner import runner_decode_block
 
     assert validate(CAUSAL)["env_runners"]["decode_block"] is None
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert (decode_block_for(None, cuda), decode_block_for(None, cpu)) == (4, 1)
-    assert (decode_block_for(1, cuda), decode_block_for(2, cpu), decode_block_for(8, cuda)) == (1, 2, 8)
+    for setting, expected in ((None, {4}), (1, set())):
+        raw = CAUSAL if setting is None else {**CAUSAL, "env_runners": {**CAUSAL["env_runners"], "decode_block": setting}}
+        runner = FastTokenEnvRunner(config=algorithm_config(validate(raw)))
+        blocks, act_steps = [], runner.module.act_steps
+        runner.module.act_steps = lambda batch, steps, explore=True: blocks.append(steps) or act_steps(
+            batch, steps, explore)
+        runner.sample()
+        assert set(blocks) == expected and runner_decode_block(runner) == (setting or 4)
+        runner.stop()
 
 
 def test_decode_block_with_the_stock_runner_is_refused_in_one_line():
