@@ -98,9 +98,9 @@ COMPILE_STEP = "compile_step"  # env_config key: env_runners.compile_step (FastT
 SEEN_WINDOWS_MAX = 100_000  # windows remembered per weight version (for the restart schedule only)
 # env_runners.decode_block unset: module steps per env round trip, on every device. On an H100 (PPO
 # at GPT-2-small shape, 20-token episodes, one run each) sampling took 128, 93, 99 and 142 ms per
-# iteration at 1, 4, 8 and 16 (docs/results/gpu.md); on 2 CPU cores PPO made 8-14% more tokens/s
-# at the quickstart's settings than at 1 (23-24% at the peer settings), and the quickstart's seeds
-# 0-7 passed 0.9 in a median of 52 iterations against 57.5 (docs/results/host_time.md)
+# iteration at 1, 4, 8 and 16 (docs/results/gpu.md); on 2 CPU cores PPO made 0-15% more tokens/s
+# than at 1 (by settings), and the quickstart's seeds 0-7 passed 0.9 in a median of 52 iterations
+# against 57.5 (docs/results/host_time.md)
 DEFAULT_DECODE_BLOCK = 4
 
 
