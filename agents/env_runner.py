@@ -2,8 +2,9 @@
 
 `FastTokenEnvRunner` (`env_runners.runner: fast`; the default `auto` picks it for every algorithm
 but DQN, which takes the stock runner) samples whole episodes from `TokenGenerationVectorEnv` with
-no per-step connector pipeline and no per-row Python in the token loop. Per vector step it makes
-one batched module call and one batched env step:
+no per-step connector pipeline and no per-row Python in the token loop. Per decode block (k vector
+steps, `env_runners.decode_block`, 4 unless set) it makes one batched module call and k batched env
+steps:
 
   * the module gets every row's window plus `ROW_CONTINUES` (which rows
     continue the previous call's), so its KV cache, mirostat state and guide
@@ -13,14 +14,16 @@ one batched module call and one batched env step:
     so refills share one prefill pass; where the last rows that started all
     began on windows seen since the last weight sync (prompts that repeat), the
     module's cache holds their prefill (`agents.modules.kv_cache`), a restart
-    costs no pass, and finished rows restart at once;
+    costs no pass, and finished rows restart at once (at the block's end);
   * an RLlib `SingleAgentEpisode` is built once per finished episode, from
     arrays, in the format RLlib's learner connectors consume (with decode
     blocks, once the module's next block is queued: on a GPU while the
     device computes it);
-  * with `env_runners.decode_block` k > 1 the module runs k steps per call
+  * with `env_runners.decode_block` k > 1 (4 unless set) the module runs k steps per call
     (`act_steps`, exploring or greedy: each row appends the token it took, on the
     module's device) and the env then steps through them: one host round trip per k tokens.
+    A training call ends at a block's end, so it may sample up to k-1 steps of every row past
+    its share (docs/results/host_time.md has the steps per iteration).
 
 A training call (`sample()` with no arguments, or `num_timesteps`) samples
 at least the EnvRunner's share of the train batch (`train_batch_size /
@@ -110,8 +113,10 @@ def decode_block_for(configured: int | None) -> int:
 
 
 def runner_decode_block(runner) -> int:
-    """The module steps per env round trip an EnvRunner takes while exploring (the stock one: 1)."""
-    if not isinstance(runner, FastTokenEnvRunner) or runner.module is None:
+    """The module steps per env round trip an EnvRunner takes while exploring (the stock one and a
+    guided module: 1)."""
+    if (not isinstance(runner, FastTokenEnvRunner) or runner.module is None
+            or not getattr(runner.module, "can_act_in_blocks", lambda explore: False)(True)):
         return 1
     return decode_block_for(runner._block)
 

@@ -94,7 +94,7 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         "num_gpus_per_env_runner": F(float, 0.0, lo=0.0),
         "max_restarts": F(int, 3, **NONNEG_INT),
         "custom_resources": F(dict, {}),  # per EnvRunner, e.g. {rollout_node: 1}: pins them to nodes that have it
-        # fast: whole episodes from the vector env, one module call per token step
+        # fast: whole episodes from the vector env, one module call per decode block
         # (agents/env_runner.py); stock: RLlib's SingleAgentEnvRunner. auto: fast where the
         # algorithm samples whole episodes, else stock.
         "runner": F(str, "auto", choices=("auto", "fast", "stock")),
@@ -107,11 +107,11 @@ GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
         # of weights, as the stock runner's complete episodes always are (the stock runner ignores it)
         "carry_episodes": F(bool, True),
         # fast runner: module steps per env round trip (exploring or greedy). Above 1, the module runs
-        # that many steps on its device, each row appending the token it took (the env's
-        # transition), before the outputs come to the host and the env steps through them: fewer
-        # host round trips (on a GPU, one device sync per block instead of per token), at the cost
-        # of rows that finish mid-block waiting for the block's end before they restart. Unset:
-        # 4, on a GPU and a CPU alike (agents/env_runner.py DEFAULT_DECODE_BLOCK)
+        # that many steps on its device, each row appending the token it took (the env's transition),
+        # then the env steps through them: fewer host round trips (on a GPU, one device sync per block),
+        # at the cost of rows that finish mid-block waiting for the block's end before they restart (a
+        # training call, too, ends at a block's end: up to k-1 steps a row past its share). Unset: 4
+        # (agents/env_runner.py DEFAULT_DECODE_BLOCK)
         "decode_block": F(int, None, optional=True, **POS_INT),
         # fast runner: its decode engine's step through torch.compile (inductor) before capture:
         # fused kernels, after a compile of tens of seconds at the first step; an experiment

@@ -283,11 +283,11 @@ def greedy_episodes(raw: dict, block: int, captured: bool, monkeypatch) -> tuple
     ({**CAUSAL, "algorithm": "ppo_pp", "guide": {"callable": "tests.test_guided:count_up_guide"}}, True),
     (SEQ2SEQ, False)])
 def test_greedy_decode_blocks_give_the_episodes_of_one_step_per_round_trip(raw, captured, monkeypatch):
-    """Evaluation (`explore=False`) in decode blocks (4 steps per env round trip, the default on a
-    GPU): the same episodes, token for token, as one step per round trip, log-probs equal; each
-    token the argmax of an uncached pass (masked by a stateless sampler). For the decode engine's
-    static greedy step (its blocks one captured graph, as on a GPU), a masking sampler, a stateful
-    one (mirostat: step by step inside the block), NLPO's learned mask (likewise), a guided policy
+    """Evaluation (`explore=False`) in decode blocks (4 steps per env round trip, the default): the
+    same episodes, token for token, as one step per round trip, log-probs equal; each token the
+    argmax of an uncached pass (masked by a stateless sampler). For the decode engine's static
+    greedy step (its blocks one captured graph, as on a GPU), a masking sampler, a stateful one
+    (mirostat: step by step inside the block), NLPO's learned mask (likewise), a guided policy
     (greedy steps take no guide token) and a seq2seq policy."""
     one, single, _ = greedy_episodes(raw, 1, captured, monkeypatch)
     four, blocks, graphs = greedy_episodes(raw, 4, captured, monkeypatch)
