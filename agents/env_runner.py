@@ -112,13 +112,18 @@ def decode_block_for(configured: int | None) -> int:
     return configured or DEFAULT_DECODE_BLOCK
 
 
+def steps_per_round_trip(module, configured: int | None, explore: bool) -> int:
+    """The module steps a fast EnvRunner takes per env round trip: `decode_block_for(configured)`
+    where the module acts in blocks (greedy, or exploring with no guide), else 1."""
+    block = decode_block_for(configured)
+    return block if block > 1 and module.can_act_in_blocks(explore) else 1
+
+
 def runner_decode_block(runner) -> int:
-    """The module steps per env round trip an EnvRunner takes while exploring (the stock one and a
-    guided module: 1)."""
-    if (not isinstance(runner, FastTokenEnvRunner) or runner.module is None
-            or not getattr(runner.module, "can_act_in_blocks", lambda explore: False)(True)):
+    """The module steps per env round trip an EnvRunner takes while exploring (the stock one: 1)."""
+    if not isinstance(runner, FastTokenEnvRunner) or runner.module is None:
         return 1
-    return decode_block_for(runner._block)
+    return steps_per_round_trip(runner.module, runner._block, explore=True)
 
 
 class _SeededRunnerMixin:
@@ -404,9 +409,9 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
 
     def _module_steps(self, st, module, env, explore, random_actions, device, t, meanwhile) -> list[dict]:
         """The module's outputs for the next env steps, on the host: one step, or with
-        `decode_block` k > 1 (a module that acts in blocks: greedy, or exploring with no guide) k
-        steps computed on the device with each row appending the token it took, as the env then
-        does for every row still running (rows that finished mid-block ignore the rest: they restart with a prefill).
+        `decode_block` k > 1 (`steps_per_round_trip`) k steps computed on the device with each row
+        appending the token it took, as the env then does for every row still running (rows that
+        finished mid-block ignore the rest: they restart with a prefill).
         `meanwhile()` runs once a block's work is queued, before its outputs are read (they are the
         block's own tensors, not a graph's): on a GPU the host builds episodes while the device
         computes; after a single step's outputs are read."""
@@ -420,13 +425,13 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         # ROW_CONTINUES stays on the CPU: the caches branch on it with no device sync
         batch = {Columns.OBS: {k: self._host.to_device(k, v, device) for k, v in obs.items()},
                  ROW_CONTINUES: torch.from_numpy(st.cont.copy())}
-        block = decode_block_for(self._block)
-        if block > 1 and getattr(module, "can_act_in_blocks", lambda explore: False)(explore):
+        block = steps_per_round_trip(module, self._block, explore)
+        if block > 1:
             out = module.act_steps(batch, block, explore)
             meanwhile()
             out = self._host.to_host(out)
             return [{k: v[j] for k, v in out.items()} for j in range(block)]
-        out = module.act(batch, t=t) if explore else greedy_step(module, batch)
+        out = module.act(batch, t=t) if explore else module.act_greedy(batch)
         out = self._host.to_host({k: v for k, v in out.items() if k != Columns.ACTION_DIST_INPUTS})
         meanwhile()  # after the read: a callback calling the module would overwrite a graph's outputs
         return [out]
@@ -453,17 +458,6 @@ def random_step(env) -> dict:
     B = env.num_envs
     return {Columns.ACTIONS: torch.randint(0, env.vocab_size, (B,)),
             Columns.ACTION_LOGP: torch.full((B,), -math.log(env.vocab_size))}
-
-
-def greedy_step(module, batch) -> dict:
-    """The most likely token of every row and its log-prob (`explore=False`): the module's own
-    greedy step where it has one (`Acting.act_greedy`), else from its logits."""
-    if hasattr(module, "act_greedy"):
-        return module.act_greedy(batch)
-    logits = module.act(batch, explore=False)[Columns.ACTION_DIST_INPUTS]
-    actions = logits.argmax(-1)
-    return {Columns.ACTIONS: actions,
-            Columns.ACTION_LOGP: torch.log_softmax(logits.float(), -1).gather(-1, actions[:, None])[:, 0]}
 
 
 _Rollout = Rollout  # where checkpoints written before it moved to agents.runner_episodes find it

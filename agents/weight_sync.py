@@ -12,9 +12,9 @@ store, no host copy; tensors are never shared (the learner trains, the EnvRunner
 in eval mode and may hold another precision), and a captured decode step stays valid since its
 weights are written in place. Evaluation (`evaluation.interval`) samples in the learner's process
 too (RLlib's local evaluation EnvRunner), so with a local learner and the fast EnvRunner its syncs
-are colocated the same way, remote training EnvRunners or not: on one GPU it evaluates on that GPU. `env_runners.colocated`:
-unset for this wherever it applies, true to require it (refused where it cannot apply), false for
-RLlib's sync (evaluation's included).
+are colocated the same way, remote training EnvRunners or not: on one GPU it evaluates on that
+GPU. `env_runners.colocated`: unset for this wherever it applies, true to require it (refused
+where it cannot apply), false for RLlib's sync (evaluation's included).
 """
 from __future__ import annotations
 
@@ -146,8 +146,9 @@ def settle_sync_dtype(algo) -> str | None:
     bf16 from now on: half the bytes, the weights the runners would cast to anyway. Returns the
     dtype the syncs send ("torch.bfloat16"), or None where they stay as they were: also where
     evaluation samples in the driver's process by RLlib's sync (its EnvRunner stays fp32 on the CPU
-    and would get bf16-rounded weights; a colocated one copies the learner's). The driver's own copy of the module (`Algorithm.get_module`) then holds
-    bf16-rounded weights, as with `precision: bf16` named; checkpoints hold the learners' weights."""
+    and would get bf16-rounded weights; a colocated one copies the learner's). The driver's own
+    copy of the module (`Algorithm.get_module`) then holds bf16-rounded weights, as with
+    `precision: bf16` named; checkpoints hold the learners' weights."""
     evaluation = getattr(algo, "eval_env_runner_group", None)
     if (evaluation is not None and not evaluation.num_remote_workers()
             and getattr(algo, "colocated_eval_sync_bytes", None) is None):

@@ -340,7 +340,8 @@ def test_decode_block_unset_is_four_on_the_cpu_too_and_one_steps_a_token_per_rou
 
     assert validate(CAUSAL)["env_runners"]["decode_block"] is None
     for setting, expected in ((None, {4}), (1, set())):
-        raw = CAUSAL if setting is None else {**CAUSAL, "env_runners": {**CAUSAL["env_runners"], "decode_block": setting}}
+        raw = CAUSAL if setting is None else {**CAUSAL,
+                                              "env_runners": {**CAUSAL["env_runners"], "decode_block": setting}}
         runner = FastTokenEnvRunner(config=algorithm_config(validate(raw)))
         blocks, act_steps = [], runner.module.act_steps
         runner.module.act_steps = lambda batch, steps, explore=True: blocks.append(steps) or act_steps(
