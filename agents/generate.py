@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+import weakref
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ from ray.rllib.core import (COMPONENT_LEARNER, COMPONENT_LEARNER_GROUP, COMPONEN
                             DEFAULT_MODULE_ID)
 
 from agents.core import MAX_SEED, DropLogLines
+from agents.samplers import sample_rows, warp_logits  # noqa: F401 (warp_logits: this module's name for it too)
 
 # Where an Algorithm checkpoint keeps the trained policy (RLlib's component names).
 MODULE_SUBDIR = os.path.join(COMPONENT_LEARNER_GROUP, COMPONENT_LEARNER, COMPONENT_RL_MODULE, DEFAULT_MODULE_ID)
@@ -93,10 +95,14 @@ def reward_needs_meta(task) -> bool:
 @torch.no_grad()
 def generate(module, env_config: dict, prompts: list[str | None], *, greedy: bool = False, seed: int = 0,
              metas: list[dict] | None = None, score: bool = True, batch_size: int = 64,
-             temperature: float = 1.0, top_p: float = 1.0) -> list[dict]:
+             temperature: float = 1.0, top_p: float = 1.0, decoder: bool = True) -> list[dict]:
     """The decode loop of generation, evaluation, serving and the training summary: the policy
     runs in one `TokenGenerationEnv` per prompt (the prompt cut, EOS and lengths of training),
-    up to `batch_size` rows stepped together.
+    up to `batch_size` rows decoded together. A causal policy with its KV cache decodes on the
+    decode engine in static blocks (`agents.modules.decoding.Decoder`: a CUDA graph per block on a
+    GPU, one host read per block), then each row's tokens go through its env; other policies
+    (seq2seq, Q-networks, sampling with mirostat), or `decoder=False`, take one module call per
+    token with the envs stepped in between. Both give the same tokens.
 
     A prompt of None draws one (with its metadata) from the task, seeded with seed + i; a given
     prompt takes `metas[i]` (default none). Row i samples from its own generator seeded with
@@ -122,7 +128,7 @@ def generate(module, env_config: dict, prompts: list[str | None], *, greedy: boo
         rows = range(start, min(start + batch_size, len(prompts)))
         out.extend(_generate_rows(module, env_config, [prompts[i] for i in rows],
                                   [metas[i] if metas else {} for i in rows], greedy, seed + start, score,
-                                  temperature, top_p))
+                                  temperature, top_p, decoder))
     return out
 
 
@@ -134,20 +140,6 @@ def policy_device(module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def warp_logits(logits: torch.Tensor, temperature=1.0, top_p=1.0) -> torch.Tensor:
-    """`logits` (masked entries at `MASKED`) divided by `temperature`, cut to the nucleus of mass
-    `top_p`: numbers, or (rows, 1) tensors of per-row values (a row at 1.0 and 1.0 is left as it is)."""
-    from agents.samplers import MASKED, top_p_mask
-
-    if torch.is_tensor(temperature) or temperature != 1.0:
-        logits = torch.where(logits > MASKED, logits / temperature, MASKED)
-    if torch.is_tensor(top_p):
-        logits = logits.masked_fill(~(top_p_mask(logits, top_p) | (top_p >= 1)), MASKED)
-    elif top_p < 1.0:
-        logits = logits.masked_fill(~top_p_mask(logits, top_p), MASKED)
-    return logits
-
-
 def draw_rows(logits: torch.Tensor, generators: list, temperature=1.0, top_p=1.0) -> list[int]:
     """One token per row of `logits` (float32, on any device), drawn from the row's softmax after
     `warp_logits` at one float64 uniform from the row's own CPU generator, by inverting the row's
@@ -155,28 +147,90 @@ def draw_rows(logits: torch.Tensor, generators: list, temperature=1.0, top_p=1.0
     the tokens come back, where the draws used to copy every row's logits to the host. `temperature`
     and `top_p`: numbers, or (rows, 1) tensors on the logits' device. `torch.multinomial` row by
     row on the host took about 1 ms a row at 50,257 tokens on 2 cores (docs/results/generation.md)."""
-    from agents.samplers import sample_rows
-
     uniform = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
     probs = torch.softmax(warp_logits(logits, temperature, top_p), -1)
     return sample_rows(probs, uniform[:, None].to(logits.device)).tolist()
 
 
 def _generate_rows(module, env_config, prompts, metas, greedy, seed, score, temperature=1.0,
-                   top_p=1.0) -> list[dict]:
-    from ray.rllib.core.columns import Columns
-
+                   top_p=1.0, decoder=True) -> list[dict]:
     from env.text_env import TokenGenerationEnv
 
     envs = [TokenGenerationEnv(env_config) for _ in prompts]
-    obs, results = [], [None] * len(prompts)
+    obs = []
     for i, (env, prompt) in enumerate(zip(envs, prompts)):
         options = None if prompt is None else {"prompt": prompt, "meta": metas[i], "score": score}
         obs.append(env.reset(seed=seed + i, options=options)[0])
     gens = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
+    scored = [score or prompt is None for prompt in prompts]
+    if decoder and decodes_on_engine(module, greedy):
+        return _decoded_rows(module, envs, obs, gens, scored, greedy, temperature, top_p)
+    return _stepped_rows(module, envs, obs, gens, scored, greedy, temperature, top_p)
+
+
+def decodes_on_engine(module, greedy: bool) -> bool:
+    """Whether `generate` decodes with a `Decoder` (the decode engine in static blocks): a causal
+    policy with its KV cache on, greedy, or sampling with a sampler that keeps no per-row state.
+    Others (seq2seq, Q-networks, mirostat's sampled decodes) take one module call per token."""
+    from agents.modules.acting import Acting
+    from agents.modules.decode_engine import RingKVCache
+    from agents.modules.decoding import Decoder
+
+    return (isinstance(module, Acting) and isinstance(getattr(module, "kv_cache", None), RingKVCache)
+            and (greedy or Decoder.samples(module)))
+
+
+_DECODERS = weakref.WeakKeyDictionary()  # policy module -> its Decoder (one engine kept across calls)
+
+
+def _decoded_rows(module, envs, obs, gens, scored, greedy, temperature, top_p) -> list[dict]:
+    """`_stepped_rows`' results from one `Decoder` call (all rows' tokens computed on the policy's
+    device, a host read per block of steps), then each row's tokens stepped through its env (the
+    texts, rewards and EOS of training). Row i draws its k uniforms of a block from its own
+    generator at once: the draws one call per token makes, the same tokens."""
+    from agents.modules.decoding import Decoder
+
+    device = policy_device(module)
+    ids, mask = (torch.as_tensor(np.stack([o[k] for o in obs])).to(device) for k in ("input_ids", "attention_mask"))
+    draws = None if greedy else (lambda k: torch.stack([torch.rand(k, dtype=torch.float64, generator=g)
+                                                        for g in gens], 1))
+    decoder = _DECODERS.get(module)
+    if decoder is None:
+        decoder = _DECODERS[module] = Decoder()
+    training = module.training
+    module.eval()  # as RLlib's forward_inference runs it
+    try:
+        tokens = decoder(module, ids, mask, envs[0].max_new_tokens, envs[0].eos_id, draws, temperature, top_p)
+    finally:
+        module.train(training)
+    results = []
+    for i, (env, row) in enumerate(zip(envs, tokens)):
+        total = 0.0
+        for token in row:
+            _, reward, done, _, info = env.step(token)
+            total += reward
+            if done:
+                break
+        if not done:
+            raise RuntimeError(f"generate: row {i}'s decode ended before its episode ({len(row)} tokens)")
+        results.append(_result(env, info, total if scored[i] else None, token))
+    return results
+
+
+def _result(env, info: dict, reward, action: int) -> dict:
+    return {"prompt": info["prompt"], "generation": info["generation"], "reward": reward,
+            "prompt_tokens": len(env.prompt_ids), "num_generated": info["num_generated"],
+            "eos": action == env.eos_id}
+
+
+def _stepped_rows(module, envs, obs, gens, scored, greedy, temperature, top_p) -> list[dict]:
+    """The rows' results, one module call per token: each step's observations from the envs."""
+    from ray.rllib.core.columns import Columns
+
     device = policy_device(module)
     done = [False] * len(envs)
     returns = [0.0] * len(envs)
+    results = [None] * len(envs)
     # Every row stays in the batch until all are done, so row i is always env i: the module's
     # per-row KV cache and sampler state (mirostat) follow each episode. Finished rows repeat
     # their last observation and their actions are ignored. The draws run where the logits
@@ -195,10 +249,7 @@ def _generate_rows(module, env_config, prompts, metas, greedy, seed, score, temp
             obs[i], reward, done[i], _, info = envs[i].step(action)
             returns[i] += reward
             if done[i]:
-                scored = score or prompts[i] is None
-                results[i] = {"prompt": info["prompt"], "generation": info["generation"],
-                              "reward": returns[i] if scored else None, "prompt_tokens": len(envs[i].prompt_ids),
-                              "num_generated": info["num_generated"], "eos": action == envs[i].eos_id}
+                results[i] = _result(envs[i], info, returns[i] if scored[i] else None, action)
     return results
 
 

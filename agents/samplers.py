@@ -225,3 +225,15 @@ def sampler_value_error(name: str, param: str, value) -> str | None:
     if param in ("epsilon", "eta") and value >= 1.0:
         return f"{param}: expected a number in (0, 1), got {value!r}"
     return None
+
+
+def warp_logits(logits: torch.Tensor, temperature=1.0, top_p=1.0) -> torch.Tensor:
+    """`logits` (masked entries at `MASKED`) divided by `temperature`, cut to the nucleus of mass
+    `top_p`: numbers, or (rows, 1) tensors of per-row values (a row at 1.0 and 1.0 is left as it is)."""
+    if torch.is_tensor(temperature) or temperature != 1.0:
+        logits = torch.where(logits > MASKED, logits / temperature, MASKED)
+    if torch.is_tensor(top_p):
+        logits = logits.masked_fill(~(top_p_mask(logits, top_p) | (top_p >= 1)), MASKED)
+    elif top_p < 1.0:
+        logits = logits.masked_fill(~top_p_mask(logits, top_p), MASKED)
+    return logits

@@ -3,7 +3,7 @@ TF32, the trunk alone against the whole step (trunk + logits + draw), captured a
 kernels of one captured step (torch.profiler, top by device time), and the eager ops (each a kernel
 launch on a GPU) a rollout step runs when no row restarts and when 16 of them restart on a stored
 prefill, as the fast EnvRunner calls it (`--restart-ops-only`: just those, on any device).
-`--greedy`: self-critical's greedy baseline (`GreedyDecoder`), as the learner calls it once per
+`--greedy`: self-critical's greedy baseline (`Decoder`), as the learner calls it once per
 iteration: milliseconds, ops outside the engine's graphs, replays and graphs captured per call
 (`--emulate-capture`: the graphs captured on the CPU, so its ops are those a GPU would launch).
 
@@ -96,17 +96,17 @@ def restart_ops(args) -> None:
 
 
 def greedy_calls(args, calls: int = 6) -> None:
-    """Self-critical's greedy baseline (`GreedyDecoder`) over `calls` calls as the learner makes
+    """Self-critical's greedy baseline (`Decoder`) over `calls` calls as the learner makes
     them, the weights changed in place between calls (an optimizer's step): --batch prompts,
     --new tokens each (no EOS, so every call decodes them all). Per call: milliseconds, the ops
     run outside the engine's graphs (each a kernel launch on a GPU), graph replays, graphs captured."""
-    from agents.modules.acting import GreedyDecoder
+    from agents.modules.decoding import Decoder
 
     args.precision = "fp32"  # the learner's weights
     counter = OpCounter()
     with emulate_capture(counter) if args.emulate_capture else nullcontext():
         module, device, obs, _ = engine_module(args)
-        decoder = GreedyDecoder()
+        decoder = Decoder()
         weight = module.lm.base_model.h[0].mlp.c_fc.weight
         for call in range(calls):
             graphs = len(decoder.cache.engine.graphs) if decoder.cache.engine is not None else 0

@@ -32,6 +32,9 @@
 #   evaluation rollout_throughput.py as rollouts_bf16 (--reps 2), with the fast EnvRunner's greedy
 #              evaluation at decode_block 1 and 4 (rows g1, g4): evaluation on the learner's GPU
 #              in bf16 and blocks of 4, as a colocated run evaluates (not yet run)
+#   generate   generate_loop.py at GPT-2-small shape (vocabulary 50,257, bf16 weights), batches of 16
+#              and 64, sampled then greedy: generate() on the decode engine in blocks (decoder)
+#              against one module call per token (stepwise), same run (not yet run)
 # rollouts_bf16, peer_bf16 and peer_fp32: the same with the rollouts' weights in bf16 or fp32
 # (env_runners.precision; its default, auto, is bf16 on a GPU with bf16, so peer is peer_bf16 there);
 # rollouts_tf32: fp32 weights with TF32 matmuls on every path (as a training run's process has them).
@@ -109,7 +112,7 @@ EOF
 for step in "${steps[@]}"; do
   case $step in
     tests) run tests 180 $PY -m pytest -q -p no:cacheprovider tests/test_decode_engine.py tests/test_weight_sync.py \
-             tests/test_static_update.py \
+             tests/test_static_update.py tests/test_generate_decoder.py \
              "tests/test_serve_batching.py::test_a_replica_on_a_gpu_writes_what_the_cpu_replica_writes" \
              "tests/test_serve_batching.py::test_a_gpu_replica_draws_sampled_completions_with_every_request_sampler_on_the_device" \
              "tests/test_serve_batching.py::test_generate_on_a_gpu_draws_on_the_device_and_repeats_for_a_seed" \
@@ -122,6 +125,10 @@ for step in "${steps[@]}"; do
              $tf32 "${block_arg[@]}" ;;
     evaluation) run "evaluation$tag" 200 $PY benchmarks/rollout_throughput.py --device cuda --batch 128 \
              --model gpt2-small-shaped --vocab 50257 --reps 2 --greedy-blocks 1 4 --precision bf16 ;;
+    generate) for greedy in "" --greedy; do
+             run "generate${greedy:+_greedy}$tag" 200 $PY benchmarks/generate_loop.py --device cuda \
+             --model gpt2-small-shaped --vocab 50257 --batch 16 64 --reps 3 --precision bf16 \
+             --paths decoder stepwise $greedy; done ;;
     seeds) for seed in ${SEEDS:-1 2}; do for precision in fp32 bf16; do
              run "seeds_${precision}_seed$seed$tag" 150 $PY benchmarks/peer_trl.py --device cuda \
              --model gpt2-small-shaped --seconds 60 --project-only \
@@ -201,7 +208,7 @@ for step in "${steps[@]}"; do
              --requests 200 --stream off --ingress direct
            run serve_gpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
              --requests 200 --stream off --ingress direct --serve-args "--num-gpus 1" ;;
-    *) echo "unknown step: $step (tests static static_long static_graphs static_verify compiled_step restarts captured rollouts evaluation rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve plateau)" >&2
+    *) echo "unknown step: $step (tests static static_long static_graphs static_verify compiled_step restarts captured rollouts evaluation generate rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve plateau)" >&2
        exit 2 ;;
   esac
 done

@@ -240,15 +240,15 @@ CALLS = [["1 2", "15", "9"], ["12 13", "2", "18", "4 5", "17"], ["16", "3"]]  # 
 @pytest.mark.parametrize("sampler, engine", [(None, True), ({"name": "top_k", "k": 3}, True), (None, False),
                                              ({"name": "top_k", "k": 3, "masking": "learned"}, True)])
 def test_greedy_decodes_across_calls_and_weight_updates_equal_a_whole_window_argmax(sampler, engine):
-    """One `GreedyDecoder` over six calls (3, 5 and 2 prompts, so padded rows; rows that meet EOS
+    """One `Decoder` over six calls (3, 5 and 2 prompts, so padded rows; rows that meet EOS
     early and rows that never do; each prompt decoded twice), the weights changed in place between
     calls as an optimizer does: each call's decodes are the argmax of a whole-window pass per step
     with the weights of the call. Without the decode engine (a trunk it does not serve), or with a
     learned mask (NLPO's masking policy, which reads the window), one call per step gives the same."""
-    from agents.modules.acting import GreedyDecoder
+    from agents.modules.decoding import Decoder
 
     env, module = counting_module(sampler=sampler)
-    decoder = GreedyDecoder()
+    decoder = Decoder()
     decoder.cache.use_engine = engine
     g = torch.Generator().manual_seed(0)
     decodes = []
@@ -268,13 +268,13 @@ def test_greedy_decodes_replay_the_graphs_of_the_first_calls():
     """With the engine's capture emulated on the CPU, calls with 3, 5 and 2 prompts use one engine
     (8 rows) and capture no new graph once the restart step has one: the blocks replay, and the
     decodes are a whole-window argmax's, after weight updates too."""
-    from agents.modules.acting import GreedyDecoder
+    from agents.modules.decoding import Decoder
     from benchmarks.emulated_capture import OpCounter, emulate_capture
 
     env, module = counting_module()
     counter = OpCounter()
     with emulate_capture(counter):
-        captured = GreedyDecoder()
+        captured = Decoder()
         graphs, engines = [], []
         for prompts in CALLS * 2:
             ids, mask = prompt_windows(env, prompts)
@@ -294,11 +294,11 @@ def test_greedy_decodes_on_cuda_replay_their_graphs_and_equal_the_eager_decodes(
     """On a GPU the greedy decoder's engine captures its steps as CUDA graphs: calls with 3, 5 and 2
     prompts, the weights changed in place between them, give the eager engine's decodes, and no
     graph is captured after the second call."""
-    from agents.modules.acting import GreedyDecoder
+    from agents.modules.decoding import Decoder
 
     env, module = counting_module()
     module = module.cuda()
-    captured, eager = GreedyDecoder(), GreedyDecoder()
+    captured, eager = Decoder(), Decoder()
     eager.cache.capture = False
     graphs = []
     for prompts in CALLS * 2:

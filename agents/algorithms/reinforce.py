@@ -34,7 +34,7 @@ from agents.algorithms.ppo import PPOSpec
 from agents.algorithms.token_learner import TOKEN_TRAINING, TokenAlgorithm, TokenLearner, TokenLearnerConfig
 from agents.algorithms.token_learner import loss_step_mean, policy_shift_metrics
 from agents.core import SEQ_ID
-from agents.modules.acting import GreedyDecoder
+from agents.modules.decoding import Decoder
 from env.text_env import TokenGenerationEnv
 from env.validation import Field
 
@@ -73,7 +73,7 @@ class SequenceLevelAdvantages(ConnectorV2):
         super().__init__(input_observation_space, input_action_space)
         self.baseline, self.num_samples = baseline, num_samples
         self.scorer = None  # the task's reward on the learner (self-critical)
-        self.greedy = GreedyDecoder()  # its decode engine (captured on a GPU) kept from one batch to the next
+        self.greedy = Decoder()  # its decode engine (captured on a GPU) kept from one batch to the next
         self.last, self.last_baselines = {}, None
 
     def greedy_baselines(self, module, episodes) -> np.ndarray:

@@ -1,0 +1,130 @@
+"""Decodes from prompt windows on the decode engine, greedy or sampled: self-critical's greedy
+baseline, and generation (`agents.generate`: generation, evaluation, a replica serving one request
+at a time, the training run's closing samples).
+
+One `Decoder` keeps one decode engine (`RingKVCache`) from one call to the next. Its rows are a
+power of two (at least DECODE_ROWS_MIN, never fewer than an earlier call's; the first prompt
+repeated), so calls with different numbers of prompts replay the graphs the first one captured (on
+a GPU). The first step loads the windows (the env's left-padded layout); the steps after it run
+DECODE_BLOCK at a time as one static function each (`RingKVCache.continue_block`: a CUDA graph on
+CUDA), every row appending its own token on the device. The host reads whether every row has met
+EOS once a block, and the tokens once a call.
+
+Greedy: the argmax over the sampler's kept tokens where a stateless truncation sampler is on
+(typical sampling can drop the most likely token; mirostat keeps the argmax anyway). Sampled:
+each row's token drawn at a uniform the caller gives per row and step (`draws`), from the
+policy's distribution under the sampler's mask, warped by `temperature` and `top_p`
+(`samplers.warp_logits`), by inverting its cumulative sum (`samplers.sample_rows`): the draw
+`agents.generate.draw_rows` makes one step at a time. A trunk the engine does not serve, or a
+learned mask (NLPO's, which reads the window), takes one call per step instead; sampling needs a
+stateless sampler (mirostat's state follows each token: `agents.generate` steps it one call at a
+time).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from agents.modules.acting import shift_windows
+from agents.modules.decode_engine import RingKVCache
+from agents.samplers import MASKED, sample_rows, warp_logits
+
+DECODE_BLOCK = 8  # steps per static block after the first; EOS is read back between blocks
+DECODE_ROWS_MIN = 8
+PADDED_ROW_DRAW = 0.5  # the uniform a padding row draws at (its tokens are never read)
+
+
+class Decoder:
+    """Greedy or sampled decodes of a policy module from prompt windows (see the module docstring)."""
+
+    def __init__(self):
+        self.cache = RingKVCache()
+        self.rows = 0
+
+    def __getstate__(self) -> dict:
+        return {"cache": RingKVCache(), "rows": 0}  # a copy starts with no engine (captured graphs do not copy)
+
+    @staticmethod
+    def samples(module) -> bool:
+        """Whether `module`'s sampled decodes can take a Decoder: a policy whose sampler keeps no
+        per-row state (mirostat's follows each token)."""
+        sampler = getattr(module, "sampler", None)
+        return sampler is not None and not sampler.stateful
+
+    @torch.no_grad()
+    def __call__(self, module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                 eos_id: int | None, draws: Callable[[int], torch.Tensor] | None = None, temperature: float = 1.0,
+                 top_p: float = 1.0) -> list[list[int]]:
+        """Each row's tokens up to its first EOS (included) or `max_new_tokens`. `draws(k)`: None
+        (greedy), or each row's next k uniforms, a (k, rows) float64 tensor (on the host: each row
+        draws from its own generator, so a row's text does not depend on the others)."""
+        sampled = draws is not None
+        if sampled and not self.samples(module):
+            raise ValueError("Decoder: sampling needs a sampler with no per-row state (not mirostat)")
+        n = input_ids.shape[0]
+        self.rows = max(self.rows, DECODE_ROWS_MIN, 1 << (n - 1).bit_length())
+        pad = self.rows - n
+        obs = {"input_ids": torch.cat([input_ids, input_ids[:1].expand(pad, -1)]),
+               "attention_mask": torch.cat([attention_mask, attention_mask[:1].expand(pad, -1)])}
+        device = input_ids.device
+        cache, trunk, sampler = self.cache, module._trunk(module.lm), module.sampler
+        cache.invalidate()  # the weights changed since the last call: nothing held is current
+        masked = sampler.active and not sampler.stateful
+        static = not (masked and sampler.learned)  # a learned mask reads the window: one call per step
+        eos = -1 if eos_id is None else eos_id
+
+        def argmax(hidden, _unused=None, window=None) -> dict:  # static unless a learned mask reads the window
+            logits = module._logits(module.lm, hidden).float()
+            if masked:
+                source = module.mask_lm_logits(window) if sampler.learned else logits
+                logits = logits.masked_fill(~sampler.keep(source, None), -torch.inf)
+            return {"token": logits.argmax(-1)}
+
+        def draw(hidden, uniform, window=None) -> dict:  # the sampled step after the trunk
+            logits = module._logits(module.lm, hidden).float()
+            if masked:
+                source = module.mask_lm_logits(window) if sampler.learned else logits
+                logits = logits.masked_fill(~sampler.keep(source, None), MASKED)
+            probs = torch.softmax(warp_logits(logits, temperature, top_p), -1)
+            return {"token": sample_rows(probs, uniform)}
+
+        def uniforms(k: int) -> torch.Tensor:  # (k, rows, 1): the tail's per-step input
+            u = torch.full((k, self.rows), PADDED_ROW_DRAW, dtype=torch.float64)
+            u[:, :n] = draws(k)
+            return u[..., None].to(device)
+
+        placeholder = torch.zeros(DECODE_BLOCK, 1, device=device)  # a greedy block's unused per-step input
+        tail, inputs = (draw, uniforms) if sampled else (argmax, lambda k: placeholder[:k])
+        key = ("sample", masked, float(temperature), float(top_p)) if sampled else ("greedy", masked)
+
+        def step(obs, u) -> torch.Tensor:  # one call: the token of each row after its window
+            if static:  # a copy: a replayed graph's output is overwritten by its next replay
+                return cache.hidden_at_last_token(trunk, obs, None, tail=tail, tail_inputs=(u,), key=key)["token"].clone()
+            return tail(cache.hidden_at_last_token(trunk, obs), u, window=obs)["token"]
+
+        tokens = [step(obs, inputs(1)[0])[None]]
+        done = tokens[0][0] == eos
+        left = max_new_tokens - 1
+        while left > 0 and not bool(done[:n].all()):  # one host read per block
+            k = min(DECODE_BLOCK, left)
+            given = inputs(k)
+            block = cache.continue_block(trunk, tokens[-1][-1], k, lambda: (given,), tail, key,
+                                         lambda out: out["token"]) if static else None
+            if block is not None:
+                block = block["token"].clone()
+                obs = {"input_ids": cache.ids, "attention_mask": cache.mask}  # the windows it now holds
+            else:  # one call per step
+                block = []
+                for j in range(k):
+                    obs = shift_windows(obs, block[-1] if block else tokens[-1][-1])
+                    block.append(step(obs, given[j]))  # the cache tells from the windows which rows continue
+                block = torch.stack(block)
+            tokens.append(block)
+            done = done | (block == eos).any(0)
+            left -= k
+        cache.store.clear()  # eager prefills stored by window: the next call's weights differ
+        out = []
+        for row in torch.cat(tokens).T[:n].tolist():  # the tokens up to each row's first EOS, EOS included
+            out.append(row[:row.index(eos) + 1] if eos in row else row)
+        return out

@@ -1,0 +1,108 @@
+"""`agents.generate.generate` on the decode engine (`agents.modules.decoding.Decoder`): the same
+results as one module call per token (`decoder=False`), greedy or sampled, with the samplers, in
+padded batches and with rows that end at EOS mid-block; the blocks as graphs where the engine
+captures (emulated on the CPU; on CUDA where there is one)."""
+import pytest
+import torch
+
+from agents.generate import _DECODERS, decodes_on_engine, generate
+from tests.test_serve_batching import build_module
+
+PROMPTS = [None] * 9 + ["3 7 12", "40 41 42 43 44 45 46"]  # drawn prompts, and two given ones
+
+SAMPLERS = {"none": (), "top_k": ("sampler.name=top_k", "sampler.k=3"), "typical": ("sampler.name=typical",
+                                                                                   "sampler.p=0.5"),
+            "mirostat": ("sampler.name=mirostat", "sampler.tau=3.0", "sampler.learning_rate=0.5")}
+
+
+def eos_likely(module, by: float = 4.0):
+    """`module` with EOS's logit raised by `by` (the final layer norm's bias moved along EOS's output
+    embedding), so sampled rows end at EOS at different steps."""
+    with torch.no_grad():
+        w = module.lm.get_output_embeddings().weight[module.tokenizer.eos_token_id]
+        module.lm.base_model.ln_f.bias.add_(by * w / w.norm() ** 2)
+    return module
+
+
+@pytest.fixture(scope="module", params=list(SAMPLERS))
+def sampler_module(request):
+    return request.param, eos_likely(build_module(*SAMPLERS[request.param]))
+
+
+@pytest.mark.parametrize("greedy, temperature, top_p", [(True, 1.0, 1.0), (False, 1.0, 1.0), (False, 2.5, 0.95)])
+def test_decodes_on_the_engine_equal_one_call_per_token(sampler_module, greedy, temperature, top_p):
+    """Batches of 4 (the last one 3 rows, padded to the decoder's 8), each row drawing from its own
+    generator: every result (text, reward, token counts, EOS) equals the stepwise loop's; at the
+    hotter temperature some rows end at EOS (mid-block: the first step and blocks of 8 cover 20)."""
+    name, module = sampler_module
+    env_config = dict(module.model_config["env"])
+    kwargs = dict(greedy=greedy, seed=5, temperature=temperature, top_p=top_p, batch_size=4)
+    stepped = generate(module, env_config, PROMPTS, decoder=False, **kwargs)
+    decoded = generate(module, env_config, PROMPTS, **kwargs)
+    assert decoded == stepped
+    on_engine = decodes_on_engine(module, greedy)
+    assert on_engine == (greedy or name != "mirostat")  # mirostat's sampled state follows each token
+    if on_engine:
+        assert _DECODERS[module].cache.engine is not None and _DECODERS[module].rows == 8
+    if temperature > 2:
+        ends = {r["num_generated"] for r in decoded if r["eos"]}
+        assert ends and any(n not in (1, 9, 17) for n in ends), ends  # EOS inside a block, not at its end
+        assert any(not r["eos"] and r["num_generated"] == env_config["max_new_tokens"] for r in decoded)
+
+
+def test_decoded_texts_do_not_depend_on_the_batch():
+    """Row i draws from its own generator (seed + i), k uniforms a block: the same texts in
+    batches of 1, 4 and 16."""
+    module = build_module("sampler.name=top_k", "sampler.k=5")
+    env_config = dict(module.model_config["env"])
+    runs = [generate(module, env_config, PROMPTS, seed=2, temperature=2.0, batch_size=b) for b in (1, 4, 16)]
+    texts = [[r["generation"] for r in run] for run in runs]
+    assert texts[0] == texts[1] == texts[2]
+    assert len(set(texts[0])) > 5  # not one text for every row
+
+
+def test_decodes_replay_the_blocks_captured_by_the_first_calls():
+    """With capture emulated on the CPU: calls with 3, 5 and 2 prompts share one engine (8 rows);
+    after the second call (the first to prefill inside a graph) no graph is captured, the blocks replay, and the results equal the
+    stepwise loop's, after a weight change too."""
+    from benchmarks.emulated_capture import OpCounter, emulate_capture
+
+    module = build_module("sampler.name=top_k", "sampler.k=3")
+    env_config = dict(module.model_config["env"])
+    counter = OpCounter()
+    graphs = []
+    with emulate_capture(counter):
+        for i, prompts in enumerate([[None] * 3, [None] * 5, ["3 7 12", None]] * 2):
+            kwargs = dict(seed=i, temperature=1.5, batch_size=8)
+            assert generate(module, env_config, prompts, **kwargs) == generate(module, env_config, prompts,
+                                                                                decoder=False, **kwargs)
+            engine = _DECODERS[module].cache.engine
+            assert engine.capture
+            graphs.append(set(engine.graphs))
+            with torch.no_grad():
+                module.lm.base_model.h[0].mlp.c_fc.weight.mul_(1.05)
+    assert all(g == graphs[1] for g in graphs[1:]), graphs  # the first call prefills eagerly, the next in a graph
+    assert any(name[0] == "steps" for name in graphs[0]) and counter.replays > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decodes_on_cuda_replay_their_graphs_and_equal_the_eager_ones():
+    """On a GPU `generate` replays the decoder's captured blocks: sampled and greedy results equal
+    an eager decoder's (the same module, capture off) and no graph is captured after the first calls."""
+    from agents.modules.decoding import Decoder
+
+    module = build_module("sampler.name=top_k", "sampler.k=3").cuda()
+    env_config = dict(module.model_config["env"])
+    eager = Decoder()
+    eager.cache.capture = False
+    graphs = []
+    for i, prompts in enumerate([[None] * 3, [None] * 5, ["3 7 12", None]] * 2):
+        for greedy in (False, True):
+            kwargs = dict(seed=i, greedy=greedy, temperature=1.5, batch_size=8)
+            captured = generate(module, env_config, prompts, **kwargs)
+            _DECODERS[module], mine = eager, _DECODERS[module]
+            assert captured == generate(module, env_config, prompts, **kwargs)
+            _DECODERS[module] = mine
+        graphs.append(set(mine.cache.engine.graphs))
+        assert mine.cache.engine.capture
+    assert graphs[-1] == graphs[1] and any(name[0] == "steps" for name in graphs[-1]), graphs
