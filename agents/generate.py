@@ -102,7 +102,8 @@ def generate(module, env_config: dict, prompts: list[str | None], *, greedy: boo
     decode engine in static blocks (`agents.modules.decoding.Decoder`: a CUDA graph per block on a
     GPU, one host read per block), then each row's tokens go through its env; other policies
     (seq2seq, Q-networks, sampling with mirostat), or `decoder=False`, take one module call per
-    token with the envs stepped in between. Both give the same tokens.
+    token with the envs stepped in between. Both give the same tokens on the CPU (tested); on a GPU
+    up to the rounding of the decoder's padded batch.
 
     A prompt of None draws one (with its metadata) from the task, seeded with seed + i; a given
     prompt takes `metas[i]` (default none). Row i samples from its own generator seeded with
@@ -197,6 +198,8 @@ def _decoded_rows(module, envs, obs, gens, scored, greedy, temperature, top_p) -
     decoder = _DECODERS.get(module)
     if decoder is None:
         decoder = _DECODERS[module] = Decoder()
+        for name in ("capture", "compile_step", "use_engine", "static_restarts"):  # as the policy's own cache
+            setattr(decoder.cache, name, getattr(module.kv_cache, name))
     training = module.training
     module.eval()  # as RLlib's forward_inference runs it
     try:

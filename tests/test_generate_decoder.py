@@ -85,6 +85,25 @@ def test_decodes_replay_the_blocks_captured_by_the_first_calls():
     assert any(name[0] == "steps" for name in graphs[0]) and counter.replays > 0
 
 
+def test_a_decoder_keeps_the_graphs_of_its_last_sampling_settings_only():
+    """Each (temperature, top_p) captures its own graphs (the values inside them); a decoder that
+    meets more settings than SAMPLING_SETTINGS_KEPT (a replica serving one request at a time)
+    drops the oldest one's graphs, and a setting met again is captured again and decodes the same."""
+    from agents.modules.decoding import SAMPLING_SETTINGS_KEPT
+    from benchmarks.emulated_capture import emulate_capture
+
+    module = build_module("sampler.name=top_k", "sampler.k=3")
+    env_config = dict(module.model_config["env"])
+    temperatures = [0.5, 0.7, 0.9, 1.1, 1.3, 1.5]
+    with emulate_capture():
+        first = [generate(module, env_config, [None] * 4, seed=1, temperature=t) for t in temperatures]
+        graphs = _DECODERS[module].cache.engine.graphs
+        held = {name[-1][2] for name in graphs if isinstance(name[-1], tuple) and name[-1][0] == "sample"}
+        assert held == set(temperatures[-SAMPLING_SETTINGS_KEPT:])
+        assert generate(module, env_config, [None] * 4, seed=1, temperature=0.5) == first[0]
+        assert generate(module, env_config, [None] * 4, seed=1, temperature=0.5, decoder=False) == first[0]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_decodes_on_cuda_replay_their_graphs_and_equal_the_eager_ones():
     """On a GPU `generate` replays the decoder's captured blocks: sampled and greedy results equal

@@ -33,6 +33,10 @@ from agents.samplers import MASKED, sample_rows, warp_logits
 DECODE_BLOCK = 8  # steps per static block after the first; EOS is read back between blocks
 DECODE_ROWS_MIN = 8
 PADDED_ROW_DRAW = 0.5  # the uniform a padding row draws at (its tokens are never read)
+# Sampled decodes' graphs are captured per (temperature, top_p), the values inside them as the
+# one-call-per-token path has them; past this many settings the oldest one's graphs are dropped
+# (a replica serving one request at a time meets each client's settings).
+SAMPLING_SETTINGS_KEPT = 4
 
 
 class Decoder:
@@ -41,9 +45,22 @@ class Decoder:
     def __init__(self):
         self.cache = RingKVCache()
         self.rows = 0
+        self.settings: list = []  # the sampled decodes' graph keys, oldest first
 
-    def __getstate__(self) -> dict:
-        return {"cache": RingKVCache(), "rows": 0}  # a copy starts with no engine (captured graphs do not copy)
+    def __getstate__(self) -> dict:  # a copy starts with no engine (captured graphs do not copy)
+        return {"cache": RingKVCache(), "rows": 0, "settings": []}
+
+    def _keep_graphs_of(self, key) -> None:
+        """Notes a sampled decode's graph key; drops the oldest setting's graphs past SAMPLING_SETTINGS_KEPT."""
+        if key in self.settings:
+            self.settings.remove(key)
+        self.settings.append(key)
+        engine = self.cache.engine
+        while len(self.settings) > SAMPLING_SETTINGS_KEPT:
+            old = self.settings.pop(0)
+            names = [n for n in (engine.graphs if engine is not None else ()) if isinstance(n, tuple)]
+            for name in [n for n in names if old in (n, n[-1])]:
+                del engine.graphs[name]
 
     @staticmethod
     def samples(module) -> bool:
@@ -97,6 +114,8 @@ class Decoder:
         placeholder = torch.zeros(DECODE_BLOCK, 1, device=device)  # a greedy block's unused per-step input
         tail, inputs = (draw, uniforms) if sampled else (argmax, lambda k: placeholder[:k])
         key = ("sample", masked, float(temperature), float(top_p)) if sampled else ("greedy", masked)
+        if sampled:
+            self._keep_graphs_of(key)
 
         def step(obs, u) -> torch.Tensor:  # one call: the token of each row after its window
             if static:  # a copy: a replayed graph's output is overwritten by its next replay
