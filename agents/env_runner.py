@@ -22,15 +22,13 @@ steps:
   * with `env_runners.decode_block` k > 1 (4 unless set) the module runs k steps per call
     (`act_steps`, exploring or greedy: each row appends the token it took, on the
     module's device) and the env then steps through them: one host round trip per k tokens.
-    A training call's last block is cut to the steps its share still needs.
+    A training call ends at a block's end, so it may sample up to k-1 steps of every row past
+    its share (docs/results/host_time.md has the steps per iteration).
 
 A training call (`sample()` with no arguments, or `num_timesteps`) samples
 at least the EnvRunner's share of the train batch (`train_batch_size /
 num_env_runners` env steps), returns complete episodes holding at least that
-many (and less than one episode more: episodes that finished past the share
-wait for the next call, which returns them first; rows that start together
-finish together, and would otherwise make some calls far longer than their
-share), and carries the episodes still running over to the next call, so no call waits for its slowest rows. A
+many, and carries the episodes still running over to the next call, so no call waits for its slowest rows. A
 carried episode may thus span a weight sync: its early steps keep the
 log-probs of the weights that sampled them (PPO's ratio is taken against
 those), and the module re-prefills its cache with the new weights. With
@@ -88,7 +86,7 @@ from ray.rllib.utils.metrics import SAMPLE_TIMER
 
 from agents.core import ROLLOUT_STATE, ROW_CONTINUES, global_rng_state, set_global_rng_state, state_requested
 from agents.modules.decode_engine import HostTransfers
-from agents.runner_episodes import EpisodeMetrics, Rollout, finished_episode, log_sampled, share_and_rest
+from agents.runner_episodes import EpisodeBuilder, EpisodeMetrics, Rollout, log_sampled
 from agents.rollout_state import (_module_rollout_states, _seed_module_rollouts, _set_module_rollout_states,
                                   env_state, rollout_seed, sampling_state, set_env_state, set_sampling_state)
 from agents.weight_sync import COLOCATED, modules_by_id
@@ -292,9 +290,8 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         return env
 
     def _rollout_state(self) -> dict:
-        """Adds the episodes carried to the next sample() call (running, or finished and held back): a
-        resumed run finishes and returns them as an uninterrupted one would (their early steps keep
-        the log-probs they were sampled with)."""
+        """Adds the episodes carried to the next sample() call: a resumed run finishes them as an
+        uninterrupted one would (their early steps keep the log-probs they were sampled with)."""
         return {**super()._rollout_state(), "carried": copy.deepcopy(self._rollout), "env_seeded": self._env_seeded}
 
     def _set_rollout_state(self, state: dict) -> None:
@@ -347,11 +344,10 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         st = self._rollout if by_steps and not random_actions else None
         self._rollout = None
         if st is None or st.explore != explore:
-            st = Rollout(B, explore, held=st.held if st is not None else [])
+            st = Rollout(B, explore)
         else:
             st.trim()
-        episodes, st.held = st.held, []  # episodes a call before finished past its share: returned first
-        returned, started, steps = sum(len(e) for e in episodes), 0, 0
+        episodes, returned, started, steps = [], 0, 0, 0
         finished = []  # rows' finished episodes, built while the module's next steps run (`_build`)
 
         def start(rows: np.ndarray) -> None:
@@ -387,10 +383,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         # iteration (about 1.5x the configured train batch on average, 2x at worst).
         while ((steps < num_timesteps or st.active.any()) if draining
                else (min(returned, steps) < num_timesteps) if by_steps else st.active.any()):
-            # a training call's last block: cut to the steps its share still needs
-            most = st.steps_for(num_timesteps - steps) if by_steps and not draining and steps < num_timesteps else None
-            for out in self._module_steps(st, module, env, explore, random_actions, device, t_global + steps, build,
-                                          most):
+            for out in self._module_steps(st, module, env, explore, random_actions, device, t_global + steps, build):
                 actions = out.pop(Columns.ACTIONS)
                 before = st.obs
                 st.obs, rewards, terminated, _, infos = env.step(actions)
@@ -405,8 +398,6 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
                     break
             refill(1 if self._restarts.free or not st.active.any() else refill_at)
         build()
-        if by_steps and not draining and not random_actions:
-            episodes, st.held = share_and_rest(episodes, num_timesteps)
         if by_steps and not random_actions:
             self._rollout = st  # with carry_episodes off it holds no running episode, only buffers
         return episodes, steps
@@ -416,8 +407,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         episodes.extend(self._episode(row, st) for row in finished)
         finished.clear()
 
-    def _module_steps(self, st, module, env, explore, random_actions, device, t, meanwhile,
-                      most: int | None = None) -> list[dict]:
+    def _module_steps(self, st, module, env, explore, random_actions, device, t, meanwhile) -> list[dict]:
         """The module's outputs for the next env steps, on the host: one step, or with
         `decode_block` k > 1 (`steps_per_round_trip`) k steps computed on the device with each row
         appending the token it took, as the env then does for every row still running (rows that
@@ -436,7 +426,6 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         batch = {Columns.OBS: {k: self._host.to_device(k, v, device) for k, v in obs.items()},
                  ROW_CONTINUES: torch.from_numpy(st.cont.copy())}
         block = steps_per_round_trip(module, self._block, explore)
-        block = block if most is None else min(block, most)
         if block > 1:
             out = module.act_steps(batch, block, explore)
             meanwhile()
@@ -448,8 +437,20 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         return [out]
 
     def _episode(self, row, st):
-        """A finished row's episode (`Rollout.finish`) as an RLlib episode (`finished_episode`)."""
-        return finished_episode(self, row, st)
+        """A finished row's episode (`Rollout.finish`) as an RLlib episode, built from arrays."""
+        obs, actions, rewards, extras = st.episode_arrays(row)
+        if self._episode_builder is None or self._episode_builder.extra_keys != tuple(extras):
+            self._episode_builder = EpisodeBuilder(self.env.single_observation_space, self.env.single_action_space,
+                                                   tuple(extras))
+        episode = self._episode_builder.build(obs, [row.reset_info] + [{} for _ in range(row.steps - 1)]
+                                              + [row.final_info], actions, rewards, extras)
+        make_callback("on_episode_end", callbacks_objects=self._episode_callbacks,
+                      callbacks_functions=self.config.callbacks_on_episode_end,
+                      kwargs=dict(episode=episode, env_runner=self, metrics_logger=self.metrics,
+                                  env=self.env.unwrapped, rl_module=self.module, env_index=row.index,
+                                  prev_episode_chunks=[]))
+        self._episode_metrics.add(row.steps, float(rewards.sum()), row.seconds)
+        return episode
 
 
 def random_step(env) -> dict:

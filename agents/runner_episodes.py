@@ -20,7 +20,6 @@ import uuid
 from typing import NamedTuple
 
 import numpy as np
-from ray.rllib.callbacks.utils import make_callback
 from ray.rllib.core import DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
@@ -163,36 +162,6 @@ def log_sampled(runner, steps: int, episodes: list) -> None:
     log(NUM_EPISODES_LIFETIME, len(episodes), reduce="lifetime_sum")
 
 
-def finished_episode(runner, row, st):
-    """A fast EnvRunner's finished row (`Rollout.finish`) as an RLlib episode, built from the
-    arrays (`EpisodeBuilder`, kept on the runner per set of extra outputs), with RLlib's
-    `on_episode_end` callbacks called and the episode noted in the runner's metrics."""
-    obs, actions, rewards, extras = st.episode_arrays(row)
-    if runner._episode_builder is None or runner._episode_builder.extra_keys != tuple(extras):
-        runner._episode_builder = EpisodeBuilder(runner.env.single_observation_space,
-                                                 runner.env.single_action_space, tuple(extras))
-    episode = runner._episode_builder.build(obs, [row.reset_info] + [{} for _ in range(row.steps - 1)]
-                                            + [row.final_info], actions, rewards, extras)
-    make_callback("on_episode_end", callbacks_objects=runner._episode_callbacks,
-                  callbacks_functions=runner.config.callbacks_on_episode_end,
-                  kwargs=dict(episode=episode, env_runner=runner, metrics_logger=runner.metrics,
-                              env=runner.env.unwrapped, rl_module=runner.module, env_index=row.index,
-                              prev_episode_chunks=[]))
-    runner._episode_metrics.add(row.steps, float(rewards.sum()), row.seconds)
-    return episode
-
-
-def share_and_rest(episodes: list, share: int) -> tuple[list, list]:
-    """A training call's `episodes` (in the order they finished) cut into the first ones that hold
-    `share` steps, returned now, and the rest, which wait for the next call: each call then returns
-    about its share, not every row that finished while it ran (rows that start together finish
-    together)."""
-    total, cut = 0, 0
-    while total < share and cut < len(episodes):
-        total, cut = total + len(episodes[cut]), cut + 1
-    return episodes[:cut], episodes[cut:]
-
-
 def _put(buf, n: int, row: np.ndarray) -> np.ndarray:
     """`buf` (steps, B, ...) with `row` written at step n, grown (doubled) when full."""
     row = np.asarray(row)
@@ -212,7 +181,7 @@ class Rollout:
     later (`episode_arrays`), while the module's next steps run on its device: the steps it covers
     stay as they are until the next `trim`."""
 
-    def __init__(self, num_rows: int, explore: bool, held: list | None = None):
+    def __init__(self, num_rows: int, explore: bool):
         B = num_rows
         self.explore = explore
         self.obs = None
@@ -224,7 +193,6 @@ class Rollout:
         self.reset_infos: list[dict] = [{} for _ in range(B)]
         self.n = 0
         self.obs_buf, self.act_buf, self.rew_buf, self.extra_buf = {}, None, None, {}
-        self.held: list = held or []  # episodes finished past a call's share, returned first by the next call
 
     def record(self, obs: dict, actions, rewards, extras: dict) -> None:
         """One vector step: the observations the module saw, the actions, rewards and extra outputs."""
@@ -235,10 +203,6 @@ class Rollout:
         for k, v in extras.items():
             self.extra_buf[k] = _put(self.extra_buf.get(k), n, v)
         self.n = n + 1
-
-    def steps_for(self, steps: int) -> int:
-        """The most steps every running row may take for the rows to sample about `steps` (at least 1)."""
-        return max(1, math.ceil(steps / max(1, int(self.active.sum()))))
 
     def trim(self) -> None:
         """Drops the steps before the oldest running episode's first."""

@@ -91,19 +91,14 @@ def test_fast_runner_episodes_are_complete_and_consistent():
     metrics = runner.get_metrics()
     assert float(metrics["num_episodes"]) == len(episodes)
     # the steps taken are those returned plus those of the episodes still running, which the
-    # next call finishes (no call waits for its slowest rows), plus those of episodes finished
-    # past the call's share, which the next call returns first
+    # next call finishes (no call waits for its slowest rows)
     st = runner._rollout
     running = sum(st.n - st.row_start[i] for i in np.flatnonzero(st.active))
-    held = sum(len(e) for e in st.held)
-    assert float(metrics["num_env_steps_sampled"]) == steps + running + held > steps
-    assert steps - max(len(e) for e in episodes) < 96  # the share, and less than one episode more
-    held_episodes = list(st.held)
+    assert float(metrics["num_env_steps_sampled"]) == steps + running > steps
     more = runner.sample()
-    assert float(runner.get_metrics()["num_env_steps_sampled"]) + running + held >= sum(len(e) for e in more)
+    assert float(runner.get_metrics()["num_env_steps_sampled"]) + running >= sum(len(e) for e in more)
     assert {e.id_ for e in more}.isdisjoint(e.id_ for e in episodes)
-    assert [e.id_ for e in more[:len(held_episodes)]] == [e.id_ for e in held_episodes]
-    returns = [e.get_return() for e in episodes + held_episodes]  # the metrics count episodes as they finish
+    returns = [e.get_return() for e in episodes]
     assert float(metrics["episode_return_mean"]) == pytest.approx(np.mean(returns[-100:]))
     runner.stop()
 
@@ -235,8 +230,7 @@ def test_decode_blocks_sample_what_the_env_steps_through(sampler, captured, monk
         carried += int(runner._rollout.active.sum())
         if call == 2:
             runner.set_state(runner.get_state())  # a weight sync: the carried rows are prefilled anew
-    # a call's last blocks are cut to the steps its share still needs
-    assert set(blocks) <= {2, 3, 4} and blocks.count(4) > len(blocks) / 2 and carried > 0
+    assert blocks and set(blocks) == {4} and carried > 0
     assert module.kv_cache.stats["incremental_rows"] > 0
     if captured:  # a block's steps after the first are one graph; its first step restarts rows in it or not
         kinds = {name[0] for name in module.kv_cache.engine.graphs if isinstance(name, tuple)}
@@ -353,43 +347,8 @@ def test_decode_block_unset_is_four_on_the_cpu_too_and_one_steps_a_token_per_rou
         runner.module.act_steps = lambda batch, steps, explore=True: blocks.append(steps) or act_steps(
             batch, steps, explore)
         runner.sample()
-        # a call's last blocks are cut to the steps its share still needs
-        assert (set(blocks) <= {2, 3, 4} and blocks.count(4) > len(blocks) / 2 if expected else not blocks)
-        assert runner_decode_block(runner) == (setting or 4)
+        assert set(blocks) == expected and runner_decode_block(runner) == (setting or 4)
         runner.stop()
-
-
-@pytest.mark.parametrize("block", [1, 4])
-def test_each_training_call_returns_its_share_and_nothing_is_lost(block):
-    """Rows that start together finish together (here every episode runs to its 12 tokens): a call
-    still samples about its share (its last block cut to the steps the share needs) and returns
-    its share and less than one episode more; episodes finished past it are returned first by the
-    next call. Over 12 calls every step sampled is returned, running, or held for the next call."""
-    raw = {**CAUSAL, "env": {"max_prompt_len": 5, "max_new_tokens": 12},
-           "training": {"train_batch_size": 256, "minibatch_size": 64},
-           "env_runners": {"num_envs_per_env_runner": 32, "decode_block": block}}
-    runner = FastTokenEnvRunner(config=algorithm_config(validate(raw)))
-    lm = runner.module.lm
-    w = lm.get_input_embeddings().weight.detach()
-    head = torch.nn.Linear(w.shape[1], w.shape[0])  # EOS never drawn: every episode is 12 steps long
-    with torch.no_grad():
-        head.weight.copy_(w)
-        head.bias.zero_()[runner.env.unwrapped.eos_id] = -1e4
-    lm.set_output_embeddings(head)
-    sampled, returned, ids = [], 0, set()
-    for _ in range(12):
-        episodes = runner.sample()
-        assert all(len(e) == 12 for e in episodes)
-        assert 256 <= sum(len(e) for e in episodes) < 256 + 12
-        assert not ids & {e.id_ for e in episodes}
-        ids |= {e.id_ for e in episodes}
-        returned += sum(len(e) for e in episodes)
-        sampled.append(int(runner.get_metrics()["num_env_steps_sampled"]))
-    st = runner._rollout
-    running = sum(st.n - st.row_start[i] for i in np.flatnonzero(st.active))
-    assert sum(sampled) == returned + running + sum(len(e) for e in st.held)
-    assert max(sampled[4:]) < 256 + 32 * 2, sampled  # once past the first calls (every row started at once)
-    runner.stop()
 
 
 def test_decode_block_with_the_stock_runner_is_refused_in_one_line():
@@ -414,18 +373,13 @@ def test_finished_episodes_are_built_while_the_next_block_runs():
     host.to_host = lambda *a, **k: (events.append("read"), to_host(*a, **k))[1]
     runner._episode = lambda *a, **k: (events.append("episode"), episode(*a, **k))[1]
     episodes = runner.sample()
-    built = len(episodes) + len(runner._rollout.held)  # and those finished past the share, returned next
-    assert events.count("episode") == built > 8  # more episodes than rows: rows restarted
-    # A block's finished episodes are built after the next block is queued, before its outputs are
-    # read; a single step's (a call's share may need one more step: its block is cut to it) after
-    # its outputs are read, as with decode_block 1.
+    assert events.count("episode") == len(episodes) > 8  # more episodes than rows: rows restarted
     last_read = len(events) - 1 - events[::-1].index("read")
     for j, event in enumerate(events[:last_read]):
-        if event == "episode":
+        if event == "episode":  # between a block's queueing and the reading of its outputs
             before = [e for e in events[:j] if e != "episode"]
             after = next(e for e in events[j:] if e != "episode")
-            single_step = before[-1] == "read" and before[-2] == "read"
-            assert (before[-1] == "queued" and after == "read") or single_step, events
+            assert before[-1] == "queued" and after == "read", events
     assert "episode" in events[:last_read]
     tok = runner.env.unwrapped.tokenizer
     for e in episodes:
