@@ -16,6 +16,12 @@ def _lookup(result: dict, path: str):
     return node
 
 
+def three_places(value: float) -> str:
+    """`value` to three decimals, a value that rounds to zero as 0.000 (a sampled KL estimate just
+    below zero is not printed as -0.000)."""
+    return f"{round(value, 3) + 0.0:.3f}"
+
+
 def _metric(result: dict, path: str):
     node = _lookup(result, path)
     try:
@@ -136,7 +142,7 @@ def make_progress_callback(eval_interval: int = 0, quiet: bool = False, metric: 
                                ("qf_mean", "q"), ("td_error_mean", "td")):
                 value = _metric(result, f"learners/default_policy/{key}")
                 if value is not None:
-                    fields.append(f"{label} {value:.3f}")
+                    fields.append(f"{label} {three_places(value)}")
             mask = _metric(result, "learners/default_policy/mask_size")
             if mask is not None:
                 self.mask.setdefault(trial.trial_id, []).append(mask)

@@ -508,3 +508,10 @@ def test_resume_refuses_a_config_that_differs_from_the_runs_own(tmp_path, capsys
         "error: --resume: the run goes on with the config it started with, and this one differs: "
         "stop.training_iteration (500 -> 7), training.lr (0.001 -> 0.5); give the run's own config "
         "(or a new tune.name for a new run)")
+
+
+def test_progress_prints_a_value_that_rounds_to_zero_as_zero():
+    from agents.progress import three_places
+
+    assert [three_places(v) for v in (-0.0002, 0.0, 0.0004, -0.0006, 0.1234, -1.5)] == [
+        "0.000", "0.000", "0.000", "-0.001", "0.123", "-1.500"]
