@@ -50,6 +50,19 @@ def test_decodes_on_the_engine_equal_one_call_per_token(sampler_module, greedy, 
         assert any(not r["eos"] and r["num_generated"] == env_config["max_new_tokens"] for r in decoded)
 
 
+def test_a_trunk_the_engine_does_not_serve_decodes_one_call_per_step_to_the_same_results():
+    """With the policy's cache off the engine (as for a trunk other than a plain GPT-2), the decoder
+    takes one call per step (no static blocks) and still gives the stepwise loop's results."""
+    module = eos_likely(build_module("sampler.name=top_k", "sampler.k=5"))
+    module.kv_cache.use_engine = False
+    env_config = dict(module.model_config["env"])
+    for greedy in (False, True):
+        kwargs = dict(greedy=greedy, seed=3, temperature=2.0, batch_size=6)
+        assert generate(module, env_config, PROMPTS, **kwargs) == generate(module, env_config, PROMPTS,
+                                                                           decoder=False, **kwargs)
+    assert _DECODERS[module].cache.engine is None
+
+
 def test_decoded_texts_do_not_depend_on_the_batch():
     """Row i draws from its own generator (seed + i), k uniforms a block: the same texts in
     batches of 1, 4 and 16."""
