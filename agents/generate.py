@@ -261,6 +261,21 @@ def check_seed(seed: int) -> str | None:
     return None if 0 <= seed <= MAX_SEED else f"--seed: expected an integer in [0, {MAX_SEED}], got {seed}"
 
 
+def check_device(device: str) -> str | None:
+    """The --device error line, None for a device torch has here."""
+    try:
+        where = torch.device(device)
+    except RuntimeError:
+        return f"--device: expected cpu or cuda[:N], got {device!r}"
+    if where.type not in ("cpu", "cuda"):
+        return f"--device: expected cpu or cuda[:N], got {device!r}"
+    if where.type == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: torch sees no CUDA device here"
+    if where.type == "cuda" and where.index is not None and where.index >= torch.cuda.device_count():
+        return f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 def check_prompts(tokenizer, prompts: list[str]) -> str | None:
     """The first problem with the prompts given with --prompt as one line, or None: a word the
     task's tokenizer can only encode as its unknown token (a word-level task's unknown token is
@@ -284,20 +299,22 @@ def main(argv=None, prog: str = "python -m agents.generate") -> int:
     parser.add_argument("-n", type=int, default=3, help="generations per prompt (default 3)")
     parser.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where the policy decodes: cpu (default) or cuda[:N] "
+                        "(its steps then replay as CUDA graphs)")
     args = parser.parse_args(argv)
     if not 1 <= args.n <= MAX_N:
         parser.error(f"-n: expected an integer in [1, {MAX_N}] (for larger samples: python -m agents.evaluate "
                      f"--num-samples), got {args.n}")
-    bad_seed = check_seed(args.seed)
-    if bad_seed:
-        print(f"error: {bad_seed}", file=sys.stderr)
+    bad = check_seed(args.seed) or check_device(args.device)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from agents.core import no_transformers_bars
 
     no_transformers_bars()
     try:
-        module = load_policy(args.checkpoint)
+        module = load_policy(args.checkpoint).to(args.device)
     except (FileNotFoundError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -113,6 +113,7 @@ for step in "${steps[@]}"; do
   case $step in
     tests) run tests 180 $PY -m pytest -q -p no:cacheprovider tests/test_decode_engine.py tests/test_weight_sync.py \
              tests/test_static_update.py tests/test_generate_decoder.py \
+             "tests/test_config.py::test_generate_refuses_prompt_words_outside_the_vocabulary_naming_the_prompt" \
              "tests/test_serve_batching.py::test_a_replica_on_a_gpu_writes_what_the_cpu_replica_writes" \
              "tests/test_serve_batching.py::test_a_gpu_replica_draws_sampled_completions_with_every_request_sampler_on_the_device" \
              "tests/test_serve_batching.py::test_generate_on_a_gpu_draws_on_the_device_and_repeats_for_a_seed" \

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from agents.config import ConfigError, algorithm_config, load, to_tune, validate
 from tests.conftest import QUICKSTART, one_line_cli_error
@@ -212,6 +213,19 @@ def test_generate_refuses_prompt_words_outside_the_vocabulary_naming_the_prompt(
         "error: --prompt #2 ('  '): empty after tokenization"
     assert one_line_cli_error(capsys, generate, *ckpt, "--seed", "-1") == \
         "error: --seed: expected an integer in [0, 2147483647], got -1"
+    assert one_line_cli_error(capsys, generate, *ckpt, "--device", "tpu") == \
+        "error: --device: expected cpu or cuda[:N], got 'tpu'"
+    if not torch.cuda.is_available():
+        assert one_line_cli_error(capsys, generate, *ckpt, "--device", "cuda") == \
+            "error: --device cuda: torch sees no CUDA device here"
+    assert generate([*ckpt, "--prompt", known, "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and f"] {known}||" in out[0], out
+    if torch.cuda.is_available():  # the same text decoded on the GPU (greedy: no draw to differ)
+        assert generate([*ckpt, "--prompt", known, "--greedy"]) == 0
+        on_cpu = capsys.readouterr().out
+        assert generate([*ckpt, "--prompt", known, "--greedy", "--device", "cuda"]) == 0
+        assert capsys.readouterr().out == on_cpu
     assert generate([*ckpt, "--prompt", known]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and f"] {known}||" in out[0], out
