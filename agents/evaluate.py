@@ -55,6 +55,9 @@ class HFPolicy:
     def __init__(self, lm):
         self.lm = lm.eval()
 
+    def parameters(self):  # where `generate` puts the observations
+        return self.lm.parameters()
+
     def forward_inference(self, batch):
         from ray.rllib.core.columns import Columns
 
@@ -64,7 +67,7 @@ class HFPolicy:
         return {Columns.ACTION_DIST_INPUTS: self.lm.get_output_embeddings()(hidden)}
 
 
-class HFSeq2SeqPolicy:
+class HFSeq2SeqPolicy(HFPolicy):
     """A plain encoder-decoder LM behind the same call: the decoder's next-token logits for the
     source (encoder side) and the tokens generated so far, computed as the seq2seq RLModule does."""
 
@@ -135,6 +138,11 @@ class Model:
         from agents.models import is_encoder_decoder
 
         self.seq2seq = is_encoder_decoder(self.lm)
+
+    def to(self, device: str) -> "Model":
+        """The model's policy and LM (one set of weights) on `device`."""
+        (self.policy if self.kind == "checkpoint" else self.lm).to(device)
+        return self
 
 
 def _short_name(path: str) -> str:
@@ -363,6 +371,7 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
     parser.add_argument("--reference", help="LM for perplexity: a model directory or checkpoint (default: the first model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch CPU threads (tiny models on a busy machine: 1 is fastest)")
+    parser.add_argument("--device", default="cpu", help="where the models generate and score: cpu (default) or cuda[:N]")
     parser.add_argument("--curves", nargs="+", metavar="RUN", help="trial or experiment directories to plot")
     parser.add_argument("--metric", action="append", help="metric to plot (repeatable; default episode_return_mean)")
     parser.add_argument("--out", default="results/evaluation", help="output directory (default results/evaluation)")
@@ -376,10 +385,10 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
 
     no_transformers_bars()
     try:
-        from agents.generate import check_seed
+        from agents.generate import check_device, check_seed
         from env.validation import directory_error
 
-        for error in (directory_error("--out", args.out), check_seed(args.seed)):  # before evaluating
+        for error in (directory_error("--out", args.out), check_seed(args.seed), check_device(args.device)):
             if error:
                 raise EvalError(error)
         if args.threads is not None and args.threads < 1:
@@ -394,13 +403,13 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
             raise EvalError(f"--names: {len(args.names)} names for {len(args.models)} models")
         if args.models:
             names = args.names or [None] * len(args.models)
-            models = [Model(p, n) for p, n in zip(args.models, names)]
+            models = [Model(p, n).to(args.device) for p, n in zip(args.models, names)]
             twice = next((m.name for i, m in enumerate(models) if m.name in [o.name for o in models[:i]]), None)
             if twice is not None:  # their rows would be one
                 raise EvalError(f"--names: {twice!r} names two models" + ("" if args.names else
                                                                          " (their paths end alike); give --names"))
             env_cfg = resolve_env_config(args.config, args.overrides, models)
-            reference = Model(args.reference) if args.reference else None
+            reference = Model(args.reference).to(args.device) if args.reference else None
             result = evaluate(models, env_cfg, split=args.split, greedy=args.greedy, num_samples=args.num_samples,
                               max_examples=args.max_examples, reference=reference, seed=args.seed)
             paths = write_results(result, args.out)

@@ -215,6 +215,7 @@ def test_cli_bad_input_is_one_line(setup, tmp_path, capsys):
     assert _cli_error(capsys, setup["dirs"][0], "--set", "env.max_new_tokens=4").startswith(
         "error: --set: changes --config's values, and no --config was given")
     assert _cli_error(capsys, setup["dirs"][0], "--seed", "-1") == "error: --seed: expected an integer in [0, 2147483647], got -1"
+    assert _cli_error(capsys, setup["dirs"][0], "--device", "gpu") == "error: --device: expected cpu or cuda[:N], got 'gpu'"
     (tmp_path / "afile").write_text("x")  # refused before anything is evaluated
     assert _cli_error(capsys, setup["dirs"][0], "--out", str(tmp_path / "afile" / "sub")) == \
         f"error: --out: {tmp_path / 'afile'} is a file, so {tmp_path / 'afile' / 'sub'} cannot be a directory"
