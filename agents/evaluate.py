@@ -1,7 +1,7 @@
 """Evaluate policies side by side on a task's test split, and plot training curves.
 
     python -m agents.evaluate MODEL [MODEL ...] [--config RL.yaml] [--split test] [--greedy]
-                              [--num-samples N] [--max-examples N] [--reference PATH] [--out DIR]
+                              [--num-samples N] [--max-examples N] [--reference PATH] [--device cuda] [--out DIR]
     python -m agents.evaluate --curves RUN [RUN ...] [--metric NAME ...] [--out DIR]
 
 A MODEL is a checkpoint written by `agents.train` (or the RLModule directory in it) or
@@ -371,7 +371,8 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
     parser.add_argument("--reference", help="LM for perplexity: a model directory or checkpoint (default: the first model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch CPU threads (tiny models on a busy machine: 1 is fastest)")
-    parser.add_argument("--device", default="cpu", help="where the models generate and score: cpu (default) or cuda[:N]")
+    parser.add_argument("--device", default="cpu", help="where the models generate and the reference LM computes "
+                        "perplexity: cpu (default) or cuda[:N] (reward models keep their own reward.device)")
     parser.add_argument("--curves", nargs="+", metavar="RUN", help="trial or experiment directories to plot")
     parser.add_argument("--metric", action="append", help="metric to plot (repeatable; default episode_return_mean)")
     parser.add_argument("--out", default="results/evaluation", help="output directory (default results/evaluation)")
@@ -385,7 +386,7 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
 
     no_transformers_bars()
     try:
-        from agents.generate import check_device, check_seed
+        from agents.generate import check_device, check_seed, use_device
         from env.validation import directory_error
 
         for error in (directory_error("--out", args.out), check_seed(args.seed), check_device(args.device)):
@@ -403,6 +404,7 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
             raise EvalError(f"--names: {len(args.names)} names for {len(args.models)} models")
         if args.models:
             names = args.names or [None] * len(args.models)
+            use_device(args.device)
             models = [Model(p, n).to(args.device) for p, n in zip(args.models, names)]
             twice = next((m.name for i, m in enumerate(models) if m.name in [o.name for o in models[:i]]), None)
             if twice is not None:  # their rows would be one

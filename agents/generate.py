@@ -1,6 +1,6 @@
 """Generate text with a trained policy.
 
-    python -m agents.generate --checkpoint PATH [--prompt TEXT ...] [-n N] [--greedy]
+    python -m agents.generate --checkpoint PATH [--prompt TEXT ...] [-n N] [--greedy] [--device cuda]
 
 PATH is a checkpoint directory written by `agents.train` (or the RLModule
 directory inside it). The task, tokenizer and lengths come from the checkpoint.
@@ -198,7 +198,7 @@ def _decoded_rows(module, envs, obs, gens, scored, greedy, temperature, top_p) -
     decoder = _DECODERS.get(module)
     if decoder is None:
         decoder = _DECODERS[module] = Decoder()
-        for name in ("capture", "compile_step", "use_engine", "static_restarts"):  # as the policy's own cache
+        for name in ("capture", "use_engine", "static_restarts"):  # as the policy's own cache (never compiled)
             setattr(decoder.cache, name, getattr(module.kv_cache, name))
     training = module.training
     module.eval()  # as RLlib's forward_inference runs it
@@ -261,6 +261,13 @@ def check_seed(seed: int) -> str | None:
     return None if 0 <= seed <= MAX_SEED else f"--seed: expected an integer in [0, {MAX_SEED}], got {seed}"
 
 
+def use_device(device: str) -> None:
+    """Makes a CUDA `device` the current one (graph captures take the current device's stream)."""
+    where = torch.device(device)
+    if where.type == "cuda" and where.index is not None:
+        torch.cuda.set_device(where)
+
+
 def check_device(device: str) -> str | None:
     """The --device error line, None for a device torch has here."""
     try:
@@ -270,7 +277,7 @@ def check_device(device: str) -> str | None:
     if where.type not in ("cpu", "cuda"):
         return f"--device: expected cpu or cuda[:N], got {device!r}"
     if where.type == "cuda" and not torch.cuda.is_available():
-        return "--device cuda: torch sees no CUDA device here"
+        return f"--device {device}: torch sees no CUDA device here"
     if where.type == "cuda" and where.index is not None and where.index >= torch.cuda.device_count():
         return f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s)"
     return None
@@ -314,6 +321,7 @@ def main(argv=None, prog: str = "python -m agents.generate") -> int:
 
     no_transformers_bars()
     try:
+        use_device(args.device)
         module = load_policy(args.checkpoint).to(args.device)
     except (FileNotFoundError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

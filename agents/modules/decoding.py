@@ -61,6 +61,7 @@ class Decoder:
             names = [n for n in (engine.graphs if engine is not None else ()) if isinstance(n, tuple)]
             for name in [n for n in names if old in (n, n[-1])]:
                 del engine.graphs[name]
+                engine.compiled.pop(name, None)
 
     @staticmethod
     def samples(module) -> bool:
