@@ -19,7 +19,7 @@ from ray.rllib.core import (COMPONENT_LEARNER, COMPONENT_LEARNER_GROUP, COMPONEN
                             DEFAULT_MODULE_ID)
 
 from agents.core import MAX_SEED, DropLogLines
-from agents.samplers import sample_rows, warp_logits  # noqa: F401 (warp_logits: this module's name for it too)
+from agents.samplers import sample_rows, warp_logits
 
 # Where an Algorithm checkpoint keeps the trained policy (RLlib's component names).
 MODULE_SUBDIR = os.path.join(COMPONENT_LEARNER_GROUP, COMPONENT_LEARNER, COMPONENT_RL_MODULE, DEFAULT_MODULE_ID)

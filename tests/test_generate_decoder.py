@@ -38,12 +38,17 @@ def test_decodes_on_the_engine_equal_one_call_per_token(sampler_module, greedy, 
     env_config = dict(module.model_config["env"])
     kwargs = dict(greedy=greedy, seed=5, temperature=temperature, top_p=top_p, batch_size=4)
     stepped = generate(module, env_config, PROMPTS, decoder=False, **kwargs)
+    decoder = _DECODERS.get(module)
+    before = decoder.cache.stats["incremental_rows"] if decoder is not None else 0
     decoded = generate(module, env_config, PROMPTS, **kwargs)
     assert decoded == stepped
     on_engine = decodes_on_engine(module, greedy)
     assert on_engine == (greedy or name != "mirostat")  # mirostat's sampled state follows each token
+    decoder = _DECODERS.get(module)
+    stepped_on_engine = decoder is not None and decoder.cache.stats["incremental_rows"] > before
+    assert stepped_on_engine == on_engine  # the decoder's engine took this call's steps, or it was not used
     if on_engine:
-        assert _DECODERS[module].cache.engine is not None and _DECODERS[module].rows == 8
+        assert decoder.rows == 8
     if temperature > 2:
         ends = {r["num_generated"] for r in decoded if r["eos"]}
         assert ends and any(n not in (1, 9, 17) for n in ends), ends  # EOS inside a block, not at its end

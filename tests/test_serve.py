@@ -291,7 +291,7 @@ def test_completions_answer_in_the_openai_format_with_usage_from_the_tokenizer(c
 
 
 def test_temperature_and_top_p_act_within_the_samplers_mask():
-    from agents.generate import warp_logits
+    from agents.samplers import warp_logits
     from agents.samplers import MASKED, top_k_mask
 
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(0))

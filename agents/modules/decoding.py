@@ -92,19 +92,18 @@ class Decoder:
         static = not (masked and sampler.learned)  # a learned mask reads the window: one call per step
         eos = -1 if eos_id is None else eos_id
 
-        def argmax(hidden, _unused=None, window=None) -> dict:  # static unless a learned mask reads the window
-            logits = module._logits(module.lm, hidden).float()
-            if masked:
-                source = module.mask_lm_logits(window) if sampler.learned else logits
-                logits = logits.masked_fill(~sampler.keep(source, None), -torch.inf)
-            return {"token": logits.argmax(-1)}
-
-        def draw(hidden, uniform, window=None) -> dict:  # the sampled step after the trunk
+        def kept(hidden, window) -> torch.Tensor:  # static unless a learned mask reads the window
             logits = module._logits(module.lm, hidden).float()
             if masked:
                 source = module.mask_lm_logits(window) if sampler.learned else logits
                 logits = logits.masked_fill(~sampler.keep(source, None), MASKED)
-            probs = torch.softmax(warp_logits(logits, temperature, top_p), -1)
+            return logits
+
+        def argmax(hidden, _unused=None, window=None) -> dict:  # the greedy step after the trunk
+            return {"token": kept(hidden, window).argmax(-1)}
+
+        def draw(hidden, uniform, window=None) -> dict:  # the sampled step after the trunk
+            probs = torch.softmax(warp_logits(kept(hidden, window), temperature, top_p), -1)
             return {"token": sample_rows(probs, uniform)}
 
         def uniforms(k: int) -> torch.Tensor:  # (k, rows, 1): the tail's per-step input
