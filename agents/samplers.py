@@ -84,39 +84,51 @@ def top_k_mask(logits: torch.Tensor, k: int | torch.Tensor, min_tokens_to_keep: 
     return logits >= _kth_largest(logits, k)
 
 
-def top_p_mask(logits: torch.Tensor, p: float, min_tokens_to_keep: int = 1) -> torch.Tensor:
-    """Nucleus: the most likely tokens whose probability mass first reaches p."""
+def _per_row(value, dtype: torch.dtype):
+    """A parameter as the masks compare with it: a number as it is (torch casts it to the logits'
+    dtype), a tensor of per-row values (rows, 1) cast to `dtype`, so a float64 tensor of a row's
+    number gives that number's mask exactly."""
+    return value.to(dtype) if torch.is_tensor(value) else value
+
+
+def top_p_mask(logits: torch.Tensor, p, min_tokens_to_keep: int = 1) -> torch.Tensor:
+    """Nucleus: the most likely tokens whose probability mass first reaches p (a number, or a
+    (rows, 1) tensor of per-row values)."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
     cumulative = sorted_logits.softmax(-1).cumsum(-1)
-    remove = cumulative <= (1 - p)
+    remove = cumulative <= _per_row(1 - p, cumulative.dtype)
     remove[..., -min_tokens_to_keep:] = False
     return ~remove.scatter(-1, order, remove)
 
 
-def typical_mask(logits: torch.Tensor, p: float, min_tokens_to_keep: int = 1) -> torch.Tensor:
-    """Locally typical: tokens whose surprise is closest to the entropy, covering mass p."""
+def typical_mask(logits: torch.Tensor, p, min_tokens_to_keep: int = 1) -> torch.Tensor:
+    """Locally typical: tokens whose surprise is closest to the entropy, covering mass p (a number,
+    or per-row values)."""
     logp = torch.log_softmax(logits, -1)
     entropy = -(logp * logp.exp()).nansum(-1, keepdim=True)
     distance = (-logp - entropy).abs()
     sorted_distance, order = torch.sort(distance, dim=-1, descending=False)
     cumulative = logits.gather(-1, order).softmax(-1).cumsum(-1)
-    last = (cumulative < p).sum(-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+    last = (cumulative < _per_row(p, cumulative.dtype)).sum(-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
     remove = sorted_distance > sorted_distance.gather(-1, last)
     remove[..., :min_tokens_to_keep] = False
     return ~remove.scatter(-1, order, remove)
 
 
-def epsilon_mask(logits: torch.Tensor, epsilon: float, min_tokens_to_keep: int = 1) -> torch.Tensor:
-    """Tokens with probability >= epsilon."""
-    return _at_least(logits.softmax(-1) >= epsilon, logits, min_tokens_to_keep)
+def epsilon_mask(logits: torch.Tensor, epsilon, min_tokens_to_keep: int = 1) -> torch.Tensor:
+    """Tokens with probability >= epsilon (a number, or per-row values)."""
+    return _at_least(logits.softmax(-1) >= _per_row(epsilon, logits.dtype), logits, min_tokens_to_keep)
 
 
-def eta_mask(logits: torch.Tensor, eta: float, min_tokens_to_keep: int = 1) -> torch.Tensor:
-    """Tokens with probability >= min(eta, sqrt(eta) * exp(-entropy))."""
+def eta_mask(logits: torch.Tensor, eta, min_tokens_to_keep: int = 1) -> torch.Tensor:
+    """Tokens with probability >= min(eta, sqrt(eta) * exp(-entropy)) (eta a number, or per-row values)."""
     # Categorical(logits=logits).entropy(), written out (its argument checks branch on data)
     logp = logits - logits.logsumexp(-1, keepdim=True)
     entropy = -(logp.clamp(min=torch.finfo(logp.dtype).min) * logp.softmax(-1)).sum(-1, keepdim=True)
-    threshold = torch.clamp(math.sqrt(eta) * torch.exp(-entropy), max=eta)
+    if torch.is_tensor(eta):  # the square root in float64, as math.sqrt takes it
+        threshold = torch.minimum(eta.double().sqrt().to(logits.dtype) * torch.exp(-entropy), eta.to(logits.dtype))
+    else:
+        threshold = torch.clamp(math.sqrt(eta) * torch.exp(-entropy), max=eta)
     return _at_least(logits.softmax(-1) >= threshold, logits, min_tokens_to_keep)
 
 
@@ -237,3 +249,48 @@ def warp_logits(logits: torch.Tensor, temperature=1.0, top_p=1.0) -> torch.Tenso
     elif top_p < 1.0:
         logits = logits.masked_fill(~top_p_mask(logits, top_p), MASKED)
     return logits
+
+
+# -- per-row requested samplers (a serving batch: every row its own) ----------------------------
+
+# The stateless samplers a row may request, by code (0: none): one parameter each, per row.
+ROW_SAMPLERS = ("top_k", "top_p", "typical", "epsilon", "eta")
+ROW_SAMPLER_CODES = {name: code for code, name in enumerate(ROW_SAMPLERS, 1)}
+
+
+def row_sampler_keep(logits: torch.Tensor, name: str, param: torch.Tensor) -> torch.Tensor:
+    """The keep-mask of sampler `name` (one of ROW_SAMPLERS) at each row's own parameter (`param`,
+    (rows, 1), float64): for each row the mask its number gives alone."""
+    if name == "top_k":
+        return top_k_mask(logits, param[:, 0].long())
+    return SAMPLERS[name][0](logits, param)
+
+
+def row_tokens(logits: torch.Tensor, uniform: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor,
+               top_p: torch.Tensor, kind: torch.Tensor, param: torch.Tensor, kinds: tuple = (),
+               sampled: bool = True, scaled: bool = True, nucleus: bool = True, subsets: bool = False) -> torch.Tensor:
+    """Each row's token from `logits` (rows, V; float32, the policy's own sampler applied): the
+    argmax where `greedy` (rows,), else drawn at `uniform` ((rows, 1), float64) from the softmax of
+    the logits with the row's requested sampler's mask (`kind` (rows,): its ROW_SAMPLER_CODES code,
+    0 for none; `param` (rows, 1) float64), warped by its `temperature` and `top_p` ((rows, 1)
+    each, `warp_logits`). `kinds`: the requested samplers present, each computed over every row and
+    kept where it is the row's; `sampled` False: every row greedy; `scaled` / `nucleus` False: no
+    row's temperature / top_p differs from 1 (that warp is skipped). Fixed shapes and no host read:
+    a serving batch's decode step's tail, captured with the step on a GPU. `subsets`: each requested
+    sampler computed on its own rows only (the same tokens; shapes that follow the data, for a
+    step that is not captured: on a CPU, where a mask's sort over every row is the cost)."""
+    tokens = logits.argmax(-1)
+    if not sampled:
+        return tokens
+    warped = logits
+    for name in kinds:
+        mine = kind == ROW_SAMPLER_CODES[name]
+        if subsets:
+            rows = torch.nonzero(mine)[:, 0]
+            drop = torch.zeros_like(logits, dtype=torch.bool)
+            drop[rows] = ~row_sampler_keep(logits[rows], name, param[rows])
+        else:
+            drop = mine[:, None] & ~row_sampler_keep(logits, name, param)
+        warped = warped.masked_fill(drop, MASKED)
+    probs = torch.softmax(warp_logits(warped, temperature if scaled else 1.0, top_p if nucleus else 1.0), -1)
+    return torch.where(greedy, tokens, sample_rows(probs, uniform))

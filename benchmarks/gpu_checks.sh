@@ -35,6 +35,9 @@
 #   generate   generate_loop.py at GPT-2-small shape (vocabulary 50,257, bf16 weights), batches of 16
 #              and 64, sampled then greedy: generate() on the decode engine in blocks (decoder)
 #              against one module call per token (stepwise), same run (not yet run)
+#   serve_batch  serve_batch.py at GPT-2-small shape (vocabulary 50,257, bf16 weights): a replica's
+#              continuous batching in-process, 16 and 64 rows, blocks of 8 on the decode engine
+#              against one module call per token, then the mix of per-request settings (not yet run)
 # rollouts_bf16, peer_bf16 and peer_fp32: the same with the rollouts' weights in bf16 or fp32
 # (env_runners.precision; its default, auto, is bf16 on a GPU with bf16, so peer is peer_bf16 there);
 # rollouts_tf32: fp32 weights with TF32 matmuls on every path (as a training run's process has them).
@@ -117,6 +120,7 @@ for step in "${steps[@]}"; do
              "tests/test_serve_batching.py::test_a_replica_on_a_gpu_writes_what_the_cpu_replica_writes" \
              "tests/test_serve_batching.py::test_a_gpu_replica_draws_sampled_completions_with_every_request_sampler_on_the_device" \
              "tests/test_serve_batching.py::test_generate_on_a_gpu_draws_on_the_device_and_repeats_for_a_seed" \
+             tests/test_serve_blocks.py \
              "tests/test_guided.py::test_lm_guide_samples_its_distribution_on_the_rollout_device_from_its_own_generator" \
              "tests/test_guided.py::test_ppo_pp_with_an_lm_guide_trains_with_its_rollouts_on_the_learners_device" ;;
     rollouts|rollouts_bf16|rollouts_tf32) precision=$([ "$step" = rollouts_bf16 ] && echo bf16 || echo fp32)
@@ -130,6 +134,13 @@ for step in "${steps[@]}"; do
              run "generate${greedy:+_greedy}$tag" 200 $PY benchmarks/generate_loop.py --device cuda \
              --model gpt2-small-shaped --vocab 50257 --batch 16 64 --reps 3 --precision bf16 \
              --paths decoder stepwise $greedy; done ;;
+    serve_batch) for rows in 16 64; do
+             run "serve_batch_rows$rows$tag" 200 $PY benchmarks/serve_batch.py --device cuda \
+             --model gpt2-small-shaped --vocab 50257 --rows "$rows" --completions $((rows * 8)) --reps 3 \
+             --precision bf16; done
+             run "serve_batch_settings$tag" 200 $PY benchmarks/serve_batch.py --device cuda \
+             --model gpt2-small-shaped --vocab 50257 --rows 16 --completions 128 --reps 3 --precision bf16 \
+             --mix settings ;;
     seeds) for seed in ${SEEDS:-1 2}; do for precision in fp32 bf16; do
              run "seeds_${precision}_seed$seed$tag" 150 $PY benchmarks/peer_trl.py --device cuda \
              --model gpt2-small-shaped --seconds 60 --project-only \
@@ -209,7 +220,7 @@ for step in "${steps[@]}"; do
              --requests 200 --stream off --ingress direct
            run serve_gpu 150 $PY benchmarks/serve_load.py --replicas 1 --batch-rows 0 16 --clients 1 8 16 \
              --requests 200 --stream off --ingress direct --serve-args "--num-gpus 1" ;;
-    *) echo "unknown step: $step (tests static static_long static_graphs static_verify compiled_step restarts captured rollouts evaluation generate rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve plateau)" >&2
+    *) echo "unknown step: $step (tests static static_long static_graphs static_verify compiled_step restarts captured rollouts evaluation generate serve_batch rollouts_bf16 rollouts_tf32 peer peer_bf16 peer_fp32 seeds learner_pass weights profile ppo_profile serve plateau)" >&2
        exit 2 ;;
   esac
 done

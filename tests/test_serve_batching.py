@@ -55,22 +55,23 @@ def run_alone(batcher, completions):
 
 def test_a_completion_gets_the_same_text_alone_and_among_others_joining_at_any_step(module):
     env_config = dict(module.model_config["env"])
-    batcher = Batcher(module, env_config, rows=4, max_queue=64)
+    batcher = Batcher(module, env_config, rows=4, max_queue=64, block=3)  # rows join 3 steps apart
     completions = mix()
     alone = run_alone(batcher, completions)
     # all at once: 9 completions for 4 rows, so most wait and take rows others free
     jobs = [batcher.submit(Job([c])) for c in completions]
     together = [j.wait(timeout=60)[0] for j in jobs]
     assert together == alone
-    # staggered: half now, the rest while those are mid-generation (at steps 3 and 7)
-    late = {3: completions[::2], 7: completions[1::2]}
+    # staggered: half now, the rest while those are mid-generation (after their first and second
+    # blocks: steps 3 and 6, or 1 and 2 where a row requesting mirostat steps one token per call)
+    late = {1: completions[::2], 2: completions[1::2]}
     late_jobs = []
 
     def submit_late():
-        for c in late.pop(batcher.stats["steps"] - start, []):
+        for c in late.pop(batcher.stats["blocks"] - start, []):
             late_jobs.append((c, batcher.submit(Job([c]))))
 
-    start = batcher.stats["steps"]
+    start = batcher.stats["blocks"]
     first = [batcher.submit(Job([c])) for c in completions[:3]]
     batcher.on_step = submit_late
     try:
@@ -183,7 +184,7 @@ def test_a_cancelled_job_frees_its_row_and_drops_its_waiting_completions_at_the_
 
     batcher.on_step = pause
     job = batcher.submit(Job([Completion("3", s, 20) for s in range(3)], stream=True))
-    assert paused.wait(timeout=60)  # one step done: one token of the first completion
+    assert paused.wait(timeout=60)  # one block done: its tokens of the first completion
     job.cancel()
     batcher.on_step = None
     go.set()
@@ -191,7 +192,7 @@ def test_a_cancelled_job_frees_its_row_and_drops_its_waiting_completions_at_the_
     assert other[0]["num_generated"] == 3
     load = batcher.load()
     assert load["cancelled"] == 3 and load["active"] == 0 and load["waiting"] == 0
-    assert load["tokens"] == 1 + 3  # the cancelled row wrote one token, then stopped
+    assert load["tokens"] == batcher.block + 3  # the cancelled row wrote one block, then stopped
     assert job.results == [None, None, None]
     batcher.close()
 
@@ -296,9 +297,9 @@ def test_a_full_replica_answers_429_and_one_request_at_a_time_refuses_streaming(
     with served_in_process(policy) as client:
         first = {}
         sender = threading.Thread(target=lambda: first.update(r=client.post("/v1/completions", json={
-            "prompt": "3", "max_tokens": 3})))
+            "prompt": "3", "max_tokens": 20})))
         sender.start()
-        assert paused.wait(timeout=60)  # the only row is taken
+        assert paused.wait(timeout=60)  # the only row is taken (its first block written, more to come)
         r = client.post("/v1/completions", json={"prompt": "3"})
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
         assert r.json()["error"]["message"].startswith("server busy:")
@@ -325,7 +326,7 @@ def test_a_streaming_client_that_goes_away_frees_its_row_at_once(checkpoint):
     policy.batcher.on_step = lambda: (paused.set(), go.wait(timeout=60))
     with served_in_process(policy) as client:
         with client.stream("POST", "/v1/completions", json={"prompt": "3", "max_tokens": 20, "stream": True}) as r:
-            assert paused.wait(timeout=60)  # the batch holds after its first step (the first token's chunk)
+            assert paused.wait(timeout=60)  # the batch holds after its first block (its tokens' chunks)
             assert next(r.iter_lines()).startswith("data: ")
         row = policy.batcher.slots[0]  # still in its row: the batch is paused
         for _ in range(200):  # the server sees the client go and cancels the request
@@ -340,8 +341,9 @@ def test_a_streaming_client_that_goes_away_frees_its_row_at_once(checkpoint):
             if load["active"] == 0:
                 break
             threading.Event().wait(0.05)
-    # the row was freed at the next step boundary: one token written of the 20 asked for
-    assert load["cancelled"] == 1 and load["completions"] == 0 and load["tokens"] == 1 and load["active"] == 0
+    # the row was freed at the next block boundary: one block written of the 20 tokens asked for
+    assert (load["cancelled"] == 1 and load["completions"] == 0 and load["tokens"] == policy.batcher.block
+            and load["active"] == 0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -28,7 +28,7 @@ import torch
 
 from agents.modules.acting import shift_windows
 from agents.modules.decode_engine import RingKVCache
-from agents.samplers import MASKED, sample_rows, warp_logits
+from agents.samplers import MASKED, row_tokens, sample_rows, warp_logits
 
 DECODE_BLOCK = 8  # steps per static block after the first; EOS is read back between blocks
 DECODE_ROWS_MIN = 8
@@ -37,6 +37,20 @@ PADDED_ROW_DRAW = 0.5  # the uniform a padding row draws at (its tokens are neve
 # one-call-per-token path has them; past this many settings the oldest one's graphs are dropped
 # (a replica serving one request at a time meets each client's settings).
 SAMPLING_SETTINGS_KEPT = 4
+
+
+def keep_graphs_of(engine, keys: list, key, kept: int = SAMPLING_SETTINGS_KEPT) -> None:
+    """Notes `key` (a tail's graph key) as the newest in `keys`, and drops the graphs of the oldest
+    keys past `kept` from `engine` (a step's, its tail's, its restarts' and its blocks')."""
+    if key in keys:
+        keys.remove(key)
+    keys.append(key)
+    while len(keys) > kept:
+        old = keys.pop(0)
+        names = [n for n in (engine.graphs if engine is not None else ()) if isinstance(n, tuple)]
+        for name in [n for n in names if old in (n, n[-1])]:
+            del engine.graphs[name]
+            engine.compiled.pop(name, None)
 
 
 class Decoder:
@@ -49,19 +63,6 @@ class Decoder:
 
     def __getstate__(self) -> dict:  # a copy starts with no engine (captured graphs do not copy)
         return {"cache": RingKVCache(), "rows": 0, "settings": []}
-
-    def _keep_graphs_of(self, key) -> None:
-        """Notes a sampled decode's graph key; drops the oldest setting's graphs past SAMPLING_SETTINGS_KEPT."""
-        if key in self.settings:
-            self.settings.remove(key)
-        self.settings.append(key)
-        engine = self.cache.engine
-        while len(self.settings) > SAMPLING_SETTINGS_KEPT:
-            old = self.settings.pop(0)
-            names = [n for n in (engine.graphs if engine is not None else ()) if isinstance(n, tuple)]
-            for name in [n for n in names if old in (n, n[-1])]:
-                del engine.graphs[name]
-                engine.compiled.pop(name, None)
 
     @staticmethod
     def samples(module) -> bool:
@@ -115,7 +116,7 @@ class Decoder:
         tail, inputs = (draw, uniforms) if sampled else (argmax, lambda k: placeholder[:k])
         key = ("sample", masked, float(temperature), float(top_p)) if sampled else ("greedy", masked)
         if sampled:
-            self._keep_graphs_of(key)
+            keep_graphs_of(self.cache.engine, self.settings, key)
 
         def step(obs, u) -> torch.Tensor:  # one call: the token of each row after its window
             if static:  # a copy: a replayed graph's output is overwritten by its next replay
@@ -147,3 +148,44 @@ class Decoder:
         for row in torch.cat(tokens).T[:n].tolist():  # the tokens up to each row's first EOS, EOS included
             out.append(row[:row.index(eos) + 1] if eos in row else row)
         return out
+
+
+ROW_KEYS_KEPT = 4  # a serving batch's tails kept captured: one per spec (requested samplers, warps)
+
+
+@torch.no_grad()
+def rows_block(module, obs: dict, cont: torch.Tensor, settings: tuple, uniforms: torch.Tensor, spec: dict,
+               keys: list) -> torch.Tensor:
+    """`len(uniforms)` decode steps of a serving batch's rows, each row with its own settings:
+    the tokens (steps, rows), on the policy's device. `obs`: the rows' windows on the device (rows
+    that `cont` (rows,) bool on the host does not mark restart there); `settings`: `row_tokens`'
+    per-row tensors (greedy, temperature, top_p, kind, param) and `spec` its static choices (kinds,
+    sampled, scaled, nucleus); `uniforms` (steps, rows, 1): each row's draws. The first step is
+    the engine's step (restarts in it), the others one static function
+    (`RingKVCache.continue_block`); all with the head, the masks and the draw inside (`row_tokens`:
+    a CUDA graph per step or block on a GPU, graphs kept for ROW_KEYS_KEPT specs, `keys`). Needs
+    `acting.static_rollout_step(module, explore=False)`."""
+    cache, trunk = module.kv_cache, module._trunk(module.lm)
+    key = ("rows", *sorted(spec.items()))
+    keep_graphs_of(cache.engine, keys, key, ROW_KEYS_KEPT)
+
+    def tail(hidden, uniform, *per_row) -> dict:
+        return {"token": row_tokens(module._masked_logits(hidden)[0], uniform, *per_row, **spec)}
+
+    def step(obs, cont, j) -> torch.Tensor:  # a copy: a replayed graph's output is overwritten by its next replay
+        return cache.hidden_at_last_token(trunk, obs, cont, tail=tail, tail_inputs=(uniforms[j], *settings),
+                                          key=key)["token"].clone()
+
+    k = len(uniforms)
+    tokens = [step(obs, cont, 0)]
+    if k > 1:
+        rest = cache.continue_block(trunk, tokens[0], k - 1, lambda: (uniforms[1:], *(s.expand(k - 1, *s.shape)
+                                                                                          for s in settings)),
+                                    tail, key, lambda out: out["token"])
+        if rest is not None:
+            return torch.cat([tokens[0][None], rest["token"].clone()])
+        every_row = torch.ones(len(tokens[0]), dtype=torch.bool)
+        for j in range(1, k):  # no engine holding the rows (a trunk it does not serve): one call per step
+            obs = shift_windows(obs, tokens[-1])
+            tokens.append(step(obs, every_row, j))
+    return torch.stack(tokens)

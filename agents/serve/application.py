@@ -187,6 +187,22 @@ async def _stream(kind: str, checked: dict, job):
         job.cancel()  # a no-op once every completion finished
 
 
+class JobStream(StreamingResponse):
+    """A streamed reply that cancels its job when it ends, however it ends: a client that goes
+    away while the reply waits to write (a block's chunks not yet read) cancels the response's
+    task outside the events' generator, whose own `finally` then waits for its finalization."""
+
+    def __init__(self, job, content, **kwargs):
+        super().__init__(content, **kwargs)
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()  # a no-op once every completion finished
+
+
 async def _answer(kind: str, policy: Policy, check, req: BaseModel):
     """Checks the request (fast, on the event loop), then generates for it: queued for the
     batch's rows (429 when the queue is full) or one request at a time. A failure that is not a
@@ -198,8 +214,8 @@ async def _answer(kind: str, policy: Policy, check, req: BaseModel):
     except Busy as e:
         raise BadRequest(str(e), status=429) from None
     if checked["stream"]:
-        return StreamingResponse(_stream(kind, checked, job), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", **headers})
+        return JobStream(job, _stream(kind, checked, job), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", **headers})
     try:  # the reply as built (the route's response_model documents it; validating it again costs time)
         return JSONResponse(reply(kind, checked, await _results(policy, checked, job)), headers=headers)
     except BadRequest:

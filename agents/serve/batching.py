@@ -1,8 +1,8 @@
 """Continuous batching in one replica: `Batcher` keeps one batch of `rows` rows of the policy
-stepping, one token per step, in a thread of its own.
+stepping, a block of `block` tokens at a time, in a thread of its own.
 
 A request is a `Job` of one or more `Completion`s (a prompt, a seed and its own sampling
-parameters). Each completion waits in a bounded queue for a free row; at the next step boundary
+parameters). Each completion waits in a bounded queue for a free row; at the next block boundary
 it takes the row (its environment reset with the prompt: the row restarts, so the policy's KV
 cache prefills it), and when it finishes (EOS, its `max_tokens`, one of its stop strings, or its
 job cancelled) its text goes back to the job and the row is free for the next completion. A full
@@ -12,11 +12,19 @@ Every row starts in the checkpoint's own environment (`env.text_env.TokenGenerat
 policy's `max_new_tokens`, so all rows share one window shape: the prompt's encoding, its
 truncation and the window), and its window grows as the env's observation does, as
 `agents.generate.generate` runs it: completion i of a request is reset with seed + i and draws
-from its own generator seeded with seed + i (one uniform per token); idle rows repeat their last
-token and their outputs are ignored. What a row computes depends only on its own window, so a
-completion's text is the one it gets when it runs alone (tested); the only difference from
-running alone is the order of float sums in the KV cache's attention, which a sampled token
-does not feel in practice.
+from its own generator seeded with seed + i (one uniform per token); idle rows step too and their
+outputs are ignored. What a row computes depends only on its own window, so a completion's text is
+the one it gets when it runs alone (tested); the only difference from running alone is the order
+of float sums in the KV cache's attention, which a sampled token does not feel in practice.
+
+A block is the decode engine's (`agents.modules.decoding.rows_block`): its first step (rows that
+joined prefilled in it), then its other steps as one static function, each step's head, each row's
+requested sampler, temperature, top_p and draw inside (`agents.samplers.row_tokens`, per-row
+settings as tensors): CUDA graphs on a GPU, one host read of the tokens per block. A row that
+finishes mid-block (EOS, its length, a stop string) drops the block's later tokens; streamed text
+and cancellations take effect between blocks. Where a block cannot run (a policy whose sampler is
+mirostat or NLPO's learned mask, a module without the engine, a row requesting mirostat, whose mu
+follows each token) the batch steps one token per call with the same tail.
 
 A `Job` hands its events to one consumer: an asyncio loop (the HTTP routes, through
 `events()`) or a thread (`wait()`).
@@ -34,7 +42,14 @@ import threading
 import numpy as np
 import torch
 
+from agents.samplers import row_tokens
+
 logger = logging.getLogger(__name__)
+
+# Decode steps per block: rows join, leave and stream between blocks, and the host reads the
+# tokens once per block (on a GPU the block's steps replay captured graphs with the head, each
+# row's sampler and the draw inside).
+BATCH_BLOCK = 8
 
 
 class Busy(RuntimeError):
@@ -142,56 +157,111 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
     return 0
 
 
-def request_sampler_mask(logits: torch.Tensor, row) -> torch.Tensor:
-    """`logits` (one row, the policy's own sampler applied) with the row's requested sampler's mask
-    on top; mirostat's mu is the row's own."""
-    from agents.samplers import MASKED, SAMPLERS, mirostat_mask
+def mirostat_rows(logits: torch.Tensor, rows: dict) -> torch.Tensor:
+    """`logits` with each row that requested mirostat (rows: batch index -> `_Row`) masked by its
+    own mu (kept where its draws run)."""
+    from agents.samplers import MASKED, mirostat_mask
 
-    spec = dict(row.completion.sampler)
-    name = spec.pop("name")
-    if name == "mirostat":
+    masked = logits.clone()
+    for i, row in rows.items():
+        spec = dict(row.completion.sampler)
         if row.mu is None:
-            row.mu = torch.full((1,), 2.0 * spec["tau"], device=logits.device)  # stays where the draws run
-        keep = mirostat_mask(logits, row.mu)
-    else:
-        fn, names = SAMPLERS[name]
-        keep = fn(logits, *(spec[n] for n in names))
-    return logits.masked_fill(~keep, MASKED)
+            row.mu = torch.full((1,), 2.0 * spec["tau"], device=logits.device)
+        masked[i] = logits[i].masked_fill(~mirostat_mask(logits[i:i + 1], row.mu)[0], MASKED)
+    return masked
 
 
-def draw(logits: torch.Tensor, rows: dict) -> dict[int, int]:
-    """Each row's token (rows: batch index -> `_Row`): argmax, or drawn at one uniform from the
-    row's own generator (`agents.generate.draw_rows`, inverting the cumulative distribution where
-    the logits are) from the policy's distribution with the row's requested sampler's mask,
-    warped by its temperature and top_p: the draws `agents.generate.generate` makes, so a
-    completion's text is the same with or without continuous batching."""
-    from agents.generate import draw_rows
+def update_mirostat(logits: torch.Tensor, rows: dict, tokens: list) -> None:
+    """Each mirostat row's mu after its token: it follows the token's surprise under the policy."""
     from agents.samplers import mirostat_update
 
-    out = {}
-    greedy = logits.argmax(-1).tolist()
-    sampled = [i for i, row in rows.items() if not row.completion.greedy]
-    if sampled:
-        c = [rows[i].completion for i in sampled]
-        warped = logits[torch.tensor(sampled, device=logits.device)]
-        for j, i in enumerate(sampled):
-            if c[j].sampler:
-                warped[j] = request_sampler_mask(warped[j:j + 1], rows[i])[0]
-        temperature, top_p = 1.0, 1.0
-        if any(x.temperature != 1.0 or x.top_p < 1.0 for x in c):
-            temperature, top_p = (torch.tensor([[getattr(x, name)] for x in c], dtype=logits.dtype,
-                                               device=logits.device) for name in ("temperature", "top_p"))
-        tokens = draw_rows(warped, [rows[i].generator for i in sampled], temperature, top_p)
-        for i, token in zip(sampled, tokens):
-            out[i] = token
-            row = rows[i]
-            if row.mu is not None:  # mirostat: mu follows the surprise of the token under the policy
-                spec = dict(row.completion.sampler)
-                surprise = -torch.log_softmax(logits[i], -1)[token] / math.log(2)
-                row.mu = mirostat_update(row.mu, surprise, spec["tau"], spec["learning_rate"])
-    for i in rows:
-        out.setdefault(i, greedy[i])
-    return out
+    for i, row in rows.items():
+        spec = dict(row.completion.sampler)
+        surprise = -torch.log_softmax(logits[i], -1)[tokens[i]] / math.log(2)
+        row.mu = mirostat_update(row.mu, surprise, spec["tau"], spec["learning_rate"])
+
+
+def requests_mirostat(c: Completion) -> bool:
+    return not c.greedy and dict(c.sampler).get("name") == "mirostat"
+
+
+def blocks_apply(module, slots: list) -> bool:
+    """Whether the batch's next step can be a block on the decode engine: a policy whose greedy
+    step after the trunk is static (`acting.static_rollout_step`), and no row in use (`slots`)
+    requesting mirostat (its mu follows each token: those steps go one call at a time)."""
+    from agents.modules.acting import Acting, static_rollout_step
+
+    return (isinstance(module, Acting) and static_rollout_step(module, explore=False)
+            and not any(requests_mirostat(row.completion) for row in slots if row is not None))
+
+
+def row_inputs(slots: list, device: torch.device) -> tuple:
+    """`samplers.row_tokens`' per-row tensors for the rows (`slots`; idle rows greedy) on `device`,
+    and its static choices: the requested samplers present, whether any row samples, whether any
+    row's temperature or top_p is not 1."""
+    from agents.samplers import ROW_SAMPLER_CODES, SAMPLERS
+
+    n = len(slots)
+    greedy, kind, param = np.ones(n, dtype=bool), np.zeros(n, dtype=np.int64), np.zeros((n, 1), dtype=np.float64)
+    temperature, top_p = np.ones((n, 1), dtype=np.float32), np.ones((n, 1), dtype=np.float32)
+    for i, row in enumerate(slots):
+        if row is not None and not row.completion.greedy:
+            c = row.completion
+            greedy[i], temperature[i], top_p[i] = False, c.temperature, c.top_p
+            spec = dict(c.sampler)
+            if spec.get("name") in ROW_SAMPLER_CODES:
+                kind[i], param[i] = ROW_SAMPLER_CODES[spec["name"]], spec[SAMPLERS[spec["name"]][1][0]]
+    spec = {"kinds": tuple(name for name, code in ROW_SAMPLER_CODES.items() if (kind == code).any()),
+            "sampled": not greedy.all(), "scaled": bool((temperature != 1).any()), "nucleus": bool((top_p < 1).any()),
+            "subsets": device.type != "cuda"}  # uncaptured steps compute each sampler on its own rows only
+    return tuple(torch.from_numpy(a).to(device) for a in (greedy, temperature, top_p, kind, param)), spec
+
+
+def row_uniforms(slots: list, k: int, device: torch.device) -> torch.Tensor:
+    """(k, rows, 1) float64 on `device`: each sampled row's next k draws from its own generator
+    (what k calls of one draw each give), PADDED_ROW_DRAW elsewhere."""
+    from agents.modules.decoding import PADDED_ROW_DRAW
+
+    u = torch.full((k, len(slots), 1), PADDED_ROW_DRAW, dtype=torch.float64)
+    drawing = [i for i, row in enumerate(slots) if row is not None and not row.completion.greedy]
+    if drawing:
+        u[:, drawing, 0] = torch.stack([torch.rand(k, dtype=torch.float64, generator=slots[i].generator)
+                                        for i in drawing], 1)
+    return u.to(device)
+
+
+@torch.no_grad()
+def next_tokens(module, slots: list, obs: dict, cont: np.ndarray, block: int, device: torch.device,
+                keys: list) -> torch.Tensor:
+    """The rows' next tokens (steps, rows) on the host: a block of `block` steps on the decode
+    engine (`decoding.rows_block`) where `blocks_apply`, else one step, the module's own call with
+    the same tail (`samplers.row_tokens`; a mirostat request's mask and mu row by row). `obs`: the
+    rows' windows (numpy); `cont`: which rows continue the last step's (the others restart)."""
+    from ray.rllib.core.columns import Columns
+
+    from agents.core import ROW_CONTINUES
+    from agents.modules.decoding import rows_block
+
+    blocks = blocks_apply(module, slots)
+    # a block fits the window, and takes no step after every row's last
+    left = max(row.tokens_left for row in slots if row is not None)
+    k = min(block, obs["input_ids"].shape[1] - 1, left) if blocks else 1
+    per_row, spec = row_inputs(slots, device)
+    uniforms = row_uniforms(slots, k, device)
+    # observations on the policy's device; which rows continue stays on the CPU (the caches branch
+    # on it with no device sync)
+    batch = {Columns.OBS: {name: torch.from_numpy(v.copy()).to(device) for name, v in obs.items()},
+             ROW_CONTINUES: torch.from_numpy(cont.copy())}
+    if blocks:  # the head, each row's sampler and draw inside the engine's static steps
+        module.eval()
+        return rows_block(module, batch[Columns.OBS], batch[ROW_CONTINUES], per_row, uniforms, spec, keys).cpu()
+    act = getattr(module, "act", None)  # RLlib's forward_inference flips train/eval each call
+    logits = (act(batch, explore=False) if act is not None else module.forward_inference(batch))[
+        Columns.ACTION_DIST_INPUTS].float()
+    miro = {i: row for i, row in enumerate(slots) if row is not None and requests_mirostat(row.completion)}
+    tokens = row_tokens(mirostat_rows(logits, miro) if miro else logits, uniforms[0], *per_row, **spec).cpu()
+    update_mirostat(logits, miro, tokens.tolist())
+    return tokens[None]
 
 
 def score(scorers: dict, env_config: dict, c: Completion, prompt: str, text: str) -> float:
@@ -215,20 +285,27 @@ class _Row:
     tokens: list = dataclasses.field(default_factory=list)
     mu: torch.Tensor | None = None  # a requested mirostat sampler's state
     sent: str = ""  # the text a streaming job was sent so far
+    limit: int = 0  # the most tokens it may write (its max_tokens, within the policy's max_new_tokens)
+
+    @property
+    def tokens_left(self) -> int:
+        return self.limit - len(self.tokens)
 
 
 class Batcher:
     """`rows` rows of `module` stepping together in a thread (see the module docstring).
     `max_queue`: completions that may wait for a row; `submit` refuses a job (Busy) beyond it."""
 
-    def __init__(self, module, env_config: dict, rows: int = 16, max_queue: int = 256):
+    def __init__(self, module, env_config: dict, rows: int = 16, max_queue: int = 256, block: int = BATCH_BLOCK):
         from agents.generate import policy_device
         from env.text_env import TokenGenerationEnv
 
-        if rows < 1 or max_queue < 0:
-            raise ValueError(f"Batcher: rows must be >= 1 and max_queue >= 0, got {rows} and {max_queue}")
+        if rows < 1 or max_queue < 0 or block < 1:
+            raise ValueError(f"Batcher: rows and block must be >= 1 and max_queue >= 0, got {rows}, {block} "
+                             f"and {max_queue}")
         self.module, self.env_config = module, dict(env_config)
-        self.rows, self.max_queue = int(rows), int(max_queue)
+        self.rows, self.max_queue, self.block = int(rows), int(max_queue), int(block)
+        self._graph_keys: list = []  # the decode engine's tails kept captured (`decoding.rows_block`)
         self.env = TokenGenerationEnv(self.env_config)  # resets a row's window (the rows' windows live in obs)
         self.device = policy_device(module)
         self.eos_id, self.tokenizer = self.env.eos_id, self.env.tokenizer
@@ -239,10 +316,10 @@ class Batcher:
         self.cont = np.zeros(self.rows, dtype=bool)
         self.waiting: collections.deque = collections.deque()  # (job, index) not yet in a row
         self.cv = threading.Condition()
-        self.stats = {"steps": 0, "tokens": 0, "completions": 0, "cancelled": 0, "refused": 0, "max_active": 0}
+        self.stats = {"steps": 0, "blocks": 0, "tokens": 0, "completions": 0, "cancelled": 0, "refused": 0, "max_active": 0}
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.on_step = None  # called after each step, in the batch's thread (tests pause it here)
+        self.on_step = None  # called after each block, in the batch's thread (tests pause it here)
 
     # -- the consumers' side (any thread) ------------------------------------------------------
 
@@ -329,41 +406,33 @@ class Batcher:
             self.obs[k][i] = v
         self.cont[i] = False
         self.slots[i] = _Row(job, index, c, torch.Generator().manual_seed(c.seed), info["prompt"],
-                             len(self.env.prompt_ids))
+                             len(self.env.prompt_ids), limit=min(c.max_tokens, self.max_new_tokens))
 
-    @torch.no_grad()
     def step(self) -> None:
-        """One token for every row in use (idle rows step too, their outputs ignored)."""
-        from ray.rllib.core.columns import Columns
-
-        from agents.core import ROW_CONTINUES
-
-        # observations on the policy's device; which rows continue stays on the CPU (the caches
-        # branch on it with no device sync); the draws run on the device, one uniform per row from
-        # its CPU generator going there and its token coming back (`draw`)
-        batch = {Columns.OBS: {k: torch.from_numpy(v.copy()).to(self.device) for k, v in self.obs.items()},
-                 ROW_CONTINUES: torch.from_numpy(self.cont.copy())}
-        # the module's own step where it has one (RLlib's forward_inference flips train/eval each call)
-        act = getattr(self.module, "act", None)
-        out = act(batch, explore=False) if act is not None else self.module.forward_inference(batch)
-        logits = out[Columns.ACTION_DIST_INPUTS].float()
-        self.cont[:] = True
+        """One block of `block` tokens for every row in use (idle rows step too, their outputs
+        ignored), or one token where the step cannot be a block (`next_tokens`)."""
         active = [i for i, s in enumerate(self.slots) if s is not None]
-        self.stats["steps"] += 1
+        tokens = next_tokens(self.module, self.slots, self.obs, self.cont, self.block, self.device, self._graph_keys)
+        k = len(tokens)
+        self.cont[:] = True
+        self.stats["steps"] += k
+        self.stats["blocks"] += 1
         self.stats["max_active"] = max(self.stats["max_active"], len(active))
-        actions = draw(logits, {i: self.slots[i] for i in active})
-        # Every window appends its row's token (an idle row repeats its last), as the env's
-        # observation does: the prompt and generated tokens right-aligned in a window that holds them all.
+        # Every window appends its row's tokens, as the env's observation does: the prompt and
+        # generated tokens right-aligned in a window that holds them all.
         ids, mask = self.obs["input_ids"], self.obs["attention_mask"]
-        tokens = ids[:, -1].copy()
-        tokens[active] = [actions[i] for i in active]
-        ids[:, :-1] = ids[:, 1:]
-        ids[:, -1] = tokens
-        mask[:, :-1] = mask[:, 1:]
-        mask[:, -1] = 1
-        self.stats["tokens"] += len(active)
+        ids[:, :-k] = ids[:, k:].copy()
+        ids[:, -k:] = tokens.numpy().T
+        mask[:, :-k] = mask[:, k:].copy()
+        mask[:, -k:] = 1
+        per_row = tokens.T.tolist()
         for i in active:
-            self._after_token(i, actions[i])
+            row = self.slots[i]
+            for token in per_row[i]:  # up to the row's end (its later tokens are dropped)
+                self.stats["tokens"] += 1
+                self._after_token(i, token)
+                if self.slots[i] is not row:
+                    break
         if self.on_step is not None:
             self.on_step()
 
@@ -383,7 +452,7 @@ class Batcher:
                 return self._end(i, "stop", text[:cut])
         if action == self.eos_id:
             return self._end(i, "stop", text)
-        if len(row.tokens) >= min(c.max_tokens, self.max_new_tokens):
+        if row.tokens_left <= 0:
             return self._end(i, "length", text)
         if row.job.stream:
             ready = text[:len(text) - held_back(text, c.stop)] if c.stop else text
