@@ -232,7 +232,7 @@ def row_uniforms(slots: list, k: int, device: torch.device) -> torch.Tensor:
 
 @torch.no_grad()
 def next_tokens(module, slots: list, obs: dict, cont: np.ndarray, block: int, device: torch.device,
-                keys: list) -> torch.Tensor:
+                keys: list, queued: bool = False) -> torch.Tensor:
     """The rows' next tokens (steps, rows) on the host: a block of `block` steps on the decode
     engine (`decoding.rows_block`) where `blocks_apply`, else one step, the module's own call with
     the same tail (`samplers.row_tokens`; a mirostat request's mask and mu row by row). `obs`: the
@@ -244,7 +244,8 @@ def next_tokens(module, slots: list, obs: dict, cont: np.ndarray, block: int, de
 
     blocks = blocks_apply(module, slots)
     # a block fits the window, and takes no step after every row's last
-    left = max(row.tokens_left for row in slots if row is not None)
+    lefts = [row.tokens_left for row in slots if row is not None]
+    left = min(lefts) if queued else max(lefts)
     k = min(block, obs["input_ids"].shape[1] - 1, left) if blocks else 1
     per_row, spec = row_inputs(slots, device)
     uniforms = row_uniforms(slots, k, device)
@@ -412,7 +413,8 @@ class Batcher:
         """One block of `block` tokens for every row in use (idle rows step too, their outputs
         ignored), or one token where the step cannot be a block (`next_tokens`)."""
         active = [i for i, s in enumerate(self.slots) if s is not None]
-        tokens = next_tokens(self.module, self.slots, self.obs, self.cont, self.block, self.device, self._graph_keys)
+        tokens = next_tokens(self.module, self.slots, self.obs, self.cont, self.block, self.device, self._graph_keys,
+                             bool(self.waiting))
         k = len(tokens)
         self.cont[:] = True
         self.stats["steps"] += k
