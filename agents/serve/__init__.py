@@ -2,7 +2,7 @@
 
     python -m agents.serve --checkpoint PATH [--host 127.0.0.1] [--port 8000] [--route-prefix /]
                            [--num-replicas 1] [--num-cpus 0.5] [--num-gpus 0] [--max-samples 16] [--dashboard-port N]
-                           [--batch-rows 16] [--max-queue 256]
+                           [--batch-rows 16] [--batch-block 8] [--max-queue 256]
                            [--min-replicas N --max-replicas M [--target-ongoing-requests T]]
 
 PATH is a checkpoint directory written by `agents.train` (or the RLModule
@@ -26,8 +26,9 @@ answers
          -d '{"prompt": "<pad> <pad> <pad> <pad> <pad>", "greedy": true}'
 
 Each replica generates for many requests at once: `--batch-rows` rows (default 16) step
-together, one token per step, and a request's completions take rows as they free up (continuous
-batching; `--batch-rows 0` runs one request at a time). A request's text does not depend on what
+together, in blocks of up to `--batch-block` tokens (default 8: the decode engine's static steps,
+CUDA graphs on a GPU, with each request's sampling inside), and a request's completions take rows
+as they free up between blocks (continuous batching; `--batch-rows 0` runs one request at a time). A request's text does not depend on what
 else is being generated: the same seed and request give the same text, alone or under load.
 
 Generation runs the checkpoint's own environment (as `agents.generate.generate` does),

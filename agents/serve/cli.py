@@ -61,6 +61,7 @@ import time
 from ray import serve
 
 from agents.serve.application import make_app, max_ongoing_requests, replica_options
+from agents.serve.batching import BATCH_BLOCK
 from agents.serve.replica import BATCH_ROWS, MAX_QUEUE
 
 APP_NAME = "policy"
@@ -172,6 +173,9 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
     parser.add_argument("--batch-rows", type=int, default=BATCH_ROWS,
                         help=f"rows each replica generates together (continuous batching; default {BATCH_ROWS}); "
                              f"0: one request at a time")
+    parser.add_argument("--batch-block", type=int, default=BATCH_BLOCK,
+                        help=f"decode steps a batch takes per block (default {BATCH_BLOCK}): rows join, stream and "
+                             f"cancel between blocks; 1: every token")
     parser.add_argument("--max-queue", type=int, default=MAX_QUEUE,
                         help=f"completions that may wait for a row in a replica before a request gets 429 "
                              f"(default {MAX_QUEUE})")
@@ -187,6 +191,8 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
         parser.error("--route-prefix must start with '/'")
     if args.batch_rows < 0:
         parser.error(f"--batch-rows must be >= 0 (0: one request at a time), got {args.batch_rows}")
+    if args.batch_block < 1:
+        parser.error(f"--batch-block must be >= 1, got {args.batch_block}")
     if args.max_queue < 0:
         parser.error(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.batch_rows and args.max_samples > args.batch_rows + args.max_queue:
@@ -298,7 +304,8 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
         serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
         started = True
         application = make_app(checkpoint, num_cpus=args.num_cpus, max_samples=args.max_samples, replicas=replicas,
-                               batch_rows=args.batch_rows, max_queue=args.max_queue, num_gpus=args.num_gpus)
+                               batch_rows=args.batch_rows, max_queue=args.max_queue, num_gpus=args.num_gpus,
+                               batch_block=args.batch_block)
         serve.run(application, name=APP_NAME, route_prefix=prefix or "/", logging_config={"log_level": "WARNING"})
         base = f"http://{args.host}:{args.port}{prefix}"
         print(f"Serving {checkpoint} at {base}/generate (Ctrl-C to stop)", flush=True)

@@ -18,7 +18,7 @@ import threading
 
 from ray import serve
 
-from agents.serve.batching import Batcher, Completion, Job
+from agents.serve.batching import BATCH_BLOCK, Batcher, Completion, Job
 from agents.serve.requests import (MAX_SEED, ROUTES, BadRequest, ChatRequest, CompletionRequest,
                                    GenerateRequest)
 from env.text_env import env_setting
@@ -52,7 +52,7 @@ class Policy:
     them, batched (`batch_rows` > 0) or one request at a time behind a lock."""
 
     def __init__(self, checkpoint: str, max_samples: int = 16, batch_rows: int = BATCH_ROWS,
-                 max_queue: int = MAX_QUEUE, device: str = "cpu"):
+                 max_queue: int = MAX_QUEUE, device: str = "cpu", batch_block: int = BATCH_BLOCK):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from agents.generate import load_policy, reward_needs_meta
         from env.tasks import make_task
@@ -66,7 +66,8 @@ class Policy:
         self.model_name = os.path.basename(os.path.normpath(checkpoint)) or "policy"
         self.replica = None  # the Serve replica's tag, where one runs it
         self.lock = threading.Lock()  # the one-at-a-time path: the module's per-row state is the module's
-        self.batcher = Batcher(self.module, self.env_config, batch_rows, max_queue) if batch_rows > 0 else None
+        self.batcher = (Batcher(self.module, self.env_config, batch_rows, max_queue, batch_block) if batch_rows > 0
+                        else None)
         self.chat = bool(getattr(self.tokenizer, "chat_template", None))
         task = make_task(self.env_config["task"], max_new_tokens=self.max_new_tokens)
         self.needs_references = reward_needs_meta(task)
@@ -85,6 +86,7 @@ class Policy:
             "reward_needs_references": self.needs_references,
             "chat_template": self.chat,
             "batch_rows": batch_rows,
+            "batch_block": batch_block if batch_rows > 0 else None,
             "device": str(device),
             "fields": list(GenerateRequest.model_fields),
             "routes": list(ROUTES),
