@@ -221,6 +221,11 @@ def test_generate_refuses_prompt_words_outside_the_vocabulary_naming_the_prompt(
     assert generate([*ckpt, "--prompt", known, "--device", "cpu"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and f"] {known}||" in out[0], out
+    assert one_line_cli_error(capsys, generate, *ckpt, "--precision", "fp16") == \
+        "error: --precision: expected one of fp32, bf16, got 'fp16'"
+    assert generate([*ckpt, "--prompt", known, "--precision", "bf16"]) == 0  # decodes in bf16 on the CPU too
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and f"] {known}||" in out[0], out
     if torch.cuda.is_available():  # the same text decoded on the GPU (greedy: no draw to differ)
         assert generate([*ckpt, "--prompt", known, "--greedy"]) == 0
         on_cpu = capsys.readouterr().out

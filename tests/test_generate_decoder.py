@@ -143,3 +143,22 @@ def test_decodes_on_cuda_replay_their_graphs_and_equal_the_eager_ones():
         graphs.append(set(mine.cache.engine.graphs))
         assert mine.cache.engine.capture
     assert graphs[-1] == graphs[1] and any(name[0] == "steps" for name in graphs[-1]), graphs
+
+
+def test_a_policy_decoding_in_bf16_takes_the_engine_in_bf16_and_equals_one_call_per_token():
+    """`decode_in(module, "bf16")` (generate and serve --precision bf16): the weights, the decode
+    engine's ring and the decodes in bf16, the decoder's results equal to one call per token's in
+    bf16; each row's reward and lengths as in fp32's bounds."""
+    from agents.generate import check_precision, decode_in
+
+    module = decode_in(eos_likely(build_module("sampler.name=top_k", "sampler.k=5")), "bf16")
+    assert {p.dtype for p in module.parameters() if p.is_floating_point()} == {torch.bfloat16}
+    env_config = dict(module.model_config["env"])
+    for greedy in (True, False):
+        kwargs = dict(greedy=greedy, seed=4, temperature=1.5, batch_size=6)
+        decoded = generate(module, env_config, PROMPTS, **kwargs)
+        assert decoded == generate(module, env_config, PROMPTS, decoder=False, **kwargs)
+        assert all(1 <= r["num_generated"] <= env_config["max_new_tokens"] and r["reward"] is not None
+                   for r in decoded)
+    assert _DECODERS[module].cache.engine.dtype == torch.bfloat16
+    assert check_precision("bf16", "cpu") is None and check_precision("fp16", "cpu").startswith("--precision:")

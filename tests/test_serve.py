@@ -343,7 +343,7 @@ def test_replica_flags_give_serves_options_and_bad_combinations_are_refused_in_o
                        (["--max-replicas", "2", "--batch-rows", "0", "--target-ongoing-requests", "9"],
                         "--target-ongoing-requests"),
                        (["--batch-rows", "-1"], "--batch-rows"), (["--max-queue", "-1"], "--max-queue"),
-                       (["--batch-block", "0"], "--batch-block"),
+                       (["--batch-block", "0"], "--batch-block"), (["--precision", "fp16"], "--precision"),
                        (["--batch-rows", "4", "--max-queue", "2"], "--max-queue"),  # 16 samples never fit
                        (["--num-gpus", "-1"], "--num-gpus"), (["--num-gpus", "-0.5"], "--num-gpus"),
                        (["--num-gpus", "1.5"], "--num-gpus"),

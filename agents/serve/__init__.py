@@ -2,7 +2,7 @@
 
     python -m agents.serve --checkpoint PATH [--host 127.0.0.1] [--port 8000] [--route-prefix /]
                            [--num-replicas 1] [--num-cpus 0.5] [--num-gpus 0] [--max-samples 16] [--dashboard-port N]
-                           [--batch-rows 16] [--batch-block 8] [--max-queue 256]
+                           [--batch-rows 16] [--batch-block 8] [--max-queue 256] [--precision fp32]
                            [--min-replicas N --max-replicas M [--target-ongoing-requests T]]
 
 PATH is a checkpoint directory written by `agents.train` (or the RLModule

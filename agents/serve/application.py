@@ -266,13 +266,20 @@ class PolicyServer:
     """One Serve replica: loads the checkpoint's `Policy` once; `app`'s routes answer with it."""
 
     def __init__(self, checkpoint: str, max_samples: int = 16, batch_rows: int = BATCH_ROWS,
-                 max_queue: int = MAX_QUEUE, num_gpus: float = 0, batch_block: int = BATCH_BLOCK):
+                 max_queue: int = MAX_QUEUE, num_gpus: float = 0, batch_block: int = BATCH_BLOCK,
+                 precision: str = "fp32"):
         import torch
 
         if num_gpus and not torch.cuda.is_available():
             raise RuntimeError("--num-gpus: the replica was given a GPU but torch sees no CUDA device")
-        self.policy = Policy(checkpoint, max_samples, batch_rows, max_queue, device="cuda" if num_gpus else "cpu",
-                             batch_block=batch_block)
+        from agents.generate import check_precision
+
+        device = "cuda" if num_gpus else "cpu"
+        error = check_precision(precision, device)
+        if error:
+            raise RuntimeError(error)
+        self.policy = Policy(checkpoint, max_samples, batch_rows, max_queue, device=device, batch_block=batch_block,
+                             precision=precision)
         self.policy.replica = serve.get_replica_context().replica_tag
 
 
@@ -310,12 +317,13 @@ def replica_options(num_replicas: int | None = None, min_replicas: int | None = 
 
 def make_app(checkpoint: str, *, num_replicas: int = 1, num_cpus: float = 0.5, max_samples: int = 16,
              replicas: dict | None = None, batch_rows: int = BATCH_ROWS, max_queue: int = MAX_QUEUE,
-             num_gpus: float = 0, batch_block: int = BATCH_BLOCK):
+             num_gpus: float = 0, batch_block: int = BATCH_BLOCK, precision: str = "fp32"):
     """The Serve application: PolicyServer replicas, each loading `checkpoint`: `num_replicas` of
     them, or as `replicas` (from `replica_options`, e.g. an autoscaling config) says. Each replica
     batches `batch_rows` rows (0: one request at a time; `batch_block` steps a block) with up to
     `max_queue` completions waiting,
-    on the CPU, or on a GPU of its own where `num_gpus` (a fraction is fine) is given."""
+    on the CPU, or on a GPU of its own where `num_gpus` (a fraction is fine) is given, its weights
+    in `precision` (fp32 or bf16)."""
     deployment = serve.deployment(
         PolicyServer,
         name="PolicyServer",
@@ -323,4 +331,4 @@ def make_app(checkpoint: str, *, num_replicas: int = 1, num_cpus: float = 0.5, m
         max_ongoing_requests=max_ongoing_requests(batch_rows, max_queue),
         **(replicas or {"num_replicas": num_replicas}),
     )
-    return deployment.bind(checkpoint, max_samples, batch_rows, max_queue, num_gpus, batch_block)
+    return deployment.bind(checkpoint, max_samples, batch_rows, max_queue, num_gpus, batch_block, precision)

@@ -60,6 +60,7 @@ import time
 
 from ray import serve
 
+from agents.generate import PRECISIONS
 from agents.serve.application import make_app, max_ongoing_requests, replica_options
 from agents.serve.batching import BATCH_BLOCK
 from agents.serve.replica import BATCH_ROWS, MAX_QUEUE
@@ -176,6 +177,9 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
     parser.add_argument("--batch-block", type=int, default=BATCH_BLOCK,
                         help=f"decode steps a batch takes per block (default {BATCH_BLOCK}): rows join, stream and "
                              f"cancel between blocks; 1: every token")
+    parser.add_argument("--precision", default="fp32",
+                        help="each replica's weights while it decodes: fp32 (default) or bf16 (less memory, faster "
+                             "steps on a GPU; texts can differ from fp32's)")
     parser.add_argument("--max-queue", type=int, default=MAX_QUEUE,
                         help=f"completions that may wait for a row in a replica before a request gets 429 "
                              f"(default {MAX_QUEUE})")
@@ -191,6 +195,8 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
         parser.error("--route-prefix must start with '/'")
     if args.batch_rows < 0:
         parser.error(f"--batch-rows must be >= 0 (0: one request at a time), got {args.batch_rows}")
+    if args.precision not in PRECISIONS:
+        parser.error(f"--precision: expected one of {', '.join(PRECISIONS)}, got {args.precision!r}")
     if args.batch_block < 1:
         parser.error(f"--batch-block must be >= 1, got {args.batch_block}")
     if args.max_queue < 0:
@@ -305,7 +311,7 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
         started = True
         application = make_app(checkpoint, num_cpus=args.num_cpus, max_samples=args.max_samples, replicas=replicas,
                                batch_rows=args.batch_rows, max_queue=args.max_queue, num_gpus=args.num_gpus,
-                               batch_block=args.batch_block)
+                               batch_block=args.batch_block, precision=args.precision)
         serve.run(application, name=APP_NAME, route_prefix=prefix or "/", logging_config={"log_level": "WARNING"})
         base = f"http://{args.host}:{args.port}{prefix}"
         print(f"Serving {checkpoint} at {base}/generate (Ctrl-C to stop)", flush=True)

@@ -52,12 +52,13 @@ class Policy:
     them, batched (`batch_rows` > 0) or one request at a time behind a lock."""
 
     def __init__(self, checkpoint: str, max_samples: int = 16, batch_rows: int = BATCH_ROWS,
-                 max_queue: int = MAX_QUEUE, device: str = "cpu", batch_block: int = BATCH_BLOCK):
+                 max_queue: int = MAX_QUEUE, device: str = "cpu", batch_block: int = BATCH_BLOCK,
+                 precision: str = "fp32"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from agents.generate import load_policy, reward_needs_meta
+        from agents.generate import decode_in, load_policy, reward_needs_meta
         from env.tasks import make_task
 
-        self.module = load_policy(checkpoint).to(device)
+        self.module = decode_in(load_policy(checkpoint).to(device), precision)
         self.env_config = dict(self.module.model_config["env"])
         self.tokenizer = self.module.tokenizer
         self.max_new_tokens = int(env_setting(self.env_config, "max_new_tokens"))
@@ -88,6 +89,7 @@ class Policy:
             "batch_rows": batch_rows,
             "batch_block": batch_block if batch_rows > 0 else None,
             "device": str(device),
+            "precision": precision,
             "fields": list(GenerateRequest.model_fields),
             "routes": list(ROUTES),
         }
