@@ -231,6 +231,9 @@ def test_generate_refuses_prompt_words_outside_the_vocabulary_naming_the_prompt(
         on_cpu = capsys.readouterr().out
         assert generate([*ckpt, "--prompt", known, "--greedy", "--device", "cuda"]) == 0
         assert capsys.readouterr().out == on_cpu
+        assert generate([*ckpt, "--prompt", known, "--device", "cuda", "--precision", "bf16"]) == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        assert len(out) == 1 and f"] {known}||" in out[0], out
     assert generate([*ckpt, "--prompt", known]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and f"] {known}||" in out[0], out
