@@ -268,14 +268,15 @@ def row_sampler_keep(logits: torch.Tensor, name: str, param: torch.Tensor) -> to
 
 def row_tokens(logits: torch.Tensor, uniform: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor,
                top_p: torch.Tensor, kind: torch.Tensor, param: torch.Tensor, kinds: tuple = (),
-               sampled: bool = True, scaled: bool = True, nucleus: bool = True, subsets: bool = False) -> torch.Tensor:
+               sampled: bool = True, nucleus: bool = True, subsets: bool = False) -> torch.Tensor:
     """Each row's token from `logits` (rows, V; float32, the policy's own sampler applied): the
     argmax where `greedy` (rows,), else drawn at `uniform` ((rows, 1), float64) from the softmax of
     the logits with the row's requested sampler's mask (`kind` (rows,): its ROW_SAMPLER_CODES code,
     0 for none; `param` (rows, 1) float64), warped by its `temperature` and `top_p` ((rows, 1)
     each, `warp_logits`). `kinds`: the requested samplers present, each computed over every row and
-    kept where it is the row's; `sampled` False: every row greedy; `scaled` / `nucleus` False: no
-    row's temperature / top_p differs from 1 (that warp is skipped). Fixed shapes and no host read:
+    kept where it is the row's; `sampled` False: every row greedy; `nucleus` False: no row's top_p
+    is below 1 (the nucleus's sort is skipped). A top_p in float64 bounds the nucleus at the
+    1 - top_p a number gives. Fixed shapes and no host read:
     a serving batch's decode step's tail, captured with the step on a GPU. `subsets`: each requested
     sampler computed on its own rows only (the same tokens; shapes that follow the data, for a
     step that is not captured: on a CPU, where a mask's sort over every row is the cost)."""
@@ -292,5 +293,5 @@ def row_tokens(logits: torch.Tensor, uniform: torch.Tensor, greedy: torch.Tensor
         else:
             drop = mine[:, None] & ~row_sampler_keep(logits, name, param)
         warped = warped.masked_fill(drop, MASKED)
-    probs = torch.softmax(warp_logits(warped, temperature if scaled else 1.0, top_p if nucleus else 1.0), -1)
+    probs = torch.softmax(warp_logits(warped, temperature, top_p if nucleus else 1.0), -1)
     return torch.where(greedy, tokens, sample_rows(probs, uniform))

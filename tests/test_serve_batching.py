@@ -2,7 +2,7 @@
 stop strings, per-request sampling, the queue bound, cancellation, and the chat route.
 
 The batcher is driven in-process on the quickstart's tiny policy; `Batcher.on_step` (called in
-the batch's thread after each step) pauses it where a test must see the state between steps.
+the batch's thread after each block) pauses it where a test must see the state between blocks.
 The OpenAI client against a running server is in tests/test_serve_openai.py.
 """
 import json

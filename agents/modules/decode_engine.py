@@ -333,6 +333,7 @@ class RingKVCache(WindowKVCache):
         # (False), or where the engine captures its step (None: on a GPU)
         self.static_restarts: bool | None = None
         self.static_blocks = True  # a block's steps after the first as one static function (`continue_block`)
+        self.tail_keys: list = []  # tails whose graphs are kept, oldest first (`decoding.keep_graphs_of`)
 
     def invalidate(self) -> None:
         super().invalidate()

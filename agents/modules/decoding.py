@@ -154,20 +154,20 @@ ROW_KEYS_KEPT = 4  # a serving batch's tails kept captured: one per spec (reques
 
 
 @torch.no_grad()
-def rows_block(module, obs: dict, cont: torch.Tensor, settings: tuple, uniforms: torch.Tensor, spec: dict,
-               keys: list) -> torch.Tensor:
+def rows_block(module, obs: dict, cont: torch.Tensor, settings: tuple, uniforms: torch.Tensor,
+               spec: dict) -> torch.Tensor:
     """`len(uniforms)` decode steps of a serving batch's rows, each row with its own settings:
     the tokens (steps, rows), on the policy's device. `obs`: the rows' windows on the device (rows
     that `cont` (rows,) bool on the host does not mark restart there); `settings`: `row_tokens`'
     per-row tensors (greedy, temperature, top_p, kind, param) and `spec` its static choices (kinds,
-    sampled, scaled, nucleus); `uniforms` (steps, rows, 1): each row's draws. The first step is
+    sampled, nucleus, subsets); `uniforms` (steps, rows, 1): each row's draws. The first step is
     the engine's step (restarts in it), the others one static function
     (`RingKVCache.continue_block`); all with the head, the masks and the draw inside (`row_tokens`:
-    a CUDA graph per step or block on a GPU, graphs kept for ROW_KEYS_KEPT specs, `keys`). Needs
+    a CUDA graph per step or block on a GPU, graphs kept for the last ROW_KEYS_KEPT specs). Needs
     `acting.static_rollout_step(module, explore=False)`."""
     cache, trunk = module.kv_cache, module._trunk(module.lm)
     key = ("rows", *sorted(spec.items()))
-    keep_graphs_of(cache.engine, keys, key, ROW_KEYS_KEPT)
+    keep_graphs_of(cache.engine, cache.tail_keys, key, ROW_KEYS_KEPT)
 
     def tail(hidden, uniform, *per_row) -> dict:
         return {"token": row_tokens(module._masked_logits(hidden)[0], uniform, *per_row, **spec)}

@@ -92,7 +92,7 @@ class Job:
         self._events = asyncio.Queue() if loop is not None else queue.Queue()
 
     def cancel(self) -> None:
-        """The client went away: the job's rows are freed at the next step boundary."""
+        """The client went away: the job's rows are freed at the next block boundary."""
         self.cancelled = True
 
     def _emit(self, kind: str, index, value) -> None:
@@ -195,15 +195,16 @@ def blocks_apply(module, slots: list) -> bool:
             and not any(requests_mirostat(row.completion) for row in slots if row is not None))
 
 
-def row_inputs(slots: list, device: torch.device) -> tuple:
+def row_inputs(slots: list, device: torch.device, subsets: bool = False) -> tuple:
     """`samplers.row_tokens`' per-row tensors for the rows (`slots`; idle rows greedy) on `device`,
     and its static choices: the requested samplers present, whether any row samples, whether any
-    row's temperature or top_p is not 1."""
+    row's top_p is below 1, `subsets` (a step that is not captured computes each sampler on its own
+    rows only). top_p in float64: the nucleus's bound 1 - top_p is then the one a number gives."""
     from agents.samplers import ROW_SAMPLER_CODES, SAMPLERS
 
     n = len(slots)
     greedy, kind, param = np.ones(n, dtype=bool), np.zeros(n, dtype=np.int64), np.zeros((n, 1), dtype=np.float64)
-    temperature, top_p = np.ones((n, 1), dtype=np.float32), np.ones((n, 1), dtype=np.float32)
+    temperature, top_p = np.ones((n, 1), dtype=np.float32), np.ones((n, 1), dtype=np.float64)
     for i, row in enumerate(slots):
         if row is not None and not row.completion.greedy:
             c = row.completion
@@ -212,8 +213,7 @@ def row_inputs(slots: list, device: torch.device) -> tuple:
             if spec.get("name") in ROW_SAMPLER_CODES:
                 kind[i], param[i] = ROW_SAMPLER_CODES[spec["name"]], spec[SAMPLERS[spec["name"]][1][0]]
     spec = {"kinds": tuple(name for name, code in ROW_SAMPLER_CODES.items() if (kind == code).any()),
-            "sampled": not greedy.all(), "scaled": bool((temperature != 1).any()), "nucleus": bool((top_p < 1).any()),
-            "subsets": device.type != "cuda"}  # uncaptured steps compute each sampler on its own rows only
+            "sampled": not greedy.all(), "nucleus": bool((top_p < 1).any()), "subsets": subsets}
     return tuple(torch.from_numpy(a).to(device) for a in (greedy, temperature, top_p, kind, param)), spec
 
 
@@ -232,8 +232,8 @@ def row_uniforms(slots: list, k: int, device: torch.device) -> torch.Tensor:
 
 @torch.no_grad()
 def next_tokens(module, slots: list, obs: dict, cont: np.ndarray, block: int, device: torch.device,
-                keys: list, queued: bool = False) -> torch.Tensor:
-    """The rows' next tokens (steps, rows) on the host: a block of `block` steps on the decode
+                queued: bool = False) -> torch.Tensor:
+    """The rows' next tokens (steps, rows) on the host: a block of up to `block` steps on the decode
     engine (`decoding.rows_block`) where `blocks_apply`, else one step, the module's own call with
     the same tail (`samplers.row_tokens`; a mirostat request's mask and mu row by row). `obs`: the
     rows' windows (numpy); `cont`: which rows continue the last step's (the others restart)."""
@@ -247,15 +247,18 @@ def next_tokens(module, slots: list, obs: dict, cont: np.ndarray, block: int, de
     lefts = [row.tokens_left for row in slots if row is not None]
     left = min(lefts) if queued else max(lefts)
     k = min(block, obs["input_ids"].shape[1] - 1, left) if blocks else 1
-    per_row, spec = row_inputs(slots, device)
+    engine = getattr(getattr(module, "kv_cache", None), "engine", None)
+    captured = engine.capture if engine is not None else device.type == "cuda"
+    per_row, spec = row_inputs(slots, device, subsets=not captured)
     uniforms = row_uniforms(slots, k, device)
     # observations on the policy's device; which rows continue stays on the CPU (the caches branch
     # on it with no device sync)
     batch = {Columns.OBS: {name: torch.from_numpy(v.copy()).to(device) for name, v in obs.items()},
              ROW_CONTINUES: torch.from_numpy(cont.copy())}
     if blocks:  # the head, each row's sampler and draw inside the engine's static steps
-        module.eval()
-        return rows_block(module, batch[Columns.OBS], batch[ROW_CONTINUES], per_row, uniforms, spec, keys).cpu()
+        if module.training:
+            module.eval()
+        return rows_block(module, batch[Columns.OBS], batch[ROW_CONTINUES], per_row, uniforms, spec).cpu()
     act = getattr(module, "act", None)  # RLlib's forward_inference flips train/eval each call
     logits = (act(batch, explore=False) if act is not None else module.forward_inference(batch))[
         Columns.ACTION_DIST_INPUTS].float()
@@ -306,7 +309,6 @@ class Batcher:
                              f"and {max_queue}")
         self.module, self.env_config = module, dict(env_config)
         self.rows, self.max_queue, self.block = int(rows), int(max_queue), int(block)
-        self._graph_keys: list = []  # the decode engine's tails kept captured (`decoding.rows_block`)
         self.env = TokenGenerationEnv(self.env_config)  # resets a row's window (the rows' windows live in obs)
         self.device = policy_device(module)
         self.eos_id, self.tokenizer = self.env.eos_id, self.env.tokenizer
@@ -317,7 +319,9 @@ class Batcher:
         self.cont = np.zeros(self.rows, dtype=bool)
         self.waiting: collections.deque = collections.deque()  # (job, index) not yet in a row
         self.cv = threading.Condition()
-        self.stats = {"steps": 0, "blocks": 0, "tokens": 0, "completions": 0, "cancelled": 0, "refused": 0, "max_active": 0}
+        # tokens: kept; dropped: drawn in a block after their row's completion ended
+        self.stats = {"steps": 0, "blocks": 0, "tokens": 0, "dropped": 0, "completions": 0, "cancelled": 0,
+                      "refused": 0, "max_active": 0}
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.on_step = None  # called after each block, in the batch's thread (tests pause it here)
@@ -410,10 +414,10 @@ class Batcher:
                              len(self.env.prompt_ids), limit=min(c.max_tokens, self.max_new_tokens))
 
     def step(self) -> None:
-        """One block of `block` tokens for every row in use (idle rows step too, their outputs
-        ignored), or one token where the step cannot be a block (`next_tokens`)."""
+        """One block of up to `block` tokens for every row in use (idle rows step too, their
+        outputs ignored), or one token where the step cannot be a block (`next_tokens`)."""
         active = [i for i, s in enumerate(self.slots) if s is not None]
-        tokens = next_tokens(self.module, self.slots, self.obs, self.cont, self.block, self.device, self._graph_keys,
+        tokens = next_tokens(self.module, self.slots, self.obs, self.cont, self.block, self.device,
                              bool(self.waiting))
         k = len(tokens)
         self.cont[:] = True
@@ -430,10 +434,11 @@ class Batcher:
         per_row = tokens.T.tolist()
         for i in active:
             row = self.slots[i]
-            for token in per_row[i]:  # up to the row's end (its later tokens are dropped)
+            for kept, token in enumerate(per_row[i], 1):  # up to the row's end (its later tokens are dropped)
                 self.stats["tokens"] += 1
                 self._after_token(i, token)
                 if self.slots[i] is not row:
+                    self.stats["dropped"] += k - kept
                     break
         if self.on_step is not None:
             self.on_step()
