@@ -59,10 +59,9 @@ class Decoder:
     def __init__(self):
         self.cache = RingKVCache()
         self.rows = 0
-        self.settings: list = []  # the sampled decodes' graph keys, oldest first
 
     def __getstate__(self) -> dict:  # a copy starts with no engine (captured graphs do not copy)
-        return {"cache": RingKVCache(), "rows": 0, "settings": []}
+        return {"cache": RingKVCache(), "rows": 0}
 
     @staticmethod
     def samples(module) -> bool:
@@ -116,7 +115,7 @@ class Decoder:
         tail, inputs = (draw, uniforms) if sampled else (argmax, lambda k: placeholder[:k])
         key = ("sample", masked, float(temperature), float(top_p)) if sampled else ("greedy", masked)
         if sampled:
-            keep_graphs_of(self.cache.engine, self.settings, key)
+            keep_graphs_of(self.cache.engine, self.cache.tail_keys, key)
 
         def step(obs, u) -> torch.Tensor:  # one call: the token of each row after its window
             if static:  # a copy: a replayed graph's output is overwritten by its next replay

@@ -28,8 +28,9 @@ answers
 Each replica generates for many requests at once: `--batch-rows` rows (default 16) step
 together, in blocks of up to `--batch-block` tokens (default 8: the decode engine's static steps,
 CUDA graphs on a GPU, with each request's sampling inside), and a request's completions take rows
-as they free up between blocks (continuous batching; `--batch-rows 0` runs one request at a time). A request's text does not depend on what
-else is being generated: the same seed and request give the same text, alone or under load.
+as they free up between blocks (continuous batching; `--batch-rows 0` runs one request at a
+time). A request's text does not depend on what else is being generated: the same seed and
+request give the same text, alone or under load.
 
 Generation runs the checkpoint's own environment (as `agents.generate.generate` does),
 so the policy acts exactly as in training: the task's tokenizer, the left

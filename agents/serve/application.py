@@ -163,34 +163,31 @@ async def _results(policy: Policy, checked: dict, job) -> list[dict]:
 
 async def _stream(kind: str, checked: dict, job):
     """The streamed reply's server-sent events (batched requests only: the one-at-a-time path
-    refuses `stream`); a client that goes away cancels the job."""
+    refuses `stream`); `JobStream` cancels the job when the reply ends."""
     chunks = Chunks(kind, checked)
-    try:
-        for event in chunks.opening():
-            yield event
-        async for batch in job.event_batches():  # the events waiting together, in one write
-            out = []
-            for event, index, value in batch:
-                if event == "delta":
-                    out.append(chunks.delta(index, value))
-                elif event == "finish":
-                    out.append(chunks.finish(index, value["finish_reason"]))
-                elif event == "error":
-                    out.append(sse(openai_error(value, 500)))
-            if out:
-                yield "".join(out)
-            if batch[-1][0] == "error":
-                return
-        for event in chunks.closing(job.results):
-            yield event
-    finally:
-        job.cancel()  # a no-op once every completion finished
+    for event in chunks.opening():
+        yield event
+    async for batch in job.event_batches():  # the events waiting together, in one write
+        out = []
+        for event, index, value in batch:
+            if event == "delta":
+                out.append(chunks.delta(index, value))
+            elif event == "finish":
+                out.append(chunks.finish(index, value["finish_reason"]))
+            elif event == "error":
+                out.append(sse(openai_error(value, 500)))
+        if out:
+            yield "".join(out)
+        if batch[-1][0] == "error":
+            return
+    for event in chunks.closing(job.results):
+        yield event
 
 
 class JobStream(StreamingResponse):
-    """A streamed reply that cancels its job when it ends, however it ends: a client that goes
-    away while the reply waits to write (a block's chunks not yet read) cancels the response's
-    task outside the events' generator, whose own `finally` then waits for its finalization."""
+    """A streamed reply that cancels its job when it ends, however it ends (a client that goes
+    away frees its rows at the next block): the response's own task, not the events' generator,
+    whose cleanup would wait for its finalization where the client left while a write waited."""
 
     def __init__(self, job, content, **kwargs):
         super().__init__(content, **kwargs)
@@ -321,9 +318,8 @@ def make_app(checkpoint: str, *, num_replicas: int = 1, num_cpus: float = 0.5, m
     """The Serve application: PolicyServer replicas, each loading `checkpoint`: `num_replicas` of
     them, or as `replicas` (from `replica_options`, e.g. an autoscaling config) says. Each replica
     batches `batch_rows` rows (0: one request at a time; `batch_block` steps a block) with up to
-    `max_queue` completions waiting,
-    on the CPU, or on a GPU of its own where `num_gpus` (a fraction is fine) is given, its weights
-    in `precision` (fp32 or bf16)."""
+    `max_queue` completions waiting, on the CPU, or on a GPU of its own where `num_gpus` (a fraction
+    is fine) is given, its weights in `precision` (fp32 or bf16)."""
     deployment = serve.deployment(
         PolicyServer,
         name="PolicyServer",
