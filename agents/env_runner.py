@@ -82,7 +82,7 @@ from ray.rllib.core import COMPONENT_RL_MODULE
 from ray.rllib.core.columns import Columns
 from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 from ray.rllib.utils import force_list
-from ray.rllib.utils.metrics import SAMPLE_TIMER
+from ray.rllib.utils.metrics import SAMPLE_TIMER, WEIGHTS_SEQ_NO
 
 from agents.core import ROLLOUT_STATE, ROW_CONTINUES, global_rng_state, set_global_rng_state, state_requested
 from agents.modules.decode_engine import HostTransfers
@@ -320,6 +320,7 @@ class FastTokenEnvRunner(_SeededRunnerMixin, SingleAgentEnvRunner):
         if num_timesteps is None and num_episodes is None:
             num_timesteps = math.ceil(self.config.total_train_batch_size / max(1, self.config.num_env_runners))
         self._episode_metrics = EpisodeMetrics()  # nothing left from a call that raised
+        self.metrics.log_value(WEIGHTS_SEQ_NO, self._weights_seq_no, window=1)  # the weights' version, as RLlib's
         with self.metrics.log_time(SAMPLE_TIMER):
             episodes, steps = self._sample_episodes(num_timesteps, num_episodes, explore, random_actions)
             self._episode_metrics.flush(self)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
+from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
 from agents.modules.sync_state import synced_tensors
 
@@ -71,6 +72,8 @@ def sync_colocated(learner_group, env_runner) -> int:
                     for mid, m in modules_by_id(env_runner.module).items())
         if hasattr(env_runner, "weights_changed"):
             env_runner.weights_changed()
+        # The weights' version, as RLlib's sync sets it (its `weights_seq_no` metric, checkpoints)
+        env_runner._weights_seq_no = learner.get_state(components=[])[WEIGHTS_SEQ_NO]
         return total
 
     results = learner_group.foreach_learner(copy)

@@ -128,6 +128,18 @@ def test_sync_weights_and_fused_copy_used_by_the_colocated_weight_sync():
     assert dst[0].dtype == torch.bfloat16 and dst[0].tolist() == [1.0] * 3 and dst[1].tolist() == [2.0] * 2
 
 
+def test_weights_seq_no_set_by_the_colocated_weight_sync():
+    # agents/weight_sync.py sync_colocated sets the EnvRunner's private _weights_seq_no (RLlib's
+    # EnvRunner.set_state sets it from the state's WEIGHTS_SEQ_NO, and get_state and sample() report
+    # it) to the learner's, read from Learner.get_state(components=[]) (no module state built).
+    from ray.rllib.core.learner.learner import Learner
+    from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
+
+    for method in (SingleAgentEnvRunner.__init__, SingleAgentEnvRunner.set_state, SingleAgentEnvRunner.get_state):
+        assert "self._weights_seq_no" in inspect.getsource(method)
+    assert "WEIGHTS_SEQ_NO: self._weights_seq_no" in inspect.getsource(Learner.get_state)
+
+
 def test_clip_function_and_apply_gradients_hooks_used_by_the_fused_gradients():
     # agents/algorithms/gradients.py FusedGradients overrides TorchLearner._get_clip_function
     # (RLlib's postprocess_gradients_for_module clips through it) and apply_gradients, whose fast

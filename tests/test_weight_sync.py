@@ -39,7 +39,7 @@ def train(overrides, monkeypatch, iterations=3):
     cfg = load(QUICKSTART, SMALL + overrides)
     counted = object_store_bytes(monkeypatch)
     algo = algorithm_config(cfg).build_algo()
-    curve, synced = [], []
+    curve, synced, versions = [], [], []  # versions: the weights sampled with, and the runner's after the sync
     try:
         for _ in range(iterations):
             before = sum(counted)
@@ -50,25 +50,28 @@ def train(overrides, monkeypatch, iterations=3):
             same = all(torch.equal(t, learned[k].to(t.dtype)) for k, t in runner.state_dict().items())
             synced.append((same, sum(counted) - before, getattr(algo, "colocated_sync_bytes", None),
                            {p.dtype for p in runner.lm.parameters()}))
+            versions.append((result["env_runners"]["weights_seq_no"],
+                             algo.env_runner_group.local_env_runner.get_state(components="rl_module")["weights_seq_no"]))
     finally:
         algo.stop()
-    return curve, synced
+    return curve, synced, versions
 
 
 def test_colocated_sync_moves_nothing_through_the_object_store_and_trains_as_rllibs_sync(ray_local, monkeypatch):
-    colocated, synced = train([], monkeypatch)
+    colocated, synced, versions = train([], monkeypatch)
     for same, put_bytes, copied, _ in synced:
         assert same  # after every update the EnvRunner's weights are the learner's
         assert put_bytes == 0  # nothing went through the object store
         assert copied > 100_000  # the tiny GPT-2's weights (tied embedding once) were copied in place
-    rllib, synced = train(["env_runners.colocated=false"], monkeypatch)
+    rllib, synced, rllib_versions = train(["env_runners.colocated=false"], monkeypatch)
     assert all(same for same, *_ in synced)
+    assert versions == rllib_versions == [(0, 1), (1, 2), (2, 3)]  # the weights' version, as RLlib's sync sets it
     assert all(put_bytes > 100_000 for _, put_bytes, *_ in synced)  # RLlib's sync: the weights, through the store
     np.testing.assert_array_equal(colocated, rllib)  # the same seed gives the same curve
 
 
 def test_colocated_sync_casts_to_the_rollout_precision(ray_local, monkeypatch):
-    _, synced = train(["env_runners.precision=bf16"], monkeypatch, iterations=1)
+    _, synced, _ = train(["env_runners.precision=bf16"], monkeypatch, iterations=1)
     same, put_bytes, copied, runner_dtypes = synced[0]
     assert runner_dtypes == {torch.bfloat16}  # the EnvRunner's module holds bf16 weights...
     assert same and put_bytes == 0 and copied > 100_000  # ...the learner's, cast, copied in place
