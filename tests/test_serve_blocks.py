@@ -2,6 +2,7 @@
 requested sampler, temperature, top_p and draw inside the static steps (`samplers.row_tokens`),
 the same texts as one module call per token, graphs replayed where the engine captures (emulated
 on the CPU), and per-row sampler masks equal to each row's own."""
+import numpy as np
 import pytest
 import torch
 
@@ -119,6 +120,23 @@ def test_blocks_write_what_one_call_per_token_writes(module, monkeypatch):
         batcher.close()
     assert any(r["finish_reason"] == "stop" for r in want)  # EOS or a stop string ended some
     assert len({r["text"] for r in want}) > 8
+
+
+def test_an_idle_replicas_streamed_request_gets_its_first_text_after_one_step(module):
+    """Where every row in use has just joined and one streams, the block is one step (the first
+    streamed text goes out after one step, not a whole block); the blocks after it, and a request
+    not streamed, take the whole block. The texts are the same either way."""
+    batcher = Batcher(module, dict(module.model_config["env"]), rows=4)
+    steps = [0]  # the batch's steps after each block
+    batcher.on_step = lambda: steps.append(batcher.load()["steps"])
+    c = Completion("3 7 12", 5, 20, temperature=0.7)
+    plain = batcher.submit(Job([c])).wait(timeout=120)
+    plain_blocks, start = np.diff(steps).tolist(), len(steps) - 1
+    streamed = batcher.submit(Job([c], stream=True)).wait(timeout=120)
+    batcher.close()
+    blocks = np.diff(steps[start:]).tolist()
+    assert streamed == plain and plain[0]["num_generated"] > 9
+    assert plain_blocks[0] == 8 and blocks[:2] == [1, 8]
 
 
 def test_blocks_replay_their_graphs_where_the_engine_captures(module):

@@ -22,7 +22,9 @@ joined prefilled in it), then its other steps as one static function, each step'
 requested sampler, temperature, top_p and draw inside (`agents.samplers.row_tokens`, per-row
 settings as tensors): CUDA graphs on a GPU, one host read of the tokens per block. A row that
 finishes mid-block (EOS, its length, a stop string) drops the block's later tokens; streamed text
-and cancellations take effect between blocks. Where a block cannot run (a policy whose sampler is
+and cancellations take effect between blocks, so where every row in use has just joined (a replica
+that was idle) and one streams, the block is one step: its first text goes out after one step, not
+a whole block. Where a block cannot run (a policy whose sampler is
 mirostat or NLPO's learned mask, a module without the engine, a row requesting mirostat, whose mu
 follows each token) the batch steps one token per call with the same tail.
 
@@ -243,8 +245,11 @@ def next_tokens(module, slots: list, obs: dict, cont: np.ndarray, block: int, de
     from agents.modules.decoding import rows_block
 
     blocks = blocks_apply(module, slots)
+    used = [i for i, row in enumerate(slots) if row is not None]
+    if not cont[used].any() and any(slots[i].job.stream for i in used):
+        block = 1  # every row just joined (a replica that was idle): the first streamed text after one step
     # a block fits the window, and takes no step after every row's last
-    lefts = [row.tokens_left for row in slots if row is not None]
+    lefts = [slots[i].tokens_left for i in used]
     left = min(lefts) if queued else max(lefts)
     k = min(block, obs["input_ids"].shape[1] - 1, left) if blocks else 1
     engine = getattr(getattr(module, "kv_cache", None), "engine", None)
