@@ -184,7 +184,7 @@ def test_a_cancelled_job_frees_its_row_and_drops_its_waiting_completions_at_the_
 
     batcher.on_step = pause
     job = batcher.submit(Job([Completion("3", s, 20) for s in range(3)], stream=True))
-    assert paused.wait(timeout=60)  # one block done: its tokens of the first completion
+    assert paused.wait(timeout=60)  # one block done: its token of the first completion
     job.cancel()
     batcher.on_step = None
     go.set()
@@ -192,7 +192,8 @@ def test_a_cancelled_job_frees_its_row_and_drops_its_waiting_completions_at_the_
     assert other[0]["num_generated"] == 3
     load = batcher.load()
     assert load["cancelled"] == 3 and load["active"] == 0 and load["waiting"] == 0
-    assert load["tokens"] == batcher.block + 3  # the cancelled row wrote one block, then stopped
+    # the cancelled row wrote one block, then stopped: one step (it streams and joined an idle replica)
+    assert load["tokens"] == 1 + 3
     assert job.results == [None, None, None]
     batcher.close()
 
@@ -341,9 +342,9 @@ def test_a_streaming_client_that_goes_away_frees_its_row_at_once(checkpoint):
             if load["active"] == 0:
                 break
             threading.Event().wait(0.05)
-    # the row was freed at the next block boundary: one block written of the 20 tokens asked for
-    assert (load["cancelled"] == 1 and load["completions"] == 0 and load["tokens"] == policy.batcher.block
-            and load["active"] == 0)
+    # the row was freed at the next block boundary: one block written of the 20 tokens asked for (one
+    # step: a streamed request that joined an idle replica)
+    assert load["cancelled"] == 1 and load["completions"] == 0 and load["tokens"] == 1 and load["active"] == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
