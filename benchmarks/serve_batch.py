@@ -15,7 +15,8 @@ of greedy rows, temperatures, top_p and every stateless requested sampler. `--pa
 (the default path: blocks of --block steps on the decode engine, `decoding.rows_block`) and/or
 `stepwise` (one module call per token, the path a mirostat request takes), with the ratio when
 both run. `--count-ops`: instead of timing, the ops each path runs outside the engine's graphs
-per step of the rows, graphs emulated on the CPU (each op a kernel launch on a GPU). Measured
+per step of the rows, graphs emulated on the CPU (each op a kernel launch on a GPU), and the graphs
+the engine captured (as many as a GPU would; a key dropped and seen again is captured again). Measured
 figures only; it never passes or fails on a wall time.
 """
 from __future__ import annotations
@@ -113,14 +114,17 @@ def main(argv=None) -> int:
                 try:
                     if args.count_ops:
                         drive(batcher, completions(args.completions, args.new, args.mix, 0))  # warm-up: captures
+                        warm = batcher.load()["graphs_captured"]
                         counter.n = counter.replays = 0
                         steps = batcher.stats["steps"]
                         with counter:
                             tokens = drive(batcher, completions(args.completions, args.new, args.mix, 1))
                         steps = batcher.stats["steps"] - steps
+                        load = batcher.load()
                         print(f"vocab {vocab:6d}  {path:8s}: {counter.n / steps:7.1f} ops and "
                               f"{counter.replays / steps:5.2f} replays per step of {args.rows} rows "
-                              f"({steps} steps, {tokens} tokens)", flush=True)
+                              f"({steps} steps, {tokens} tokens); graphs captured {load['graphs_captured']} "
+                              f"({load['graphs_captured'] - warm} in this round)", flush=True)
                         continue
                     run_round(batcher, completions(args.completions, args.new, args.mix, 0))  # warm-up
                     times, tokens = [], []

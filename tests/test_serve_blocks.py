@@ -163,6 +163,8 @@ def test_blocks_replay_their_graphs_where_the_engine_captures(module):
         assert engine.capture and counter.replays > 0
         names = set(engine.graphs)
         assert any(n[0] == "steps" and n[-1][0] == "rows" for n in names if isinstance(n, tuple)), names
+        # the replica reports the engine's captures (those of graphs dropped since included)
+        assert batcher.load()["graphs_captured"] == engine.captures >= len(engine.graphs) > 0
         batcher.close()
 
 

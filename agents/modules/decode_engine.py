@@ -185,6 +185,7 @@ class DecodeEngine(RingBuffers):
         # ("restart", rows prefilled, key), ("steps", steps, key)
         self.graphs: dict = {}
         self.compiled: dict = {}  # name -> the compiled eager function (compile_step without capture)
+        self.captures = 0  # graphs captured so far (a key dropped and seen again is captured again)
 
     def step(self, token: torch.Tensor, tail=None, tail_inputs: tuple = (), key=None):
         """One decode step: the hidden state at the new token, or `tail(hidden, *tail_inputs)`
@@ -236,6 +237,7 @@ class DecodeEngine(RingBuffers):
         graph = self.graphs.get(name)
         if graph is None:
             static_inputs = [t.clone() for t in inputs]
+            self.captures += 1
             graph = self.graphs[name] = self._capture(static_inputs, self._compiled(lambda: fn(*static_inputs)),
                                                       steps)
         self.slot_host = (self.slot_host + steps) % self.length
@@ -259,6 +261,7 @@ class DecodeEngine(RingBuffers):
         graph = self.graphs.get(("tail", key))
         if graph is None:
             static_inputs = [hidden.clone(), *(t.clone() for t in tail_inputs)]
+            self.captures += 1
             graph = self.graphs[("tail", key)] = self._capture(static_inputs, lambda: tail(*static_inputs))
         return self._replay(graph, (hidden, *tail_inputs))
 

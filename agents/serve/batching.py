@@ -350,10 +350,13 @@ class Batcher:
         return job
 
     def load(self) -> dict:
-        """Rows in use and completions waiting, with the counters since the start."""
+        """Rows in use and completions waiting, with the counters since the start (`graphs_captured`:
+        the decode engine's, where it captures; a GPU replica that keeps capturing sees churn)."""
+        engine = getattr(getattr(self.module, "kv_cache", None), "engine", None)
         with self.cv:
             return {"rows": self.rows, "active": sum(s is not None for s in self.slots),
-                    "waiting": len(self.waiting), "max_queue": self.max_queue, **self.stats}
+                    "waiting": len(self.waiting), "max_queue": self.max_queue, **self.stats,
+                    "graphs_captured": getattr(engine, "captures", 0)}
 
     def close(self) -> None:
         with self.cv:
