@@ -127,6 +127,7 @@ def main(argv=None) -> int:
                               f"({load['graphs_captured'] - warm} in this round)", flush=True)
                         continue
                     run_round(batcher, completions(args.completions, args.new, args.mix, 0))  # warm-up
+                    warm = batcher.load()["graphs_captured"]
                     times, tokens = [], []
                     for rep in range(args.reps):
                         sync(torch.device(device))
@@ -141,7 +142,8 @@ def main(argv=None) -> int:
                 speeds[path] = sum(tokens) / sum(times)
                 print(f"vocab {vocab:6d}  {path:8s}: {args.completions / float(np.median(times)):8.1f} completions/s, "
                       f"{speeds[path]:9,.0f} tokens/s ({int(np.median(tokens))} tokens a round, "
-                      f"{1e3 * float(np.median(times)):.0f} ms)", flush=True)
+                      f"{1e3 * float(np.median(times)):.0f} ms; graphs captured in the timed rounds: "
+                      f"{batcher.load()['graphs_captured'] - warm})", flush=True)
             if len(speeds) == 2:
                 print(f"vocab {vocab:6d}: blocks / stepwise {speeds['blocks'] / speeds['stepwise']:.2f}", flush=True)
             runner.stop()
