@@ -246,8 +246,8 @@ def next_tokens(module, slots: list, obs: dict, cont: np.ndarray, block: int, de
 
     blocks = blocks_apply(module, slots)
     used = [i for i, row in enumerate(slots) if row is not None]
-    if not cont[used].any() and any(slots[i].job.stream for i in used):
-        block = 1  # every row just joined (a replica that was idle): the first streamed text after one step
+    if not cont[used].any() and any(slots[i].job.stream for i in used):  # an idle replica's first text
+        block = 1  # after one step
     # a block fits the window, and takes no step after every row's last
     lefts = [slots[i].tokens_left for i in used]
     left = min(lefts) if queued else max(lefts)
@@ -350,8 +350,7 @@ class Batcher:
         return job
 
     def load(self) -> dict:
-        """Rows in use and completions waiting, with the counters since the start (`graphs_captured`:
-        the decode engine's, where it captures; a GPU replica that keeps capturing sees churn)."""
+        """Rows in use and completions waiting, the counters since the start, the engine's captures."""
         engine = getattr(getattr(self.module, "kv_cache", None), "engine", None)
         with self.cv:
             return {"rows": self.rows, "active": sum(s is not None for s in self.slots),
