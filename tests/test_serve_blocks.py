@@ -2,6 +2,8 @@
 requested sampler, temperature, top_p and draw inside the static steps (`samplers.row_tokens`),
 the same texts as one module call per token, graphs replayed where the engine captures (emulated
 on the CPU), and per-row sampler masks equal to each row's own."""
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -131,6 +133,10 @@ def test_an_idle_replicas_streamed_request_gets_its_first_text_after_one_step(mo
     batcher.on_step = lambda: steps.append(batcher.load()["steps"])
     c = Completion("3 7 12", 5, 20, temperature=0.7)
     plain = batcher.submit(Job([c])).wait(timeout=120)
+    for _ in range(600):  # the job ends inside a block; its `on_step` comes after
+        if steps[-1] == batcher.load()["steps"]:
+            break
+        threading.Event().wait(0.01)
     plain_blocks, start = np.diff(steps).tolist(), len(steps) - 1
     streamed = batcher.submit(Job([c], stream=True)).wait(timeout=120)
     batcher.close()

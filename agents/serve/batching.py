@@ -22,9 +22,9 @@ joined prefilled in it), then its other steps as one static function, each step'
 requested sampler, temperature, top_p and draw inside (`agents.samplers.row_tokens`, per-row
 settings as tensors): CUDA graphs on a GPU, one host read of the tokens per block. A row that
 finishes mid-block (EOS, its length, a stop string) drops the block's later tokens; streamed text
-and cancellations take effect between blocks, so where every row in use has just joined (a replica
-that was idle) and one streams, the block is one step: its first text goes out after one step, not
-a whole block. Where a block cannot run (a policy whose sampler is
+and cancellations take effect between blocks, so where every row in use has just joined (an idle
+replica; also one row, or rows that all ended together) and one streams, the block is one step.
+Where a block cannot run (a policy whose sampler is
 mirostat or NLPO's learned mask, a module without the engine, a row requesting mirostat, whose mu
 follows each token) the batch steps one token per call with the same tail.
 
