@@ -237,9 +237,9 @@ class DecodeEngine(RingBuffers):
         graph = self.graphs.get(name)
         if graph is None:
             static_inputs = [t.clone() for t in inputs]
-            self.captures += 1
             graph = self.graphs[name] = self._capture(static_inputs, self._compiled(lambda: fn(*static_inputs)),
                                                       steps)
+            self.captures += 1
         self.slot_host = (self.slot_host + steps) % self.length
         return self._replay(graph, inputs)
 
@@ -261,8 +261,8 @@ class DecodeEngine(RingBuffers):
         graph = self.graphs.get(("tail", key))
         if graph is None:
             static_inputs = [hidden.clone(), *(t.clone() for t in tail_inputs)]
-            self.captures += 1
             graph = self.graphs[("tail", key)] = self._capture(static_inputs, lambda: tail(*static_inputs))
+            self.captures += 1
         return self._replay(graph, (hidden, *tail_inputs))
 
     def _capture(self, static_inputs: list, run, steps: int = 1):
