@@ -1,7 +1,8 @@
 """Evaluate policies side by side on a task's test split, and plot training curves.
 
     python -m agents.evaluate MODEL [MODEL ...] [--config RL.yaml] [--split test] [--greedy]
-                              [--num-samples N] [--max-examples N] [--reference PATH] [--device cuda] [--out DIR]
+                              [--num-samples N] [--max-examples N] [--reference PATH] [--device cuda]
+                              [--precision bf16] [--out DIR]
     python -m agents.evaluate --curves RUN [RUN ...] [--metric NAME ...] [--out DIR]
 
 A MODEL is a checkpoint written by `agents.train` (or the RLModule directory in it) or
@@ -13,7 +14,8 @@ and generation lengths come from `--config` (an RL YAML), else from the first
 checkpoint. The table has one row per model: every metric of the task (its reward,
 and each term of a summed reward), the perplexity of the generations (after their
 prompts; for an encoder-decoder reference, given them as source) under a reference LM
-(`--reference`, default the first model), distinct-1
+(`--reference`, default the first model; always with fp32 weights, whatever `--precision` the
+models decode in), distinct-1
 and distinct-2 (unique n-grams / all n-grams of the model's generations, words
 split on whitespace), and the mean length in words. A second table breaks the task
 metrics down by prompt difficulty: for sentiment tasks the prompt's own VADER
@@ -32,6 +34,7 @@ line naming it, exit code 2.
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import json
 import math
@@ -144,6 +147,20 @@ class Model:
         (self.policy if self.kind == "checkpoint" else self.lm).to(device)
         return self
 
+    def decoding(self, precision: str):
+        """The policy that writes the generations: the model's own in fp32; in bf16 a copy with its
+        weights (and a checkpoint's KV cache) in bf16, so the model's LM, which scores perplexity
+        when it is the reference, keeps its fp32 weights."""
+        if precision == "fp32":
+            return self.policy
+        from agents.generate import decode_in
+
+        policy = copy.deepcopy(self.policy)
+        if self.kind == "checkpoint":
+            return decode_in(policy, precision)
+        policy.lm.to(torch.bfloat16)
+        return policy
+
 
 def _short_name(path: str) -> str:
     parts = path.rstrip(os.sep).split(os.sep)
@@ -250,8 +267,9 @@ def terciles(scores: list[float]) -> tuple[list[int], list[str]]:
 
 def evaluate(models: list[Model], env_config: dict, *, split: str = "test", greedy: bool = False,
              num_samples: int = 1, max_examples: int | None = None, reference: Model | None = None,
-             seed: int = 0, log=print) -> dict:
-    """Runs every model over the split; returns {"columns", "rows", "breakdown_columns",
+             seed: int = 0, precision: str = "fp32", log=print) -> dict:
+    """Runs every model over the split, decoding with its weights in `precision` (perplexity in
+    fp32 whatever it is); returns {"columns", "rows", "breakdown_columns",
     "breakdown", "generations", "difficulty"}."""
     from env.tasks import make_task
 
@@ -266,7 +284,7 @@ def evaluate(models: list[Model], env_config: dict, *, split: str = "test", gree
     prompts = buckets = labels = what = None
     for model in models:
         cfg = {**env_config, "split": split, "tokenizer": model.tokenizer_spec, "encoder_decoder": model.seq2seq}
-        gens = rollout(model.policy, cfg, examples, greedy=greedy, seed=seed)
+        gens = rollout(model.decoding(precision), cfg, examples, greedy=greedy, seed=seed)
         if prompts is None:  # the prompts as the env cut them (identical for every model)
             from env.text_env import TokenGenerationEnv
 
@@ -297,7 +315,7 @@ def evaluate(models: list[Model], env_config: dict, *, split: str = "test", gree
     return {"columns": ["model", "n", *names, "perplexity", "distinct_1", "distinct_2", "mean_words"],
             "rows": rows, "breakdown_columns": ["model", "bucket", "n", *names], "breakdown": breakdown,
             "generations": all_gens, "difficulty": what, "reference": reference.name,
-            "decoding": "greedy" if greedy else "sampled", "split": split}
+            "decoding": "greedy" if greedy else "sampled", "precision": precision, "split": split}
 
 
 def _fmt(value) -> str:
@@ -332,8 +350,9 @@ def write_results(result: dict, out_dir: str) -> dict:
 
 
 def markdown_summary(result: dict) -> str:
-    return (f"Split {result['split']!r}, {result['decoding']} decoding; perplexity under "
-            f"{result['reference']}.\n\n" + markdown_table(result["columns"], result["rows"]) +
+    weights = "" if result.get("precision", "fp32") == "fp32" else f" with {result['precision']} weights"
+    return (f"Split {result['split']!r}, {result['decoding']} decoding{weights}; perplexity under "
+            f"{result['reference']} (fp32).\n\n" + markdown_table(result["columns"], result["rows"]) +
             f"\n\nBy {result['difficulty']} (terciles):\n\n" +
             markdown_table(result["breakdown_columns"], result["breakdown"]))
 
@@ -373,6 +392,8 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
     parser.add_argument("--threads", type=int, help="torch CPU threads (tiny models on a busy machine: 1 is fastest)")
     parser.add_argument("--device", default="cpu", help="where the models generate and the reference LM computes "
                         "perplexity: cpu (default) or cuda[:N] (reward models keep their own reward.device)")
+    parser.add_argument("--precision", default="fp32", help="the models' weights while they generate: fp32 (default) "
+                        "or bf16 (a bf16 copy of each; perplexity stays fp32)")
     parser.add_argument("--curves", nargs="+", metavar="RUN", help="trial or experiment directories to plot")
     parser.add_argument("--metric", action="append", help="metric to plot (repeatable; default episode_return_mean)")
     parser.add_argument("--out", default="results/evaluation", help="output directory (default results/evaluation)")
@@ -386,10 +407,11 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
 
     no_transformers_bars()
     try:
-        from agents.generate import check_device, check_seed, use_device
+        from agents.generate import check_device, check_precision, check_seed, use_device
         from env.validation import directory_error
 
-        for error in (directory_error("--out", args.out), check_seed(args.seed), check_device(args.device)):
+        for error in (directory_error("--out", args.out), check_seed(args.seed),
+                      check_device(args.device) or check_precision(args.precision, args.device)):
             if error:
                 raise EvalError(error)
         if args.threads is not None and args.threads < 1:
@@ -413,7 +435,8 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
             env_cfg = resolve_env_config(args.config, args.overrides, models)
             reference = Model(args.reference).to(args.device) if args.reference else None
             result = evaluate(models, env_cfg, split=args.split, greedy=args.greedy, num_samples=args.num_samples,
-                              max_examples=args.max_examples, reference=reference, seed=args.seed)
+                              max_examples=args.max_examples, reference=reference, seed=args.seed,
+                              precision=args.precision)
             paths = write_results(result, args.out)
             print(markdown_summary(result))
             print(f"wrote {paths['csv']}, {paths['md']} and {paths['generations']}")

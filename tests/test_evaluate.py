@@ -121,6 +121,36 @@ def test_greedy_decoding_repeats_itself(setup):
     assert gens[0::2] == gens[1::2]  # two greedy samples of one prompt are the same text
 
 
+def test_bf16_decoding_leaves_the_models_fp32_and_perplexity_fp32(setup):
+    """--precision bf16: each model generates from a bf16 copy of its weights (the texts a bf16
+    cast gives), while the model itself, which scores perplexity as the reference, stays fp32."""
+    import copy
+
+    from agents.evaluate import markdown_summary, perplexity, rollout
+    from env.tasks import make_task
+    from tests.test_serve_batching import build_module
+
+    model = Model(setup["dirs"][0])
+    result = evaluate([model], setup["env_config"], precision="bf16", log=lambda line: None)
+    assert {p.dtype for p in model.lm.parameters()} == {torch.float32}
+    gens = [g["generation"] for g in result["generations"]]
+    cast = copy.deepcopy(model.policy)
+    cast.lm.to(torch.bfloat16)
+    cfg = {**setup["env_config"], "split": "test", "tokenizer": model.tokenizer_spec, "encoder_decoder": False}
+    examples = make_task(cfg["task"], max_new_tokens=cfg["max_new_tokens"]).examples("test")
+    assert gens == rollout(cast, cfg, examples, greedy=False)
+    prompts = [g["prompt"] for g in result["generations"]]
+    assert result["rows"][0]["perplexity"] == perplexity(model.lm, model.tokenizer, prompts, gens)
+    assert "sampled decoding with bf16 weights" in markdown_summary(result)
+    # a checkpoint's policy: a bf16 copy (its decode engine follows); the policy itself stays fp32
+    checkpoint = Model.__new__(Model)
+    checkpoint.kind, checkpoint.policy = "checkpoint", build_module()
+    decoding = checkpoint.decoding("bf16")
+    assert decoding is not checkpoint.policy and checkpoint.decoding("fp32") is checkpoint.policy
+    assert {p.dtype for p in decoding.parameters() if p.is_floating_point()} == {torch.bfloat16}
+    assert {p.dtype for p in checkpoint.policy.parameters() if p.is_floating_point()} == {torch.float32}
+
+
 def write_trial(path, returns, kl):
     os.makedirs(path)
     with open(os.path.join(path, "result.json"), "w") as f:
@@ -216,6 +246,7 @@ def test_cli_bad_input_is_one_line(setup, tmp_path, capsys):
         "error: --set: changes --config's values, and no --config was given")
     assert _cli_error(capsys, setup["dirs"][0], "--seed", "-1") == "error: --seed: expected an integer in [0, 2147483647], got -1"
     assert _cli_error(capsys, setup["dirs"][0], "--device", "gpu") == "error: --device: expected cpu or cuda[:N], got 'gpu'"
+    assert _cli_error(capsys, setup["dirs"][0], "--precision", "fp16") == "error: --precision: expected one of fp32, bf16, got 'fp16'"
     (tmp_path / "afile").write_text("x")  # refused before anything is evaluated
     assert _cli_error(capsys, setup["dirs"][0], "--out", str(tmp_path / "afile" / "sub")) == \
         f"error: --out: {tmp_path / 'afile'} is a file, so {tmp_path / 'afile' / 'sub'} cannot be a directory"
