@@ -139,16 +139,31 @@ def _absolute_if_local(value):
     return value
 
 
+REWARD_PATH_FIELDS = ("model", "tokenizer", "forward_model", "backward_model")  # a reward's model directories
+
+
+def _reward_with_absolute_paths(spec):
+    """A reward spec (a term, or a sum of terms) with its local model directories absolute."""
+    if isinstance(spec, dict) and isinstance(spec.get("sum"), list):
+        return {**spec, "sum": [_reward_with_absolute_paths(term) for term in spec["sum"]]}
+    if isinstance(spec, dict) and not _is_search_space(spec):
+        return {k: _absolute_if_local(v) if k in REWARD_PATH_FIELDS else v for k, v in spec.items()}
+    return spec
+
+
 def with_absolute_paths(cfg: dict) -> dict:
-    """The config with its local model directory and task data files as absolute paths: Tune
-    trials run in their own directory, where a relative path finds nothing."""
+    """The config with its local model directory, tokenizer, task data files and reward models as
+    absolute paths: Tune trials run in their own directory, where a relative path finds nothing."""
     model = {**cfg["model"], "name_or_path": _absolute_if_local(cfg["model"]["name_or_path"])}
     task, data = dict(cfg["task"]), cfg["task"].get("dataset")
     if isinstance(data, dict) and not _is_search_space(data):
         task["dataset"] = {split: _absolute_if_local(path) for split, path in data.items()}
     elif data is not None:
         task["dataset"] = _absolute_if_local(data)
-    return {**cfg, "model": model, "task": task}
+    if "reward" in task:
+        task["reward"] = _reward_with_absolute_paths(task["reward"])
+    env = {**cfg["env"], "tokenizer": _absolute_if_local(cfg["env"].get("tokenizer"))} if "env" in cfg else None
+    return {**cfg, "model": model, "task": task, **({"env": env} if env is not None else {})}
 
 
 def rollout_precision(cfg: dict) -> str:

@@ -24,6 +24,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PPO_CONFIG = "tune_configs/sentiment_offline.yaml"  # relative to ROOT, where the steps run
 
 
 def run(args: list[str]) -> None:
@@ -32,6 +33,18 @@ def run(args: list[str]) -> None:
     code = subprocess.call(args, cwd=ROOT, env=env)
     if code != 0:
         raise SystemExit(code)
+
+
+def ppo_overrides(out: str, ppo_set: list[str]) -> list[str]:
+    """The RL step's --set values (the demo's paths under `out`, then the user's --ppo-set), checked
+    against PPO_CONFIG: a ConfigError names a bad one."""
+    from agents.config import load
+
+    # Absolute paths: a Tune trial does not run in the repository root.
+    data = [f"task.dataset.{s}={out}/data/{s}.jsonl" for s in ("train", "validation", "test")]
+    sets = [f"model.name_or_path={out}/warm_start", *data, f"tune.storage_path={out}", "tune.name=ppo", *ppo_set]
+    load(os.path.join(ROOT, PPO_CONFIG), sets)
+    return sets
 
 
 def main(argv=None, prog: str = "python -m agents.demo") -> int:
@@ -46,6 +59,14 @@ def main(argv=None, prog: str = "python -m agents.demo") -> int:
     py = sys.executable
     start = time.time()
     timings = {}
+
+    from agents.config import ConfigError
+
+    try:  # a bad --ppo-set is refused now, not after the corpus and the warm start are written
+        ppo_sets = ppo_overrides(out, args.ppo_set)
+    except ConfigError as e:
+        print(f"error: --ppo-set: {e}", file=sys.stderr)
+        return 2
 
     for old in ("ppo", "eval"):  # a fresh run: earlier trials would show up in the curves and tables
         if os.path.isdir(os.path.join(out, old)):
@@ -64,12 +85,8 @@ def main(argv=None, prog: str = "python -m agents.demo") -> int:
          *[x for s in args.pretrain_set for x in ("--set", s)]])
     timings["pretrain"] = time.time() - t
 
-    # Absolute paths: a Tune trial does not run in the repository root.
-    data = [f"task.dataset.{s}={out}/data/{s}.jsonl" for s in ("train", "validation", "test")]
-    ppo_sets = [f"model.name_or_path={out}/warm_start", *data, f"tune.storage_path={out}", "tune.name=ppo",
-                *args.ppo_set]
     t = time.time()
-    run([py, "-m", "agents.train", "tune_configs/sentiment_offline.yaml", *[x for s in ppo_sets for x in ("--set", s)]])
+    run([py, "-m", "agents.train", PPO_CONFIG, *[x for s in ppo_sets for x in ("--set", s)]])
     timings["ppo"] = time.time() - t
     checkpoints = sorted(glob.glob(f"{out}/ppo/*/checkpoint_*"), key=os.path.getmtime)
     if not checkpoints:
@@ -78,7 +95,7 @@ def main(argv=None, prog: str = "python -m agents.demo") -> int:
 
     t = time.time()
     run([py, "-m", "agents.evaluate", f"{out}/warm_start", checkpoints[-1], "--names", "warm_start", "ppo",
-         "--config", "tune_configs/sentiment_offline.yaml", *[x for s in ppo_sets for x in ("--set", s)],
+         "--config", PPO_CONFIG, *[x for s in ppo_sets for x in ("--set", s)],
          "--num-samples", str(args.num_samples), "--threads", "1", "--out", f"{out}/eval",
          "--curves", f"{out}/ppo", "--metric", "episode_return_mean", "--metric", "ref_kl"])
     timings["evaluate"] = time.time() - t

@@ -458,6 +458,7 @@ def main(argv=None, prog: str = "python -m agents.train") -> int:
     if args.resume and not cfg["tune"]["name"]:
         return _fail("--resume: set tune.name in the config (or --set tune.name=...) to name the run to resume")
     try:
+        check_storage(cfg["tune"]["storage_path"], cfg["tune"]["name"])  # before --resume looks there
         if args.resume:
             from agents.resume import check_resume_config
 

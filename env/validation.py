@@ -223,7 +223,10 @@ def missing_local_path(name) -> bool:
 
 def directory_error(field: str, path: str) -> str | None:
     """Why `path` cannot be (or become) a directory, naming `field` (a file stands at it or above
-    it), or None."""
+    it, or it is a URI such as s3://: Tune's copies here are to a file system), or None."""
+    if "://" in path:
+        return (f"{field}: {path} is a URI; give a directory (on a cluster, one on a file system every "
+                "node mounts)")
     here = os.path.abspath(os.path.expanduser(path))
     if os.path.exists(here) and not os.path.isdir(here):
         return f"{field}: {here} is a file, not a directory"

@@ -145,6 +145,12 @@ def test_a_config_that_is_not_a_readable_yaml_mapping_is_refused_in_one_line(tmp
     # a storage path under a file cannot become a directory: refused before Ray starts
     assert one_line_cli_error(capsys, main, QUICKSTART, "--set", f"tune.storage_path={listed}/runs") == (
         f"error: tune.storage_path: {listed} is a file, so {listed}/runs cannot be a directory")
+    # a URI would become a local folder named s3: (Tune's copies here are to a file system), with
+    # --resume too
+    for argv in ([], ["--resume", "--set", "tune.name=run"]):
+        assert one_line_cli_error(capsys, main, QUICKSTART, "--set", "tune.storage_path=s3://bucket/runs", *argv) == (
+            "error: tune.storage_path: s3://bucket/runs is a URI; give a directory (on a cluster, one on a file "
+            "system every node mounts)")
     # an experiment name that would leave the storage path
     assert one_line_cli_error(capsys, main, QUICKSTART, "--set", f"tune.storage_path={tmp_path / 'runs'}",
                               "--set", "tune.name=../../elsewhere") == (
@@ -362,6 +368,18 @@ def test_relative_data_paths_reach_tune_trials_as_absolute_paths(tmp_path, monke
                                                   "validation": str(tmp_path / "data" / "validation.jsonl")}
     single = algorithm_config(validate({"task": {**raw["task"], "dataset": "data/train.jsonl"}}))
     assert single.env_config["task"]["dataset"] == str(tmp_path / "data" / "train.jsonl")
+    # a reward's model directories (a sum's terms too) and the tokenizer: absolute where they exist here
+    for name in ("fwd", "bwd", "tok"):
+        (tmp_path / name).mkdir()
+    reward = {"sum": [{"name": "bleu", "weight": 1.0},
+                      {"name": "mmi", "weight": 0.1, "forward_model": "fwd", "backward_model": "bwd"}]}
+    from agents.config import with_absolute_paths
+
+    cfg = with_absolute_paths(validate({"task": {**raw["task"], "reward": reward}, "env": {"tokenizer": "tok"}}))
+    assert cfg["task"]["reward"]["sum"][1] == {"name": "mmi", "weight": 0.1, "forward_model": str(tmp_path / "fwd"),
+                                               "backward_model": str(tmp_path / "bwd")}
+    assert cfg["task"]["reward"]["sum"][0] == {"name": "bleu", "weight": 1.0}
+    assert cfg["env"]["tokenizer"] == str(tmp_path / "tok")
 
 
 def test_a_search_over_algorithms_stays_within_a_family_that_supports_it():

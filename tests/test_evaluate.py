@@ -285,3 +285,27 @@ def test_demo_end_to_end_with_a_short_budget(tmp_path):
     assert os.path.getsize(out / "eval" / "curve_episode_return_mean.png") > 0
     assert "wall time:" in run.stdout
     assert os.path.isdir(ROOT)
+
+
+def test_the_demo_commands_in_the_configs_headers_are_accepted_and_a_bad_one_is_refused_first(tmp_path, capsys):
+    """Every `agents.demo --ppo-set ...` a config's header gives is accepted by the demo's RL step
+    (REINFORCE and self-critical read no lambda), and a bad --ppo-set stops the demo in one line
+    before it writes the corpus or the warm start."""
+    import glob
+    import re
+    import shlex
+
+    from agents.demo import main as demo_main, ppo_overrides
+
+    commands = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "tune_configs", "*.yaml"))):
+        header = re.sub(r"[\s\\]+", " ", "".join(line.lstrip("#") for line in open(path) if line.startswith("#")))
+        commands += [(path, m.group(1)) for m in re.finditer(r"agents\.demo((?: --ppo-set \S+)+)", header)]
+    assert len(commands) >= 3, commands
+    for path, args in commands:
+        words = shlex.split(args.replace("$PWD", str(tmp_path)))
+        ppo_overrides(str(tmp_path), words[1::2])  # raises ConfigError naming the field if refused
+    out = tmp_path / "demo"
+    assert one_line_cli_error(capsys, demo_main, "--out", str(out), "--ppo-set", "training.lambda=2") == (
+        "error: --ppo-set: training.lambda: expected a number in [0.0, 1.0], got 2.0")
+    assert not out.exists()
