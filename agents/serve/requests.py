@@ -297,7 +297,7 @@ class GenerateRequest(_StrictFields):
         "top_p": "/v1/completions takes top_p"}
 
     prompt: Annotated[str, BeforeValidator(_text)] = Field(
-        description="text the task's tokenizer can encode; cut on the left to env.max_prompt_len tokens")
+        description="text the task's tokenizer can encode; cut to env.max_prompt_len tokens as in training (env.truncation_side)")
     max_new_tokens: Annotated[Optional[int], _integer()] = Field(
         None, description="integer in [1, env.max_new_tokens] (GET /generate shows it); default: that maximum")
     num_samples: Annotated[int, _integer()] = Field(1, description="generations, in [1, --max-samples]")
@@ -362,7 +362,7 @@ class CompletionRequest(_SamplingFields):
         "greedy": "temperature 0 is argmax here", "references": "/generate takes references and gives rewards"}
 
     prompt: Annotated[Union[str, list[str]], BeforeValidator(_texts)] = Field(
-        description="a string or a list of strings, each cut on the left to env.max_prompt_len tokens")
+        description="a string or a list of strings, each cut to env.max_prompt_len tokens as in training")
     max_tokens: Annotated[Optional[int], _integer()] = Field(
         None, description="integer in [1, env.max_new_tokens]; default: that maximum")
 
