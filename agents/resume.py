@@ -41,18 +41,41 @@ def _leaves(node, prefix: str = "") -> dict:
     return {prefix.rstrip("."): node}
 
 
+def _schema_defaults(cfg: dict) -> dict:
+    """Every key the schema knows for `cfg`'s algorithm, with its default ({} where that cannot be
+    worked out: then nothing is excused)."""
+    from agents.schema import validate
+    from env.validation import ConfigError
+
+    try:
+        given = cfg.get("guide") or {}
+        guide = {"guide": {k: given[k] for k in ("name_or_path", "callable") if given.get(k)}}
+        guide = guide if guide["guide"] else {}  # a guided algorithm needs its guide; others refuse one
+        return _leaves(_as_json(validate({"algorithm": cfg["algorithm"], **guide})))
+    except (ConfigError, ValueError, TypeError):
+        return {}
+
+
 def resume_differences(cfg: dict) -> list[str]:
     """The keys where `cfg` differs from the config the experiment started with, as
-    "key (then -> now)"; [] when they agree or the experiment saved none (made before it did)."""
+    "key (then -> now)"; [] when they agree or the experiment saved none (made before it did).
+    A run started by an earlier version of the project lacks the keys added since: one at its
+    default is no difference (the run had that behaviour), nor is a saved key the schema has dropped."""
     path = os.path.join(experiment_dir(cfg), RUN_CONFIG)
     if not os.path.isfile(path):
         return []
     with open(path, encoding="utf-8") as f:
         then = _leaves(json.load(f))
     now = _leaves(_as_json(cfg))
+    defaults = _schema_defaults(cfg) if set(then) != set(now) else {}
+
+    def excused(key):
+        if key not in then:  # added since the run started, left at its default
+            return key in defaults and now[key] == defaults[key]
+        return key not in now and defaults and key not in defaults  # a field the schema no longer has
     return [f"{key} ({then.get(key, '(unset)')!r} -> {now.get(key, '(unset)')!r})"
             for key in sorted(set(then) | set(now))
-            if then.get(key) != now.get(key) and not key.startswith(APPLIED_ON_RESUME)]
+            if then.get(key) != now.get(key) and not key.startswith(APPLIED_ON_RESUME) and not excused(key)]
 
 
 def check_resume_config(cfg: dict) -> None:

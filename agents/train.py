@@ -270,7 +270,8 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
     else:
         from agents.resume import save_run_config
 
-        save_run_config(cfg, experiment)  # what --resume checks its config against
+        # what --resume checks its config against, with the name the run got (--set tune.name=NAME resumes it)
+        save_run_config({**cfg, "tune": {**tune_cfg, "name": name}}, experiment)
         tuner = tune.Tuner(
             trainable,
             param_space=param_space,
@@ -283,7 +284,8 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
     algo = cfg["algorithm"] if isinstance(cfg["algorithm"], str) else "/".join(next(iter(cfg["algorithm"].values())))
     if not quiet:
         print(f"Training {algo.upper()} on task {cfg['task']['name']!r} with model "
-              f"{cfg['model']['name_or_path']!r}; results in {experiment}", flush=True)
+              f"{cfg['model']['name_or_path']!r}; results in {experiment}"
+              + ("" if tune_cfg["name"] else f" (resume it with --resume --set tune.name={name})"), flush=True)
     start = time.time()
     with warnings.catch_warnings():
         # Tune suggests reuse_actors for PBT; RLlib's Algorithm has no reset_config, so an

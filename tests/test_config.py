@@ -1,3 +1,6 @@
+import json
+import os
+
 import pytest
 import torch
 
@@ -543,6 +546,16 @@ def test_resume_refuses_a_config_that_differs_from_the_runs_own(tmp_path, capsys
     changed = ["training.lr=0.5", "stop.training_iteration=7"]
     assert resume_differences(load(QUICKSTART, sets + changed)) == [
         "stop.training_iteration (500 -> 7)", "training.lr (0.001 -> 0.5)"]
+    # a run saved by an earlier version: it lacks a key added since and has one since dropped
+    with open(os.path.join(experiment_dir(cfg), "run_config.json")) as f:
+        older = json.load(f)
+    del older["training"]["update_clipping"], older["env_runners"]["compile_step"]
+    older["training"]["a_dropped_field"] = 3
+    with open(os.path.join(experiment_dir(cfg), "run_config.json"), "w") as f:
+        json.dump(older, f)
+    assert resume_differences(load(QUICKSTART, sets)) == []  # the new keys at their defaults
+    assert resume_differences(load(QUICKSTART, sets + ["training.update_clipping=true"])) == [
+        "training.update_clipping ('(unset)' -> True)"]  # not the run's behaviour: refused
     argv = [QUICKSTART, "--resume", *sum((["--set", s] for s in sets + changed), [])]
     assert one_line_cli_error(capsys, main, *argv) == (
         "error: --resume: the run goes on with the config it started with, and this one differs: "

@@ -457,10 +457,18 @@ def test_ppo_pp_cli_runs_the_shipped_config_and_summarises_policy_alone_episodes
     from tests.conftest import run_module
 
     yaml = os.path.join(os.path.dirname(__file__), "..", "tune_configs", "ppo_pp_synthetic.yaml")
-    out = run_module("agents.train", yaml, "--set", "stop.training_iteration=3", "--set", "training.train_batch_size=512",
-                     "--set", "training.minibatch_size=128", "--set", f"tune.storage_path={tmp_path}",
-                     "--set", "generate.num_samples=0", timeout=300)
+    sets = ["stop.training_iteration=3", "training.train_batch_size=512", "training.minibatch_size=128",
+            f"tune.storage_path={tmp_path}", "generate.num_samples=0"]
+    out = run_module("agents.train", yaml, *sum((["--set", s] for s in sets), []), "--set", "tune.name=null",
+                     timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # an unnamed run gets a name, says how to resume it, and its saved config takes that name
+    from agents.config import load
+    from agents.resume import resume_differences
+
+    name = re.search(r"\(resume it with --resume --set tune.name=(run-\d{8}-\d{6})\)$", out.stdout, re.M).group(1)
+    assert os.path.isfile(tmp_path / name / "run_config.json")
+    assert resume_differences(load(yaml, [*sets, f"tune.name={name}"])) == []
     assert len(re.findall(r"^iter +\d+ .* policy \d\.\d{3} ", out.stdout, re.M)) == 3
     # The summary follows the episodes the policy wrote alone, and says so.
     assert re.search(r"policy-alone episode reward \d\.\d{3} \(iteration 1\) -> \d\.\d{3} \(iteration 3\)", out.stdout)
