@@ -200,9 +200,10 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
     from agents.config import algorithm_config
     from agents.pbt import make_scheduler
     from agents.progress import make_progress_callback, metric_error
-    from agents.workarounds import (check_experiment_state, make_curve_logger, make_log_once_pruner,
-                                    make_progress_csv_logger, make_wandb_callback, release_resolved_task_futures,
-                                    replace_restored_callbacks, upload_whole_files_to_local_storage)
+    from agents.workarounds import (check_experiment_state, drop_restored_trial_decisions, make_curve_logger,
+                                    make_log_once_pruner, make_progress_csv_logger, make_wandb_callback,
+                                    release_resolved_task_futures, replace_restored_callbacks,
+                                    upload_whole_files_to_local_storage)
 
     tune_cfg = cfg["tune"]
     storage = os.path.abspath(tune_cfg["storage_path"])
@@ -263,6 +264,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
         if not tune.Tuner.can_restore(experiment):
             raise ValueError(f"--resume: no experiment to resume at {experiment}")
         check_experiment_state(experiment)
+        drop_restored_trial_decisions()
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_errored=True)
         # The restored run config carries the callbacks pickled at the start; print through this
         # process's instead, so progress lines and the summary cover the resumed iterations.

@@ -120,6 +120,29 @@ def release_resolved_task_futures() -> None:
     RayActorManager._schedule_tracked_actor_task = schedule
 
 
+# Ray 2.60 Tune: a trial that fails while a checkpoint save is in flight leaves a "STOP once the
+# save resolves" decision in the controller (`_cached_trial_decisions`), and the experiment state
+# saves it. `--resume` (resume_errored) restores it with the state and runs it after the trial's
+# first save in the new driver: the errored trial ran one iteration more and was then marked
+# finished, exit code 0. Decisions belong to the process that made them; a restored controller
+# starts with none.
+def drop_restored_trial_decisions() -> None:
+    """Installs the fix on Tune's controller (once per process; driver side)."""
+    from ray.tune.execution.tune_controller import TuneController
+
+    original = TuneController.__setstate__
+    if getattr(original, "drops_trial_decisions", False):
+        return
+
+    def setstate(self, state):
+        original(self, state)
+        self._cached_trial_decisions = {}
+        self._queued_trial_decisions = {}
+
+    setstate.drops_trial_decisions, setstate.original = True, original
+    TuneController.__setstate__ = setstate
+
+
 def check_experiment_state(experiment: str) -> None:
     """Removes the partial files of a copy that was killed (`upload_whole_files`), and refuses, in
     one line, an experiment whose saved state is empty or cut short (a run of an older version,

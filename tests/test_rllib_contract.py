@@ -332,6 +332,30 @@ def test_tune_actor_manager_task_futures_released_by_the_driver():
     assert "on_result, on_error = self._tracked_futures.pop(future)" in inspect.getsource(RayEventManager.resolve_future)
 
 
+def test_tune_trial_decisions_dropped_from_a_restored_controller():
+    # agents/workarounds.py drop_restored_trial_decisions wraps TuneController.__setstate__ (what a
+    # resume restores the saved runner_data with) and empties the two decision dicts a failure
+    # during a save leaves behind (a cached STOP, run after the trial's next save).
+    from ray.tune.execution.tune_controller import TuneController
+
+    from agents.workarounds import drop_restored_trial_decisions
+
+    src = inspect.getsource(TuneController)
+    assert "self.__setstate__(experiment_state[\"runner_data\"])" in src
+    assert "self._cached_trial_decisions[trial.trial_id] = TrialScheduler.STOP" in src
+    assert "decision = self._cached_trial_decisions.pop(trial.trial_id, None)" in src
+    assert "self._queued_trial_decisions = {}" in inspect.getsource(TuneController.__init__)
+    for name in ("_cached_trial_decisions", "_queued_trial_decisions"):  # saved with the state
+        assert f'"{name}"' not in inspect.getsource(TuneController.__getstate__)
+    drop_restored_trial_decisions()
+    controller = TuneController.__new__(TuneController)
+    controller._create_checkpoint_manager = lambda: None  # the rest of a restore, not under test
+    controller.__setstate__({"_session_str": "s", "_start_time": 0.0, "_cached_trial_decisions": {"t1": "STOP"},
+                             "_queued_trial_decisions": {"t1": "STOP"}})
+    assert controller._cached_trial_decisions == {} and controller._queued_trial_decisions == {}
+    assert controller._session_str == "s"
+
+
 def test_stock_env_runner_sampling_state_saved_by_the_stock_token_env_runner():
     # agents/rollout_state.py sampling_state (StockTokenEnvRunner) saves where RLlib's runner stands
     # between sample() calls (episodes in progress, their chunks for metrics, the next module
