@@ -202,7 +202,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
     from agents.progress import make_progress_callback, metric_error
     from agents.workarounds import (check_experiment_state, drop_restored_trial_decisions, make_curve_logger,
                                     make_log_once_pruner, make_progress_csv_logger, make_wandb_callback,
-                                    release_resolved_task_futures, replace_restored_callbacks,
+                                    note_tune_interrupts, release_resolved_task_futures, replace_restored_callbacks,
                                     upload_whole_files_to_local_storage)
 
     tune_cfg = cfg["tune"]
@@ -238,6 +238,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
 
     release_resolved_task_futures()
     upload_whole_files_to_local_storage()
+    note_tune_interrupts()
     progress = make_progress_callback(cfg["evaluation"]["interval"], quiet=quiet, metric=tune_cfg["metric"])
     callbacks = [progress, make_curve_logger(), make_progress_csv_logger(), make_log_once_pruner()]
     if tune_cfg["wandb"] or os.environ.get("WANDB_PROJECT"):
@@ -343,7 +344,16 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float) -> int:
         for s in samples:
             print(f"    [reward {s['reward']:.3f}] {s['generation']}")
         print(f"  more: python -m agents.generate --checkpoint {best.checkpoint.path}")
+    from agents.workarounds import tune_interrupted
+
+    if tune_interrupted():  # Ctrl-C (or SIGUSR1): Tune saved the experiment's state and returned
+        print(f"  interrupted before its stop criteria: go on with the same command and --resume "
+              f"(tune.name {os.path.basename(experiment)})")
+        return INTERRUPTED
     return 1 if failed == len(grid) else 0
+
+
+INTERRUPTED = 130  # the exit code of a run stopped by Ctrl-C, as a shell gives one
 
 
 def _searched_training_keys(cfg: dict) -> list[tuple[str, str]]:

@@ -143,6 +143,35 @@ def drop_restored_trial_decisions() -> None:
     TuneController.__setstate__ = setstate
 
 
+# Ray 2.60 Tune: on Ctrl-C (SIGINT, or SIGUSR1) `tune.run` saves the experiment's state, stops
+# the trials and returns, with every trial marked finished; only a log line says it was
+# interrupted. The event its signal handler sets (`_setup_signal_catching`) is kept here, so the
+# CLI can say so and exit as an interrupted program does.
+_INTERRUPTS = []
+
+
+def note_tune_interrupts() -> None:
+    """Keeps each Tune run's interrupt event (once per process; driver side)."""
+    import ray.tune.tune as tune_run
+
+    original = tune_run._setup_signal_catching
+    if getattr(original, "keeps_events", False):
+        return
+
+    def setup():
+        event = original()
+        _INTERRUPTS.append(event)
+        return event
+
+    setup.keeps_events, setup.original = True, original
+    tune_run._setup_signal_catching = setup
+
+
+def tune_interrupted() -> bool:
+    """Whether this process's last Tune run was stopped by its signal handler."""
+    return bool(_INTERRUPTS) and _INTERRUPTS[-1].is_set()
+
+
 def check_experiment_state(experiment: str) -> None:
     """Removes the partial files of a copy that was killed (`upload_whole_files`), and refuses, in
     one line, an experiment whose saved state is empty or cut short (a run of an older version,

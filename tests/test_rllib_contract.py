@@ -356,6 +356,33 @@ def test_tune_trial_decisions_dropped_from_a_restored_controller():
     assert controller._session_str == "s"
 
 
+def test_tune_interrupt_event_kept_by_the_train_cli():
+    # agents/workarounds.py note_tune_interrupts wraps ray.tune.tune._setup_signal_catching (called
+    # by name in tune.run) to keep the event its SIGINT handler sets; tune_interrupted reads it.
+    import ray.tune.tune as tune_run
+
+    from agents.workarounds import note_tune_interrupts, tune_interrupted
+
+    setup = tune_run._setup_signal_catching
+    assert params(setup.__dict__.get("original", setup)) == []
+    assert "experiment_interrupted_event = _setup_signal_catching()" in inspect.getsource(tune_run.run)
+    assert "experiment_interrupted_event.set()" in inspect.getsource(setup.__dict__.get("original", setup))
+    note_tune_interrupts()
+    import signal
+
+    handler = signal.getsignal(signal.SIGINT)
+    event = tune_run._setup_signal_catching()
+    try:
+        assert not tune_interrupted()
+        event.set()
+        assert tune_interrupted()
+    finally:
+        event.clear()  # no later summary in this process reads it as interrupted
+        signal.signal(signal.SIGINT, handler)
+        if hasattr(signal, "SIGUSR1"):
+            signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
 def test_stock_env_runner_sampling_state_saved_by_the_stock_token_env_runner():
     # agents/rollout_state.py sampling_state (StockTokenEnvRunner) saves where RLlib's runner stands
     # between sample() calls (episodes in progress, their chunks for metrics, the next module
