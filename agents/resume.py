@@ -85,3 +85,27 @@ def check_resume_config(cfg: dict) -> None:
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         raise ValueError(f"--resume: the run goes on with the config it started with, and this one differs: "
                          f"{', '.join(changed[:3])}{more}; give the run's own config (or a new tune.name for a new run)")
+
+
+def unfinished_trials(experiment: str) -> int:
+    """How many trials of the experiment's newest saved state had not ended (an interrupted or killed
+    run's: PENDING, RUNNING or PAUSED); 0 where there is no readable state."""
+    import glob
+
+    states = glob.glob(os.path.join(glob.escape(experiment), "experiment_state-*.json"))
+    try:
+        with open(max(states), encoding="utf-8") as f:
+            trials = json.load(f)["trial_data"]
+        return sum(json.loads(t[0])["status"] not in ("TERMINATED", "ERROR") for t in trials)
+    except (ValueError, OSError, KeyError, IndexError, TypeError):
+        return 0
+
+
+def check_fresh_run(cfg: dict) -> None:
+    """Refuses, in one line, a fresh run (no --resume) under the name of an interrupted one: it would
+    take over the experiment (its saved config and state), and the interrupted run could not resume."""
+    experiment = experiment_dir(cfg) if cfg["tune"]["name"] else None
+    if experiment and unfinished_trials(experiment):
+        raise ValueError(f"tune.name: {experiment} holds an interrupted run; go on with it with --resume, or give "
+                         "a new tune.name (or remove that directory) to start another")
+

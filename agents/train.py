@@ -473,10 +473,9 @@ def main(argv=None, prog: str = "python -m agents.train") -> int:
         return _fail("--resume: set tune.name in the config (or --set tune.name=...) to name the run to resume")
     try:
         check_storage(cfg["tune"]["storage_path"], cfg["tune"]["name"])  # before --resume looks there
-        if args.resume:
-            from agents.resume import check_resume_config
+        from agents.resume import check_fresh_run, check_resume_config
 
-            check_resume_config(cfg)
+        check_resume_config(cfg) if args.resume else check_fresh_run(cfg)
         check_custom_resources(cfg)
         preflight(cfg)
     except (ValueError, OSError, TypeError) as e:

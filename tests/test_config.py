@@ -563,6 +563,33 @@ def test_resume_refuses_a_config_that_differs_from_the_runs_own(tmp_path, capsys
         "(or a new tune.name for a new run)")
 
 
+def test_a_fresh_run_under_an_interrupted_runs_name_is_refused_in_one_line(tmp_path, capsys):
+    """Without --resume, a run under the name of an interrupted one would take over its experiment
+    (config, state) and the interrupted run could not resume: refused, naming what to do. A name
+    whose run finished may be used again, as Tune allows."""
+    from agents.resume import unfinished_trials
+    from agents.train import main
+
+    experiment = tmp_path / "r"
+    experiment.mkdir()
+
+    def saved_state(*statuses):  # Tune's experiment state: one JSON string per trial, then its runtime
+        trials = [[json.dumps({"trial_id": f"t{i}", "status": s}), "{}"] for i, s in enumerate(statuses)]
+        (experiment / "experiment_state-2026-11-29_00-00-00.json").write_text(
+            json.dumps({"trial_data": trials, "runner_data": {}, "stats": {}}))
+
+    saved_state("TERMINATED", "RUNNING")
+    assert unfinished_trials(str(experiment)) == 1
+    assert one_line_cli_error(capsys, main, QUICKSTART, "--set", f"tune.storage_path={tmp_path}", "--set",
+                              "tune.name=r") == (
+        f"error: tune.name: {experiment} holds an interrupted run; go on with it with --resume, or give a new "
+        "tune.name (or remove that directory) to start another")
+    saved_state("TERMINATED", "ERROR")
+    assert unfinished_trials(str(experiment)) == 0
+    (experiment / "experiment_state-2026-11-29_00-00-00.json").write_text("{")  # cut short: --resume says so
+    assert unfinished_trials(str(experiment)) == 0
+
+
 def test_progress_prints_a_value_that_rounds_to_zero_as_zero():
     from agents.progress import three_places
 

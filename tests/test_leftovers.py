@@ -125,7 +125,7 @@ def three_runs_beside_a_server(tmp_path_factory):
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as reply:
             answered = reply.status == 200 and bool(json.loads(reply.read())["choices"])
-        yield {"runs": seen, "server_answered": answered, "server_running": server.proc.poll() is None}
+        yield {"runs": seen, "server_answered": answered, "server_running": server.proc.poll() is None, "tmp": tmp}
     finally:
         server.stop()
 
@@ -140,6 +140,10 @@ def test_a_run_that_ends_is_interrupted_or_killed_leaves_no_process_behind(three
     assert not left, f"still running after the driver's exit: {left} (ports they listened on: {ports})"
     iterations = [int(i) for i in re.findall(r"^iter +(\d+) ", out, re.M)]
     assert iterations[:2] == [1, 2], out[-2000:]
+    from agents.resume import unfinished_trials
+
+    # Tune's saved state, as a fresh run under the same name reads it (refused after an interruption)
+    assert unfinished_trials(str(three_runs_beside_a_server["tmp"] / stop / "run")) == (0 if stop == "end" else 1)
     if stop == "end":
         assert code == 0 and iterations == [1, 2, 3] and "Summary (1 trial" in out, out[-3000:]
     elif stop == "sigint":  # Tune stops the trial, and the driver exits on its own, saying so
