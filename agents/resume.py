@@ -72,7 +72,7 @@ def resume_differences(cfg: dict) -> list[str]:
     def excused(key):
         if key not in then:  # added since the run started, left at its default
             return key in defaults and now[key] == defaults[key]
-        return key not in now and defaults and key not in defaults  # a field the schema no longer has
+        return key not in now and bool(defaults) and key not in defaults  # a field the schema no longer has
     return [f"{key} ({then.get(key, '(unset)')!r} -> {now.get(key, '(unset)')!r})"
             for key in sorted(set(then) | set(now))
             if then.get(key) != now.get(key) and not key.startswith(APPLIED_ON_RESUME) and not excused(key)]
@@ -108,4 +108,3 @@ def check_fresh_run(cfg: dict) -> None:
     if experiment and unfinished_trials(experiment):
         raise ValueError(f"tune.name: {experiment} holds an interrupted run; go on with it with --resume, or give "
                          "a new tune.name (or remove that directory) to start another")
-

@@ -347,8 +347,9 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float) -> int:
     from agents.workarounds import tune_interrupted
 
     if tune_interrupted():  # Ctrl-C (or SIGUSR1): Tune saved the experiment's state and returned
-        print(f"  interrupted before its stop criteria: go on with the same command and --resume "
-              f"(tune.name {os.path.basename(experiment)})")
+        name = os.path.basename(experiment)
+        how = f"--resume (tune.name {name})" if cfg["tune"]["name"] else f"--resume --set tune.name={name}"
+        print(f"  interrupted before its stop criteria: go on with the same command and {how}")
         return INTERRUPTED
     return 1 if failed == len(grid) else 0
 
