@@ -72,7 +72,10 @@ def resume_differences(cfg: dict) -> list[str]:
     def excused(key):
         if key not in then:  # added since the run started, left at its default
             return key in defaults and now[key] == defaults[key]
-        return key not in now and bool(defaults) and key not in defaults  # a field the schema no longer has
+        parts = key.split(".")
+        inside = parts[0] == "task" or any(".".join(parts[:i]) in defaults for i in range(1, len(parts)))
+        # a field the schema no longer has (not a key inside a free-form value: task options, overrides)
+        return key not in now and bool(defaults) and key not in defaults and not inside
     return [f"{key} ({then.get(key, '(unset)')!r} -> {now.get(key, '(unset)')!r})"
             for key in sorted(set(then) | set(now))
             if then.get(key) != now.get(key) and not key.startswith(APPLIED_ON_RESUME) and not excused(key)]

@@ -556,6 +556,11 @@ def test_resume_refuses_a_config_that_differs_from_the_runs_own(tmp_path, capsys
     assert resume_differences(load(QUICKSTART, sets)) == []  # the new keys at their defaults
     assert resume_differences(load(QUICKSTART, sets + ["training.update_clipping=true"])) == [
         "training.update_clipping ('(unset)' -> True)"]  # not the run's behaviour: refused
+    older["model"]["overrides"] = {"n_layer": 4}  # a value inside a free-form field, dropped now: refused
+    with open(os.path.join(experiment_dir(cfg), "run_config.json"), "w") as f:
+        json.dump(older, f)
+    assert resume_differences(load(QUICKSTART, sets)) == ["model.overrides.n_layer (4 -> '(unset)')"]
+    save_run_config(cfg, experiment_dir(cfg))
     argv = [QUICKSTART, "--resume", *sum((["--set", s] for s in sets + changed), [])]
     assert one_line_cli_error(capsys, main, *argv) == (
         "error: --resume: the run goes on with the config it started with, and this one differs: "

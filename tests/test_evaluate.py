@@ -131,6 +131,8 @@ def test_bf16_decoding_leaves_the_models_fp32_and_perplexity_fp32(setup):
     from tests.test_serve_batching import build_module
 
     model = Model(setup["dirs"][0])
+    decoding = model.decoding("bf16")  # (this tiny model's texts are the same in fp32)
+    assert decoding is not model.policy and {p.dtype for p in decoding.lm.parameters()} == {torch.bfloat16}
     result = evaluate([model], setup["env_config"], precision="bf16", log=lambda line: None)
     assert {p.dtype for p in model.lm.parameters()} == {torch.float32}
     gens = [g["generation"] for g in result["generations"]]
