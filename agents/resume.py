@@ -93,11 +93,11 @@ def check_resume_config(cfg: dict) -> None:
 def unfinished_trials(experiment: str) -> int:
     """How many trials of the experiment's newest saved state had not ended (an interrupted or killed
     run's: PENDING, RUNNING or PAUSED); 0 where there is no readable state."""
-    import glob
+    from agents.workarounds import newest_experiment_state
 
-    states = glob.glob(os.path.join(glob.escape(experiment), "experiment_state-*.json"))
+    newest = newest_experiment_state(experiment)
     try:
-        with open(max(states), encoding="utf-8") as f:
+        with open(newest, encoding="utf-8") as f:
             trials = json.load(f)["trial_data"]
         return sum(json.loads(t[0])["status"] not in ("TERMINATED", "ERROR") for t in trials)
     except (ValueError, OSError, KeyError, IndexError, TypeError):

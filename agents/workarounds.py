@@ -172,6 +172,13 @@ def tune_interrupted() -> bool:
     return bool(_INTERRUPTS) and _INTERRUPTS[-1].is_set()
 
 
+def newest_experiment_state(experiment: str) -> str | None:
+    """The experiment's newest saved state file, as Tune picks it (by name: the run's start time)."""
+    import glob
+
+    return max(glob.glob(os.path.join(glob.escape(experiment), "experiment_state-*.json")), default=None)
+
+
 def check_experiment_state(experiment: str) -> None:
     """Removes the partial files of a copy that was killed (`upload_whole_files`), and refuses, in
     one line, an experiment whose saved state is empty or cut short (a run of an older version,
@@ -184,10 +191,9 @@ def check_experiment_state(experiment: str) -> None:
     for path in glob.glob(os.path.join(glob.escape(experiment), "**", "*"), recursive=True, include_hidden=True):
         if PARTIAL_NAME.search(os.path.basename(path)) and os.path.isfile(path):
             os.remove(path)
-    states = glob.glob(os.path.join(glob.escape(experiment), "experiment_state-*.json"))
-    if not states:
+    newest = newest_experiment_state(experiment)
+    if newest is None:
         return
-    newest = max(states)  # as Tune picks it: by name (the run's start time)
     try:
         with open(newest) as f:
             json.load(f)

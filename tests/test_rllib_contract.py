@@ -370,7 +370,7 @@ def test_tune_interrupt_event_kept_by_the_train_cli():
     note_tune_interrupts()
     import signal
 
-    handler = signal.getsignal(signal.SIGINT)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, getattr(signal, "SIGUSR1", signal.SIGINT))}
     event = tune_run._setup_signal_catching()
     try:
         assert not tune_interrupted()
@@ -378,9 +378,8 @@ def test_tune_interrupt_event_kept_by_the_train_cli():
         assert tune_interrupted()
     finally:
         event.clear()  # no later summary in this process reads it as interrupted
-        signal.signal(signal.SIGINT, handler)
-        if hasattr(signal, "SIGUSR1"):
-            signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        for s, handler in handlers.items():  # as they were before Tune's handlers
+            signal.signal(s, handler)
 
 
 def test_stock_env_runner_sampling_state_saved_by_the_stock_token_env_runner():
