@@ -93,7 +93,7 @@ def check_resume_config(cfg: dict) -> None:
 def unfinished_trials(experiment: str) -> int:
     """How many trials of the experiment's newest saved state had not ended (an interrupted or killed
     run's: PENDING, RUNNING or PAUSED); 0 where there is no readable state."""
-    from agents.workarounds import newest_experiment_state
+    from agents.experiment_store import newest_experiment_state
 
     newest = newest_experiment_state(experiment)
     try:

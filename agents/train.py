@@ -200,10 +200,10 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
     from agents.config import algorithm_config
     from agents.pbt import make_scheduler
     from agents.progress import make_progress_callback, metric_error
-    from agents.workarounds import (check_experiment_state, drop_restored_trial_decisions, make_curve_logger,
-                                    make_log_once_pruner, make_progress_csv_logger, make_wandb_callback,
-                                    note_tune_interrupts, release_resolved_task_futures, replace_restored_callbacks,
-                                    upload_whole_files_to_local_storage)
+    from agents.experiment_store import check_experiment_state, store_experiments_safely
+    from agents.workarounds import (drop_restored_trial_decisions, make_curve_logger, make_log_once_pruner,
+                                    make_progress_csv_logger, make_wandb_callback, note_tune_interrupts,
+                                    release_resolved_task_futures, replace_restored_callbacks)
 
     tune_cfg = cfg["tune"]
     storage = os.path.abspath(tune_cfg["storage_path"])
@@ -237,7 +237,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
             stop[result_key] = cfg["stop"][key]
 
     release_resolved_task_futures()
-    upload_whole_files_to_local_storage()
+    store_experiments_safely()
     note_tune_interrupts()
     progress = make_progress_callback(cfg["evaluation"]["interval"], quiet=quiet, metric=tune_cfg["metric"])
     callbacks = [progress, make_curve_logger(), make_progress_csv_logger(), make_log_once_pruner()]

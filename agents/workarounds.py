@@ -19,18 +19,15 @@ tests/test_reproducibility.py (W&B's run file, the driver's memory, a state cut 
   W&B logger (`_WandbLoggingActor`, its `_wandb`, `_logger_actor_cls`) writing each trial's W&B run
   into the trial's folder, a resumed trial logging to its own run without repeating a step; the
   steps an offline run holds are read from W&B's run file (its record log, read as W&B writes it).
-* `upload_whole_files_to_local_storage` (with `upload_whole_files`): Tune's background copy of the
-  experiment to a local storage path (`_FilesystemSyncer._sync_up_command`) writes each file
-  whole and renames it into place, the experiment's state last: a driver killed at any moment of
-  the copy leaves a state that resumes. `check_experiment_state` removes a killed copy's partial
-  files and refuses, in one line, a state cut short by Tune's own copy (storage that is not local).
 * `replace_restored_callbacks`: a restored Tuner carries the callbacks pickled when the run
   started (`Tuner._local_tuner`); the resumed run prints through this process's instead.
+
+How the experiment is stored (its copy to the storage path, checkpoint deletion, the checks before
+a resume) is in `agents.experiment_store`, under the same rules.
 """
 from __future__ import annotations
 
 import os
-import re
 import time
 
 
@@ -170,135 +167,6 @@ def note_tune_interrupts() -> None:
 def tune_interrupted() -> bool:
     """Whether this process's last Tune run was stopped by its signal handler."""
     return bool(_INTERRUPTS) and _INTERRUPTS[-1].is_set()
-
-
-def newest_experiment_state(experiment: str) -> str | None:
-    """The experiment's newest saved state file, as Tune picks it (by name: the run's start time)."""
-    import glob
-
-    return max(glob.glob(os.path.join(glob.escape(experiment), "experiment_state-*.json")), default=None)
-
-
-def check_experiment_state(experiment: str) -> None:
-    """Removes the partial files of a copy that was killed (`upload_whole_files`), and refuses, in
-    one line, an experiment whose saved state is empty or cut short (a run of an older version,
-    whose copy wrote the files in place, killed during it): Tune would start the run afresh under
-    the old name or wait forever for a trial that never starts."""
-    import glob
-    import json
-
-    # what a copy killed midway left beside its target (the target itself is whole: old or new)
-    for path in glob.glob(os.path.join(glob.escape(experiment), "**", "*"), recursive=True, include_hidden=True):
-        if PARTIAL_NAME.search(os.path.basename(path)) and os.path.isfile(path):
-            os.remove(path)
-    newest = newest_experiment_state(experiment)
-    if newest is None:
-        return
-    try:
-        with open(newest) as f:
-            json.load(f)
-    except (OSError, ValueError):
-        raise ValueError(f"--resume: the experiment state {newest} is empty or cut short (the run was killed "
-                         "while Tune was copying it to the storage path); there is nothing to resume from") from None
-
-
-PARTIAL = ".partial-"  # a file being copied to the storage path: <name>.partial-<pid>-<thread>
-PARTIAL_NAME = re.compile(r"\.partial-\d+-\d+$")
-
-
-def _excluded(rel: str, exclude) -> bool:
-    """Tune's exclusion rule for a file (`_ExcludingLocalFilesystem._should_exclude`): a pattern
-    matches the file's path relative to the copied folder."""
-    import fnmatch
-
-    return any(fnmatch.fnmatch(rel, pattern) for pattern in exclude or ())
-
-
-def _whole_copy(source: str, partial: str, rel: str) -> bool:
-    """Copies `source` to `partial` as a file that is whole in itself, or returns False. Tune
-    may be writing the source meanwhile (the driver saves its state and appends results while
-    the copy of the previous save runs): a state file (JSON) must parse, else it is copied again
-    (a few times, then left out of this copy); a log of lines (result.json, progress.csv) is cut
-    after its last whole line."""
-    import json
-    import shutil
-
-    name = os.path.basename(rel)
-    for _ in range(5):
-        try:
-            shutil.copyfile(source, partial)
-        except FileNotFoundError:  # the staging copy went away meanwhile (a trial's folder removed)
-            return False
-        if name in ("result.json", "progress.csv"):
-            with open(partial, "rb+") as f:
-                data = f.read()
-                if data and not data.endswith(b"\n"):
-                    f.truncate(data.rfind(b"\n") + 1)
-            return True
-        if "/" in rel or not name.endswith(".json"):
-            return True
-        try:
-            with open(partial) as f:
-                json.load(f)
-            return True
-        except ValueError:
-            time.sleep(0.05)
-    return False
-
-
-def upload_whole_files(local_path: str, fs_path: str, exclude=None) -> None:
-    """Copies a folder (or a file) to a local storage path one whole file at a time: each file is
-    written beside its target and renamed over it (`os.replace`, atomic), so a process killed at
-    any moment leaves every file either as it was or as it is now, never cut short. The trials'
-    files go first and the experiment's state (which names each trial's checkpoint) last: when a
-    new state is in place, so is everything it points to."""
-    import threading
-
-    copies = []  # (relative path, source, target)
-    if os.path.isfile(local_path):
-        copies.append((os.path.basename(fs_path), local_path, fs_path))
-    for root, _, names in os.walk(local_path):
-        for name in names:
-            rel = os.path.relpath(os.path.join(root, name), local_path).replace(os.sep, "/")
-            if not PARTIAL_NAME.search(name) and not _excluded(rel, exclude):
-                copies.append((rel, os.path.join(local_path, rel), os.path.join(fs_path, rel)))
-
-    def order(copy):  # subfolders' files first, then the top's, the experiment's state last
-        top = "/" not in copy[0]
-        return top, top and copy[0].startswith("experiment_state-"), copy[0]
-
-    for rel, source, target in sorted(copies, key=order):
-        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-        # a copy of its own per thread: Tune starts another after a copy that ran past its timeout
-        partial = f"{target}{PARTIAL}{os.getpid()}-{threading.get_ident()}"
-        try:
-            if _whole_copy(source, partial, rel):
-                os.replace(partial, target)
-        finally:
-            if os.path.exists(partial):
-                os.remove(partial)
-
-
-def upload_whole_files_to_local_storage() -> None:
-    """Makes Tune's background copy of the experiment to a local storage path `upload_whole_files`
-    (once per process; driver side). Tune's own copy (pyarrow's `copy_files`) truncates each
-    target and writes it in place: a driver killed during it left empty or cut-short state and
-    results, and the run could not be resumed. Other filesystems (S3, GCS) keep Tune's copy."""
-    import pyarrow.fs
-    from ray.train._internal.storage import _FilesystemSyncer
-
-    original = _FilesystemSyncer._sync_up_command
-    if getattr(original, "whole_files", False):
-        return
-
-    def sync_up_command(self, local_path, uri, exclude=None):
-        fs = self.storage_filesystem
-        if fs is not None and not isinstance(fs, pyarrow.fs.LocalFileSystem):
-            return original(self, local_path, uri, exclude)
-        return upload_whole_files, {"local_path": local_path, "fs_path": uri, "exclude": exclude}
-
-    sync_up_command.whole_files, sync_up_command.original = True, original
-    _FilesystemSyncer._sync_up_command = sync_up_command
 
 
 def make_log_once_pruner(every_s: float = 10.0):

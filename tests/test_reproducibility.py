@@ -376,7 +376,7 @@ def test_a_long_trial_does_not_keep_its_results_in_the_driver(ray_local, tmp_pat
 def test_resume_refuses_an_experiment_state_cut_short_in_one_line(tmp_path):
     """A driver killed while Tune copied its experiment to the storage path leaves empty files;
     --resume says so instead of starting afresh or waiting for a trial that never starts."""
-    from agents.workarounds import check_experiment_state
+    from agents.experiment_store import check_experiment_state
 
     state = tmp_path / "experiment_state-2026-11-24_12-41-31.json"
     state.write_text("")

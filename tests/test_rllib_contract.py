@@ -1,6 +1,7 @@
 """Private Ray/RLlib names the project hooks, pinned: an upgrade that renames or re-signs one
 fails here, loudly, instead of silently changing behaviour (each test names the user). The
-workarounds of Ray Tune's, Ray's and W&B's internals are all in agents/workarounds.py."""
+workarounds of Ray Tune's, Ray's and W&B's internals are all in agents/workarounds.py and
+agents/experiment_store.py."""
 import inspect
 import re
 
@@ -204,7 +205,7 @@ PINNED = {
     "_grad_scalers", "_module_optimizers", "_logged",
     "_schedule_tracked_actor_task", "_tracked_actor", "_actor_task_events", "_tracked_futures",
     "_tracked_actors_to_task_futures", "_forward_hooks", "_forward_pre_hooks", "_foreach_copy_",
-    "_FilesystemSyncer", "_sync_up_command", "_get_clip_function", "_lr_scheduler_classes", "_params",
+    "_FilesystemSyncer", "_sync_up_command", "_delete_fs_path", "_get_clip_function", "_lr_scheduler_classes", "_params",
     "_foreach_norm", "_foreach_mul_", "_foreach_div", "_foreach_clamp_min_", "_foreach_sqrt_", "_foreach_lerp_",
     "_update", "_compute_off_policyness", "_worker_logs_enabled",
 }
@@ -447,22 +448,28 @@ def test_serve_direct_ingress_settings_used_by_the_policy_server():
     assert "enable_so_reuseport=False" in inspect.getsource(replica.Replica._maybe_start_direct_ingress_servers)
 
 
-def test_tune_storage_sync_up_command_replaced_for_local_storage_paths():
-    # agents/workarounds.py upload_whole_files_to_local_storage: Tune's background copy of the
-    # experiment to the storage path runs the (function, kwargs) that _sync_up_command returns
+def test_tune_storage_sync_up_command_replaced_and_checkpoint_deletion_deferred():
+    # agents/experiment_store.py store_experiments_safely: Tune's background copy of the experiment
+    # to the storage path runs the (function, kwargs) that _sync_up_command returns; the checkpoint
+    # retention deletes through checkpoint_manager's module-level _delete_fs_path(fs=, fs_path=)
     import pyarrow.fs
-    from ray.train._internal.storage import _FilesystemSyncer
+    import ray.train._internal.checkpoint_manager as checkpoint_manager
+    from ray.train._internal.storage import _delete_fs_path, _FilesystemSyncer
 
-    from agents.workarounds import upload_whole_files, upload_whole_files_to_local_storage
+    from agents.experiment_store import _copy_then_delete, store_experiments_safely, upload_whole_files
 
     original = getattr(_FilesystemSyncer._sync_up_command, "original", _FilesystemSyncer._sync_up_command)
     assert params(original) == ["self", "local_path", "uri", "exclude"]
     assert "_sync_up_command(" in inspect.getsource(__import__("ray.train._internal.syncer", fromlist=["x"]))
-    upload_whole_files_to_local_storage()
+    register = inspect.getsource(checkpoint_manager._CheckpointManager.register_checkpoint)
+    assert "_delete_fs_path(fs=checkpoint.filesystem, fs_path=checkpoint.path)" in register
+    assert params(_delete_fs_path) == ["fs", "fs_path"]
+    store_experiments_safely()
+    assert checkpoint_manager._delete_fs_path.original is _delete_fs_path
     syncer = _FilesystemSyncer(storage_filesystem=pyarrow.fs.LocalFileSystem())
     fn, kwargs = syncer._sync_up_command("/staging/run", "/storage/run", exclude=["*.tmp"])
-    assert fn is upload_whole_files and kwargs == {"local_path": "/staging/run", "fs_path": "/storage/run",
-                                                  "exclude": ["*.tmp"]}
+    assert fn is _copy_then_delete and kwargs["copy"] is upload_whole_files
+    assert kwargs["kwargs"] == {"local_path": "/staging/run", "fs_path": "/storage/run", "exclude": ["*.tmp"]}
 
 
 def _episode_data(rng, T: int, L: int = 6):

@@ -1,5 +1,5 @@
 """A driver killed at any moment of Tune's copy of the experiment to the storage path leaves a run
-that resumes. The copy (agents.workarounds.upload_whole_files, which the driver installs for a
+that resumes. The copy (agents.experiment_store.upload_whole_files, which the driver installs for a
 local storage path) is killed with SIGKILL at every point of it: before each file, halfway through
 writing it, and between writing it and renaming it into place. After each kill every file is
 whole (the version before the copy or the one after it), Tune loads the experiment and finds
@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -24,7 +25,7 @@ from tests.test_reproducibility import TINY
 # number of steps when it is not killed.
 KILLED_COPY = r"""
 import os, shutil, signal, sys
-from agents.workarounds import upload_whole_files
+from agents.experiment_store import upload_whole_files
 
 source, target, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 steps = 0
@@ -67,7 +68,7 @@ def _cli(*args):
 def _copied_files(experiment) -> set[str]:
     """The files Tune copies from the driver's staging folder: all but the checkpoints (which a
     trial writes to the storage path itself) and the partial file a copy killed midway left."""
-    from agents.workarounds import PARTIAL_NAME
+    from agents.experiment_store import PARTIAL_NAME
 
     files = set()
     for path in glob.glob(os.path.join(experiment, "**"), recursive=True):
@@ -135,7 +136,7 @@ def _checkpoints_tune_resumes_from(experiment) -> list[str]:
 
 @pytest.mark.slow
 def test_a_copy_killed_at_any_point_leaves_whole_files_and_a_state_that_resumes(before_and_after, tmp_path):
-    from agents.workarounds import PARTIAL, check_experiment_state
+    from agents.experiment_store import PARTIAL, check_experiment_state
 
     before, after, staging = before_and_after
     copied = _copied_files(after)
@@ -195,7 +196,7 @@ def test_a_copy_leaves_out_what_tune_is_still_writing(tmp_path):
     """The driver saves its state and appends results while the copy of the previous save runs:
     a state that does not parse yet keeps the storage's previous one, a result line being
     written is left for the next copy, and a killed copy's partial file is removed on --resume."""
-    from agents.workarounds import PARTIAL, check_experiment_state, upload_whole_files
+    from agents.experiment_store import PARTIAL, check_experiment_state, upload_whole_files
 
     staging, storage = tmp_path / "staging", tmp_path / "storage"
     (staging / "trial").mkdir(parents=True)
@@ -221,3 +222,81 @@ def test_a_copy_leaves_out_what_tune_is_still_writing(tmp_path):
     check_experiment_state(str(storage))
     assert not list(storage.rglob(f"*{PARTIAL}*"))
     assert (storage / "trial" / "result.json").read_text() == '{"training_iteration": 1}\n'
+
+
+def test_tune_deletes_an_old_checkpoint_only_after_storing_a_state_that_no_longer_names_it(tmp_path):
+    """Tune's retention (checkpoint.num_to_keep) drops a trial's oldest checkpoint when a new one
+    registers; the stored experiment state still names the old one until the next copy. The
+    deletion waits for a copy that stored a newer state: not before it, not after a copy that
+    left the state out (it did not parse yet), and then by the next copy that stores one."""
+    import pyarrow.fs
+    from ray.train import Checkpoint, CheckpointConfig
+    from ray.train._internal.checkpoint_manager import _CheckpointManager
+    from ray.train._internal.session import _TrainingResult
+    from ray.train._internal.storage import _FilesystemSyncer
+
+    from agents.experiment_store import store_experiments_safely
+
+    store_experiments_safely()
+    staging, storage = tmp_path / "staging", tmp_path / "storage"
+    staging.mkdir()
+    checkpoints = [storage / "trial" / f"checkpoint_00000{i}" for i in range(3)]
+    for path in checkpoints:
+        path.mkdir(parents=True)
+        (path / "algorithm_state.pkl").write_bytes(b"x")
+    manager = _CheckpointManager(CheckpointConfig(num_to_keep=1))
+    syncer = _FilesystemSyncer(storage_filesystem=pyarrow.fs.LocalFileSystem())
+
+    def register(path):
+        manager.register_checkpoint(_TrainingResult(checkpoint=Checkpoint(str(path)), metrics={}))
+
+    def copy(state: str):
+        (staging / "experiment_state-1.json").write_text(state)  # what Tune saves before each copy
+        fn, kwargs = syncer._sync_up_command(str(staging), str(storage))
+        fn(**kwargs)
+
+    register(checkpoints[0])
+    register(checkpoints[1])
+    assert checkpoints[0].is_dir()  # dropped, but the stored state (none yet) may name it
+    copy('{"trial_data": [1')  # the state was being written: it stays out of this copy
+    assert checkpoints[0].is_dir() and not (storage / "experiment_state-1.json").exists()
+    copy('{"trial_data": [1]}')
+    assert not checkpoints[0].exists() and checkpoints[1].is_dir()
+    register(checkpoints[2])
+    assert checkpoints[1].is_dir()
+    copy('{"trial_data": [2]}')
+    assert not checkpoints[1].exists() and checkpoints[2].is_dir()
+    assert (storage / "experiment_state-1.json").read_text() == '{"trial_data": [2]}'
+
+
+@pytest.mark.slow
+def test_a_run_killed_as_tune_deletes_an_old_checkpoint_resumes_from_its_newer_one(tmp_path):
+    """`checkpoint.num_to_keep: 1`, a checkpoint every iteration: the driver is SIGKILLed the
+    moment the third old checkpoint disappears from the storage path. The run resumes from a
+    checkpoint past the deleted ones (before deletions waited for the stored state, it failed
+    there: "Could not recover from checkpoint as it does not exist on storage anymore") and every
+    iteration's row is in result.json once."""
+    common = [*[a for o in TINY for a in ("--set", o)], "--set", "stop.training_iteration=7",
+              "--set", "checkpoint.frequency=1", "--set", "checkpoint.num_to_keep=1",
+              "--set", "generate.num_samples=0", "--set", "tune.dashboard=false",
+              "--set", f"tune.storage_path={tmp_path / 'storage'}", "--set", "tune.name=run"]
+    killed, seen, gone = _cli(*common), set(), set()
+    try:
+        while killed.poll() is None and len(gone) < 3:
+            now = set(glob.glob(os.path.join(tmp_path, "storage", "run", "LMPPO_*", "checkpoint_*")))
+            gone |= seen - now
+            seen |= now
+            time.sleep(0.002)
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+    assert len(gone) == 3, killed.stdout.read()[-3000:]
+    resumed = _cli(*common, "--resume")
+    out = resumed.communicate(timeout=900)[0]
+    assert resumed.returncode == 0, out[-3000:]
+    first = int(re.findall(r"^iter +(\d+) ", out, re.M)[0])
+    assert first >= 4, out[-3000:]  # past the three deleted checkpoints (iterations 1-3)
+    (result,) = glob.glob(os.path.join(tmp_path, "storage", "run", "LMPPO_*", "result.json"))
+    with open(result) as f:
+        iterations = [json.loads(line)["training_iteration"] for line in f if line.strip()]
+    assert iterations == list(range(1, 8)), iterations

@@ -1,0 +1,212 @@
+"""How a run's experiment lives on its storage path: copied there one whole file at a time, its
+old checkpoints deleted only once no stored state names them, and checked before a resume.
+
+Like `agents.workarounds`, each of these hooks a private name of Ray Tune's or Ray Train's, pinned
+in `tests/test_rllib_contract.py`:
+
+* `store_experiments_safely` installs both fixes below on the driver (once per process):
+* `upload_whole_files` (for a local storage path): Tune's background copy of the experiment
+  (`_FilesystemSyncer._sync_up_command`) writes each file whole and renames it into place, the
+  experiment's state last: a driver killed at any moment of the copy leaves a state that resumes.
+* Deferred checkpoint deletion: Tune's retention (`checkpoint.num_to_keep`) deletes a trial's
+  oldest checkpoint as soon as a new one registers (`_CheckpointManager.register_checkpoint`,
+  through its module's `_delete_fs_path`), while the experiment state naming the new one reaches
+  the storage path later, in the background copy. A driver killed between the two left a stored
+  state whose trial checkpoint was gone, and `--resume` failed that trial. The deletion now waits
+  for a copy that stored a state saved after it (on any filesystem).
+* `check_experiment_state` removes a killed copy's partial files and refuses, in one line, a state
+  cut short by Tune's own copy (storage that is not local).
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+
+def newest_experiment_state(experiment: str) -> str | None:
+    """The experiment's newest saved state file, as Tune picks it (by name: the run's start time)."""
+    import glob
+
+    return max(glob.glob(os.path.join(glob.escape(experiment), "experiment_state-*.json")), default=None)
+
+
+def check_experiment_state(experiment: str) -> None:
+    """Removes the partial files of a copy that was killed (`upload_whole_files`), and refuses, in
+    one line, an experiment whose saved state is empty or cut short (a run of an older version,
+    whose copy wrote the files in place, killed during it): Tune would start the run afresh under
+    the old name or wait forever for a trial that never starts."""
+    import glob
+    import json
+
+    # what a copy killed midway left beside its target (the target itself is whole: old or new)
+    for path in glob.glob(os.path.join(glob.escape(experiment), "**", "*"), recursive=True, include_hidden=True):
+        if PARTIAL_NAME.search(os.path.basename(path)) and os.path.isfile(path):
+            os.remove(path)
+    newest = newest_experiment_state(experiment)
+    if newest is None:
+        return
+    try:
+        with open(newest) as f:
+            json.load(f)
+    except (OSError, ValueError):
+        raise ValueError(f"--resume: the experiment state {newest} is empty or cut short (the run was killed "
+                         "while Tune was copying it to the storage path); there is nothing to resume from") from None
+
+
+PARTIAL = ".partial-"  # a file being copied to the storage path: <name>.partial-<pid>-<thread>
+PARTIAL_NAME = re.compile(r"\.partial-\d+-\d+$")
+
+
+def _excluded(rel: str, exclude) -> bool:
+    """Tune's exclusion rule for a file (`_ExcludingLocalFilesystem._should_exclude`): a pattern
+    matches the file's path relative to the copied folder."""
+    import fnmatch
+
+    return any(fnmatch.fnmatch(rel, pattern) for pattern in exclude or ())
+
+
+def _whole_copy(source: str, partial: str, rel: str) -> bool:
+    """Copies `source` to `partial` as a file that is whole in itself, or returns False. Tune
+    may be writing the source meanwhile (the driver saves its state and appends results while
+    the copy of the previous save runs): a state file (JSON) must parse, else it is copied again
+    (a few times, then left out of this copy); a log of lines (result.json, progress.csv) is cut
+    after its last whole line."""
+    import json
+    import shutil
+
+    name = os.path.basename(rel)
+    for _ in range(5):
+        try:
+            shutil.copyfile(source, partial)
+        except FileNotFoundError:  # the staging copy went away meanwhile (a trial's folder removed)
+            return False
+        if name in ("result.json", "progress.csv"):
+            with open(partial, "rb+") as f:
+                data = f.read()
+                if data and not data.endswith(b"\n"):
+                    f.truncate(data.rfind(b"\n") + 1)
+            return True
+        if "/" in rel or not name.endswith(".json"):
+            return True
+        try:
+            with open(partial) as f:
+                json.load(f)
+            return True
+        except ValueError:
+            time.sleep(0.05)
+    return False
+
+
+def upload_whole_files(local_path: str, fs_path: str, exclude=None) -> list[str]:
+    """Copies a folder (or a file) to a local storage path one whole file at a time: each file is
+    written beside its target and renamed over it (`os.replace`, atomic), so a process killed at
+    any moment leaves every file either as it was or as it is now, never cut short. The trials'
+    files go first and the experiment's state (which names each trial's checkpoint) last: when a
+    new state is in place, so is everything it points to, and every result row it implies.
+    Returns the files put in place (relative paths; a file Tune was still writing is left for the
+    next copy)."""
+    copies, placed = [], []  # (relative path, source, target)
+    if os.path.isfile(local_path):
+        copies.append((os.path.basename(fs_path), local_path, fs_path))
+    for root, _, names in os.walk(local_path):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), local_path).replace(os.sep, "/")
+            if not PARTIAL_NAME.search(name) and not _excluded(rel, exclude):
+                copies.append((rel, os.path.join(local_path, rel), os.path.join(fs_path, rel)))
+
+    def state(rel):
+        return "/" not in rel and rel.startswith("experiment_state-")
+
+    # a copy of its own per thread: Tune starts another after a copy that ran past its timeout
+    tag = f"{PARTIAL}{os.getpid()}-{threading.get_ident()}"
+    states = sorted(c for c in copies if state(c[0]))  # the newest (Tune resumes from it) last
+    others = sorted((c for c in copies if not state(c[0])), key=lambda c: ("/" not in c[0], c[0]))  # subfolders first
+    try:
+        # The state is read first and put in place last, so a stored state is never newer than the
+        # trials' files stored with it (Tune saves a newer one while this copy runs).
+        read = []
+        for rel, source, target in states:
+            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+            if _whole_copy(source, target + tag, rel):
+                read.append((rel, target))
+        for rel, source, target in others:
+            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+            try:
+                if _whole_copy(source, target + tag, rel):
+                    os.replace(target + tag, target)
+                    placed.append(rel)
+            finally:
+                if os.path.exists(target + tag):
+                    os.remove(target + tag)
+        for rel, target in read:
+            os.replace(target + tag, target)
+            placed.append(rel)
+    finally:
+        for _, _, target in states:
+            if os.path.exists(target + tag):
+                os.remove(target + tag)
+    return placed
+
+
+# (filesystem, path) of each checkpoint the retention dropped, deleted by the first copy that
+# stores a state saved after the drop (that state no longer names it)
+_DUE: list = []
+_DUE_LOCK = threading.Lock()
+
+
+def _delete_later(fs, fs_path) -> None:
+    with _DUE_LOCK:
+        _DUE.append((fs, fs_path))
+
+
+def _copy_then_delete(copy, kwargs: dict, due: list, local_path: str) -> None:
+    """Runs Tune's copy of the driver's staging folder (`copy(**kwargs)`), then deletes the
+    checkpoints in `due` if the copy stored the newest state the folder holds; else they wait for
+    the next copy."""
+    import pyarrow.fs
+    from ray.train._internal.storage import _delete_fs_path
+
+    try:
+        copied = copy(**kwargs)
+    except BaseException:
+        with _DUE_LOCK:
+            _DUE[:0] = due
+        raise
+    newest = newest_experiment_state(local_path)
+    if isinstance(copied, list) and newest and os.path.basename(newest) not in copied:
+        with _DUE_LOCK:  # the state did not parse in time and was left for the next copy
+            _DUE[:0] = due
+        return
+    for fs, fs_path in due:
+        if fs.get_file_info(fs_path).type != pyarrow.fs.FileType.NotFound:  # a retried copy deleted it
+            _delete_fs_path(fs=fs, fs_path=fs_path)
+
+
+def store_experiments_safely() -> None:
+    """Installs the whole-file copy (a local storage path) and the deferred checkpoint deletion
+    (any storage) on Tune's background copy of the experiment (once per process; driver side)."""
+    import pyarrow.fs
+    import ray.train._internal.checkpoint_manager as checkpoint_manager
+    from ray.train._internal.storage import _FilesystemSyncer
+
+    if not getattr(checkpoint_manager._delete_fs_path, "deferred", False):
+        _delete_later.deferred, _delete_later.original = True, checkpoint_manager._delete_fs_path
+        checkpoint_manager._delete_fs_path = _delete_later
+    original = _FilesystemSyncer._sync_up_command
+    if getattr(original, "whole_files", False):
+        return
+
+    def sync_up_command(self, local_path, uri, exclude=None):
+        # the state saved just before this copy was made after every deletion queued so far
+        with _DUE_LOCK:
+            due, _DUE[:] = list(_DUE), []
+        fs = self.storage_filesystem
+        if fs is not None and not isinstance(fs, pyarrow.fs.LocalFileSystem):
+            copy, kwargs = original(self, local_path, uri, exclude)
+        else:
+            copy, kwargs = upload_whole_files, {"local_path": local_path, "fs_path": uri, "exclude": exclude}
+        return _copy_then_delete, {"copy": copy, "kwargs": kwargs, "due": due, "local_path": local_path}
+
+    sync_up_command.whole_files, sync_up_command.original = True, original
+    _FilesystemSyncer._sync_up_command = sync_up_command
