@@ -3,7 +3,9 @@ the check that `tune.metric` names a number the results hold (`unreported_metric
 metric ranks nothing stops at its first result with a one-line error, not at its end)."""
 from __future__ import annotations
 
+import json
 import math
+import os
 
 
 def _lookup(result: dict, path: str):
@@ -115,26 +117,13 @@ def make_progress_callback(eval_interval: int = 0, quiet: bool = False, metric: 
                 if error:
                     raise MetricNotReported(error)
                 self.metric_checked = metric_can_be_judged(metric, result)
-            reward = _metric(result, "env_runners/episode_return_mean")
-            # Guided runs: the summary follows the episodes the policy wrote alone (no guide token).
-            policy = _metric(result, "env_runners/policy_return_mean")
-            tracked = policy if "guide_mode_aggrevated" in result else reward
-            if "guide_mode_aggrevated" in result:
-                self.guided.add(trial.trial_id)
-            if tracked is not None:
-                self.first.setdefault(trial.trial_id, (result["training_iteration"], tracked))
-                self.last[trial.trial_id] = (result["training_iteration"], tracked)
-                self.best[trial.trial_id] = max(tracked, self.best.get(trial.trial_id, -math.inf))
+            reward, policy, greedy = self.remember(trial.trial_id, result)
             fields = [
                 f"iter {result['training_iteration']:4d}",
                 f"steps {int(_metric(result, 'env_runners/num_env_steps_sampled_lifetime') or 0):>9,}",
                 f"reward {reward:.3f}" if reward is not None else "reward   n/a",
             ]
-            # RLlib repeats the last evaluation's results in the iterations after it; print fresh ones.
-            fresh = eval_interval and result["training_iteration"] % eval_interval == 0
-            greedy = _metric(result, "evaluation/env_runners/episode_return_mean") if fresh else None
             if greedy is not None:
-                self.evals.setdefault(trial.trial_id, []).append((result["training_iteration"], greedy))
                 fields.append(f"greedy {greedy:.3f}")
             if policy is not None:  # guided runs: episodes the policy wrote alone
                 fields.append(f"policy {policy:.3f}")
@@ -143,12 +132,49 @@ def make_progress_callback(eval_interval: int = 0, quiet: bool = False, metric: 
                 value = _metric(result, f"learners/default_policy/{key}")
                 if value is not None:
                     fields.append(f"{label} {three_places(value)}")
-            mask = _metric(result, "learners/default_policy/mask_size")
-            if mask is not None:
-                self.mask.setdefault(trial.trial_id, []).append(mask)
             fields.append(f"{result.get('time_total_s', 0):.0f}s")
             prefix = f"[{trial.trial_id}] " if len(trials) > 1 else ""
             if not quiet:
                 print(prefix + "  ".join(fields), flush=True)
+
+        def remember(self, trial_id: str, result: dict):
+            """Adds a result to the trial's first/last/best reward, evaluations and mask sizes;
+            returns its (episode reward, policy-alone reward, fresh greedy evaluation reward)."""
+            reward = _metric(result, "env_runners/episode_return_mean")
+            # Guided runs: the summary follows the episodes the policy wrote alone (no guide token).
+            policy = _metric(result, "env_runners/policy_return_mean")
+            tracked = policy if "guide_mode_aggrevated" in result else reward
+            if "guide_mode_aggrevated" in result:
+                self.guided.add(trial_id)
+            if tracked is not None:
+                self.first.setdefault(trial_id, (result["training_iteration"], tracked))
+                self.last[trial_id] = (result["training_iteration"], tracked)
+                self.best[trial_id] = max(tracked, self.best.get(trial_id, -math.inf))
+            # RLlib repeats the last evaluation's results in the iterations after it; keep fresh ones.
+            fresh = eval_interval and result["training_iteration"] % eval_interval == 0
+            greedy = _metric(result, "evaluation/env_runners/episode_return_mean") if fresh else None
+            if greedy is not None:
+                self.evals.setdefault(trial_id, []).append((result["training_iteration"], greedy))
+            mask = _metric(result, "learners/default_policy/mask_size")
+            if mask is not None:
+                self.mask.setdefault(trial_id, []).append(mask)
+            return reward, policy, greedy
+
+        def replay(self, trial_id: str, trial_dir: str) -> None:
+            """Rebuilds the trial's figures from every row its result.json holds: a resumed run's
+            summary covers the iterations before the resume, and trials that had finished by then."""
+            try:
+                with open(os.path.join(trial_dir, "result.json")) as f:
+                    rows = [json.loads(line) for line in f if line.strip()]
+            except (OSError, ValueError):
+                return  # no stored rows (the trial never reported): keep what this process saw
+            rows = [r for r in rows if "training_iteration" in r]
+            if not rows:
+                return
+            for figures in (self.first, self.last, self.best, self.mask, self.evals):
+                figures.pop(trial_id, None)
+            self.guided.discard(trial_id)
+            for row in sorted(rows, key=lambda r: r["training_iteration"]):
+                self.remember(trial_id, row)
 
     return ProgressPrinter()

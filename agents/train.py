@@ -301,7 +301,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
     return grid, progress, experiment, time.time() - start
 
 
-def summarize(cfg: dict, grid, progress, experiment: str, wall: float) -> int:
+def summarize(cfg: dict, grid, progress, experiment: str, wall: float, resumed: bool = False) -> int:
     from agents.generate import generate, load_policy
 
     metric, mode = cfg["tune"]["metric"], cfg["tune"]["mode"]
@@ -309,6 +309,8 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float) -> int:
     failed = 0
     for result in grid:
         trial_id = (result.metrics or {}).get("trial_id", "?")
+        if resumed and result.path:  # the iterations before the resume too (and trials that had finished)
+            progress.replay(trial_id, result.path)
         if result.error:
             failed += 1
             print(f"  trial {trial_id}: FAILED: {str(result.error).strip().splitlines()[-1]}")
@@ -351,7 +353,10 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float) -> int:
         how = f"--resume (tune.name {name})" if cfg["tune"]["name"] else f"--resume --set tune.name={name}"
         print(f"  interrupted before its stop criteria: go on with the same command and {how}")
         return INTERRUPTED
-    return 1 if failed == len(grid) else 0
+    if failed:
+        print(f"  {failed} of {len(grid)} trial{'s' if len(grid) != 1 else ''} failed" +
+              (" (the others' results above stand)" if failed < len(grid) else ""))
+    return 1 if failed else 0
 
 
 INTERRUPTED = 130  # the exit code of a run stopped by Ctrl-C, as a shell gives one
@@ -485,7 +490,7 @@ def main(argv=None, prog: str = "python -m agents.train") -> int:
         grid, progress, experiment, wall = run(cfg, resume=args.resume, verbose=args.verbose)
     except ValueError as e:
         return _fail(str(e))
-    return summarize(cfg, grid, progress, experiment, wall)
+    return summarize(cfg, grid, progress, experiment, wall, resumed=args.resume)
 
 
 if __name__ == "__main__":

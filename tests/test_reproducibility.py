@@ -284,6 +284,8 @@ def test_run_killed_after_a_checkpoint_and_resumed_matches_the_uninterrupted_run
     printed = [int(i) for i in re.findall(r"^iter +(\d+) ", out, re.M)]
     # after the checkpoint of iteration 2 or 4, once per iteration, up to the stop
     assert printed and printed[0] in (3, 5) and printed == list(range(printed[0], 7)), out[-3000:]
+    # the summary covers the iterations before the resume too
+    assert re.search(r"mean episode reward [\d.]+ \(iteration 1\) -> [\d.]+ \(iteration 6\)", out), out[-3000:]
 
     _, _, expected = _result_curves(tmp_path / "whole")
     trial_dir, trial_id, got = _result_curves(tmp_path / "killed")

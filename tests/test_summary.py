@@ -1,0 +1,66 @@
+"""The summary `agents.train` prints at the end of a run: a sweep with a failed trial exits 1 and
+says how many failed; a resumed run's figures cover the iterations before the resume."""
+import json
+import os
+import types
+
+from tests.conftest import QUICKSTART
+
+
+def _result(trial_id: str, path=None, error=None):
+    return types.SimpleNamespace(metrics={"trial_id": trial_id}, error=error, checkpoint=None, path=path,
+                                 config={"seed": 0})
+
+
+class _Grid(list):
+    def get_best_result(self, **_):
+        raise RuntimeError("no result with the metric")
+
+
+def _rows(path, rewards: list[float], first: int = 1):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "result.json"), "w") as f:
+        for i, r in enumerate(rewards, first):
+            f.write(json.dumps({"training_iteration": i, "env_runners": {"episode_return_mean": r}}) + "\n")
+
+
+def _summarize(grid, tmp_path, capsys, progress=None, resumed=False):
+    from agents.config import load
+    from agents.progress import make_progress_callback
+    from agents.train import summarize
+
+    cfg = load(QUICKSTART, ["generate.num_samples=0"])
+    code = summarize(cfg, grid, progress or make_progress_callback(quiet=True), str(tmp_path / "run"), 1.0,
+                     resumed=resumed)
+    return code, capsys.readouterr().out
+
+
+def test_a_sweep_with_one_failed_trial_exits_1_and_says_how_many_failed(tmp_path, capsys):
+    code, out = _summarize(_Grid([_result("a_00000"), _result("a_00001", error=RuntimeError("boom"))]),
+                           tmp_path, capsys)
+    assert code == 1, out
+    assert "trial a_00001: FAILED: boom" in out
+    assert "1 of 2 trials failed (the others' results above stand)" in out
+    code, out = _summarize(_Grid([_result("a_00000"), _result("a_00001")]), tmp_path, capsys)
+    assert code == 0 and "trials failed" not in out, out
+
+
+def test_a_resumed_runs_summary_covers_the_iterations_before_the_resume(tmp_path, capsys):
+    """Trial 0 finished before the run was interrupted; trial 1 was resumed at iteration 3. The
+    resuming process saw only trial 1's iterations 3-4; the summary reads both trials' rows."""
+    from agents.progress import make_progress_callback
+
+    _rows(tmp_path / "t0", [0.2, 0.9, 0.5])
+    _rows(tmp_path / "t1", [0.1, 0.3, 0.4, 0.6])
+    progress = make_progress_callback(quiet=True)
+    trial = types.SimpleNamespace(trial_id="a_00001")
+    for i, r in ((3, 0.4), (4, 0.6)):
+        progress.on_trial_result(0, [trial], trial, {"training_iteration": i, "env_runners": {"episode_return_mean": r}})
+    grid = _Grid([_result("a_00000", path=str(tmp_path / "t0")), _result("a_00001", path=str(tmp_path / "t1"))])
+    code, out = _summarize(grid, tmp_path, capsys, progress=progress, resumed=True)
+    assert code == 0, out
+    assert "trial a_00000: mean episode reward 0.200 (iteration 1) -> 0.500 (iteration 3), best 0.900" in out
+    assert "trial a_00001: mean episode reward 0.100 (iteration 1) -> 0.600 (iteration 4), best 0.600" in out
+    with open(tmp_path / "run" / "summary.csv") as f:
+        rows = f.read()
+    assert ",0.5,0.9," in rows and ",0.6,0.6," in rows, rows  # final and best reward per trial
