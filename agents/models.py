@@ -421,13 +421,14 @@ def without_adapters(lm: PreTrainedModel, *, merge: bool) -> PreTrainedModel:
 def load_pretrained_lm(path: str) -> PreTrainedModel:
     """A model directory from `agents.export` (or any save_pretrained directory): a plain model,
     or a PEFT LoRA adapter directory whose base is its `base_model_name_or_path` (relative to the
-    adapter's directory when it is a folder there), merged into a plain model."""
+    adapter's directory when it is a folder there), merged into a plain model; in float32 whatever
+    dtype it was saved in (`agents.evaluate` scores perplexity with it in fp32)."""
     from transformers import AutoModelForSeq2SeqLM
 
     adapter_config = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(adapter_config):
         seq2seq = declared_kind({"name_or_path": path, "kind": "auto"}) == "seq2seq"
-        return (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(path)
+        return (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32)
     from peft import PeftModel
 
     with open(adapter_config, encoding="utf-8") as f:

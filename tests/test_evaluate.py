@@ -311,3 +311,27 @@ def test_the_demo_commands_in_the_configs_headers_are_accepted_and_a_bad_one_is_
     assert one_line_cli_error(capsys, demo_main, "--out", str(out), "--ppo-set", "training.lambda=2") == (
         "error: --ppo-set: training.lambda: expected a number in [0.0, 1.0], got 2.0")
     assert not out.exists()
+
+
+def test_a_model_directory_saved_in_bf16_is_evaluated_with_fp32_weights(setup, tmp_path):
+    """A Hugging Face directory saved in bf16 (config torch_dtype bfloat16) is held in fp32, as a
+    model and as the reference: its perplexity is the one an fp32 copy of the same weights gives."""
+    from transformers import AutoModelForCausalLM
+
+    from agents.evaluate import perplexity
+
+    path = str(tmp_path / "bf16")
+    AutoModelForCausalLM.from_pretrained(setup["dirs"][0]).to(torch.bfloat16).save_pretrained(path)
+    for name in os.listdir(setup["dirs"][0]):
+        if "token" in name:
+            shutil.copy(os.path.join(setup["dirs"][0], name), path)
+    assert json.load(open(os.path.join(path, "config.json")))["dtype"] == "bfloat16"
+    fp32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model, reference = Model(path), Model(path)
+    assert {p.dtype for p in model.lm.parameters()} == {p.dtype for p in reference.lm.parameters()} == {torch.float32}
+    result = evaluate([model], setup["env_config"], greedy=True, reference=reference, log=lambda line: None)
+    prompts = [g["prompt"] for g in result["generations"]]
+    gens = [g["generation"] for g in result["generations"]]
+    assert sum(map(len, gens)) > 0
+    assert result["rows"][0]["perplexity"] == pytest.approx(perplexity(fp32, reference.tokenizer, prompts, gens),
+                                                            rel=1e-6)
