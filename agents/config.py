@@ -139,11 +139,14 @@ def _absolute_if_local(value):
     return value
 
 
-REWARD_PATH_FIELDS = ("model", "tokenizer", "forward_model", "backward_model")  # a reward's model directories
+# A built-in reward's local paths: model and tokenizer directories (MMI's forward and backward
+# ones too) and BERTScore's baseline file.
+REWARD_PATH_FIELDS = ("model", "tokenizer", "forward_model", "backward_model", "forward_tokenizer",
+                      "backward_tokenizer", "baseline_path")
 
 
 def _reward_with_absolute_paths(spec):
-    """A reward spec (a term, or a sum of terms) with its local model directories absolute."""
+    """A reward spec (a term, or a sum of terms) with its local model directories and files absolute."""
     if isinstance(spec, dict) and isinstance(spec.get("sum"), list):
         return {**spec, "sum": [_reward_with_absolute_paths(term) for term in spec["sum"]]}
     if isinstance(spec, dict) and not _is_search_space(spec):

@@ -528,3 +528,33 @@ def test_the_text_task_takes_a_custom_reward(custom_module, tmp_path):
     assert task.reward([e["prompt"] for e in ex], gens, [e["meta"] for e in ex]) == [1.0] * len(ex)
     with pytest.raises(ValueError, match=r"^task\.reward\.name: module '.*' has no function 'nope'$"):
         TextTask(dataset=str(data), meta_fields=["keyword"], reward={"name": f"{custom_module}:nope"})
+
+
+def test_every_local_path_of_a_reward_reaches_tune_trials_absolute(tmp_path, monkeypatch):
+    """Tune runs each trial in its own directory: MMI's tokenizers and BERTScore's baseline file,
+    like the rewards' models, are made absolute where they exist here; other fields are kept."""
+    import inspect
+    import re
+
+    from agents.config import REWARD_PATH_FIELDS, validate, with_absolute_paths
+    from env.rewards.base import REWARDS
+
+    for name in ("fwd", "bwd", "fwd_tok", "bwd_tok", "bert"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "baseline.tsv").write_text("LAYER,P,R,F\n0,0.1,0.1,0.1\n")
+    monkeypatch.chdir(tmp_path)
+    mmi = {"name": "mmi", "weight": 1.0, "forward_model": "fwd", "backward_model": "bwd",
+           "forward_tokenizer": "fwd_tok", "backward_tokenizer": "bwd_tok", "separator": " "}
+    bertscore = {"name": "bertscore", "weight": 1.0, "model": "bert", "lang": "en", "rescale_with_baseline": True,
+                 "baseline_path": "baseline.tsv"}
+    task = {"name": "text", "dataset": {"train": "d.jsonl"}, "prompt_field": "prompt", "reference_field": "reference",
+            "reward": {"sum": [mmi, bertscore]}}
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "reference": "b"}\n')
+    got = with_absolute_paths(validate({"task": task}))["task"]["reward"]["sum"]
+    assert got[0] == {**mmi, "forward_model": str(tmp_path / "fwd"), "backward_model": str(tmp_path / "bwd"),
+                      "forward_tokenizer": str(tmp_path / "fwd_tok"), "backward_tokenizer": str(tmp_path / "bwd_tok")}
+    assert got[1] == {**bertscore, "model": str(tmp_path / "bert"), "baseline_path": str(tmp_path / "baseline.tsv")}
+    # every built-in reward's field naming a model, tokenizer or file is one of them
+    path_like = re.compile(r"(.*_)?(model|tokenizer|path|file|dir)")
+    fields = {p for factory in REWARDS.values() for p in inspect.signature(factory).parameters if path_like.fullmatch(p)}
+    assert fields <= set(REWARD_PATH_FIELDS), fields - set(REWARD_PATH_FIELDS)
