@@ -210,3 +210,90 @@ def store_experiments_safely() -> None:
 
     sync_up_command.whole_files, sync_up_command.original = True, original
     _FilesystemSyncer._sync_up_command = sync_up_command
+
+
+# One driver per experiment: a second one (another --resume, or the same command in a second
+# terminal) would write into the live trials' folders and a newer experiment state beside theirs.
+DRIVER_FILE = "driver.json"  # {"pid", "host", "heartbeat"}: the driver training the experiment now
+HEARTBEAT_S = 5.0  # how often the driver rewrites it
+STALE_S = 60.0  # a file not rewritten for this long is a dead driver's (on another machine too)
+
+
+def live_driver(experiment: str) -> str | None:
+    """A description of the driver training `experiment` now, or None: its driver file was
+    rewritten within STALE_S seconds and, on this machine, its process is alive."""
+    import json
+    import socket
+
+    try:
+        with open(os.path.join(experiment, DRIVER_FILE)) as f:
+            driver = json.load(f)
+        pid, host, age = int(driver["pid"]), str(driver["host"]), time.time() - float(driver["heartbeat"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if age > STALE_S or (host == socket.gethostname() and not _alive(pid)):
+        return None
+    return f"process {pid} on {host} (its last sign {max(age, 0):.0f}s ago)"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def check_no_live_driver(experiment: str) -> None:
+    """Refuses, in one line, an experiment another live driver is training."""
+    driver = live_driver(experiment)
+    if driver:
+        raise ValueError(f"the run {os.path.basename(experiment)!r} is being trained now by {driver}: stop it "
+                         f"first, or use another tune.name (a driver that died leaves {DRIVER_FILE} in the "
+                         f"experiment, stale after {STALE_S:.0f}s)")
+
+
+class DrivingExperiment:
+    """`with DrivingExperiment(experiment):` holds the experiment's driver file for the block,
+    rewriting it every HEARTBEAT_S seconds from a thread; refuses an experiment a live driver holds."""
+
+    def __init__(self, experiment: str):
+        self.path = os.path.join(experiment, DRIVER_FILE)
+        self.experiment = experiment
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _write(self) -> None:
+        import json
+        import socket
+
+        partial = f"{self.path}{PARTIAL}{os.getpid()}-{threading.get_ident()}"
+        with open(partial, "w") as f:
+            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "heartbeat": time.time()}, f)
+        os.replace(partial, self.path)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._write()
+            except OSError:  # the storage is away for a moment: the next beat tries again
+                pass
+
+    def __enter__(self):
+        check_no_live_driver(self.experiment)
+        os.makedirs(self.experiment, exist_ok=True)
+        self._write()
+        self._thread = threading.Thread(target=self._beat, name="experiment-driver-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        try:
+            os.remove(self.path)
+        except OSError:
+            pass
+        return False

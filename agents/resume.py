@@ -82,7 +82,11 @@ def resume_differences(cfg: dict) -> list[str]:
 
 
 def check_resume_config(cfg: dict) -> None:
-    """Refuses a `--resume` whose config differs from the run's own, naming the keys."""
+    """Refuses a `--resume` of a run a live driver is training, or whose config differs from the
+    run's own, naming the keys."""
+    from agents.experiment_store import check_no_live_driver
+
+    check_no_live_driver(experiment_dir(cfg))
     changed = resume_differences(cfg)
     if changed:
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
@@ -105,9 +109,14 @@ def unfinished_trials(experiment: str) -> int:
 
 
 def check_fresh_run(cfg: dict) -> None:
-    """Refuses, in one line, a fresh run (no --resume) under the name of an interrupted one: it would
-    take over the experiment (its saved config and state), and the interrupted run could not resume."""
+    """Refuses, in one line, a fresh run (no --resume) under the name of a live or an interrupted
+    one: it would take over the experiment (its saved config and state), and the interrupted run
+    could not resume."""
+    from agents.experiment_store import check_no_live_driver
+
     experiment = experiment_dir(cfg) if cfg["tune"]["name"] else None
+    if experiment:
+        check_no_live_driver(experiment)
     if experiment and unfinished_trials(experiment):
         raise ValueError(f"tune.name: {experiment} holds an interrupted run; go on with it with --resume, or give "
                          "a new tune.name (or remove that directory) to start another")

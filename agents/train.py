@@ -200,7 +200,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
     from agents.config import algorithm_config
     from agents.pbt import make_scheduler
     from agents.progress import make_progress_callback, metric_error
-    from agents.experiment_store import check_experiment_state, store_experiments_safely
+    from agents.experiment_store import DrivingExperiment, check_experiment_state, store_experiments_safely
     from agents.workarounds import (drop_restored_trial_decisions, make_curve_logger, make_log_once_pruner,
                                     make_progress_csv_logger, make_wandb_callback, note_tune_interrupts,
                                     release_resolved_task_futures, replace_restored_callbacks)
@@ -290,7 +290,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
               f"{cfg['model']['name_or_path']!r}; results in {experiment}"
               + ("" if tune_cfg["name"] else f" (resume it with --resume --set tune.name={name})"), flush=True)
     start = time.time()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), DrivingExperiment(experiment):
         # Tune suggests reuse_actors for PBT; RLlib's Algorithm has no reset_config, so an
         # exploiting trial gets a new actor built from its new config (see agents.pbt.make_pbt).
         warnings.filterwarnings("ignore", message="Consider boosting PBT performance")

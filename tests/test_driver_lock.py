@@ -1,0 +1,101 @@
+"""One driver per experiment: while a run is being trained, a second `agents.train` on the same
+experiment (`--resume`, or the same command again) is refused in one line and the live run goes on
+unharmed (it goes on until its Ctrl-C, as an interrupted run); a driver that died leaves nothing that blocks a resume."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import QUICKSTART, ROOT
+from tests.test_reproducibility import TINY
+
+
+def _driver_file(experiment, pid, host=None, age=0.0):
+    from agents.experiment_store import DRIVER_FILE
+
+    os.makedirs(experiment, exist_ok=True)
+    with open(os.path.join(experiment, DRIVER_FILE), "w") as f:
+        json.dump({"pid": pid, "host": host or socket.gethostname(), "heartbeat": time.time() - age}, f)
+
+
+def test_a_live_driver_is_told_from_a_dead_one(tmp_path):
+    from agents.experiment_store import STALE_S, check_no_live_driver, live_driver
+
+    experiment = str(tmp_path / "run")
+    assert live_driver(experiment) is None  # no driver file
+    _driver_file(experiment, os.getpid())
+    assert f"process {os.getpid()} on {socket.gethostname()}" in live_driver(experiment)
+    with pytest.raises(ValueError, match=r"^the run 'run' is being trained now by process \d+ .*stop it first"):
+        check_no_live_driver(experiment)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _driver_file(experiment, dead.pid)  # this machine, its process gone: killed without cleaning up
+    assert live_driver(experiment) is None
+    _driver_file(experiment, 1, host="another-node")  # another machine: judged by its heartbeat
+    assert "process 1 on another-node" in live_driver(experiment)
+    _driver_file(experiment, 1, host="another-node", age=STALE_S + 1)
+    assert live_driver(experiment) is None
+    with open(os.path.join(experiment, "driver.json"), "w") as f:
+        f.write('{"pid": 1')  # cut short: no driver
+    assert live_driver(experiment) is None
+
+
+def test_the_driver_file_is_held_and_rewritten_while_the_run_goes_and_removed_after(tmp_path, monkeypatch):
+    import agents.experiment_store as store
+
+    monkeypatch.setattr(store, "HEARTBEAT_S", 0.05)
+    experiment = str(tmp_path / "run")
+    with store.DrivingExperiment(experiment):
+        with open(os.path.join(experiment, store.DRIVER_FILE)) as f:
+            first = json.load(f)
+        assert first["pid"] == os.getpid()
+        time.sleep(0.3)
+        with open(os.path.join(experiment, store.DRIVER_FILE)) as f:
+            assert json.load(f)["heartbeat"] > first["heartbeat"]
+        with pytest.raises(ValueError, match="is being trained now"):
+            store.DrivingExperiment(experiment).__enter__()  # a second one in the same process
+    assert not os.path.exists(os.path.join(experiment, store.DRIVER_FILE))
+
+
+def _cli(*args):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "agents.train", QUICKSTART, *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.mark.slow
+def test_a_second_driver_on_a_live_run_is_refused_and_the_run_finishes(tmp_path):
+    common = [*[a for o in TINY for a in ("--set", o)], "--set", "stop.training_iteration=2000",
+              "--set", "checkpoint.frequency=2", "--set", "generate.num_samples=0", "--set", "tune.dashboard=false",
+              "--set", f"tune.storage_path={tmp_path}", "--set", "tune.name=live"]
+    live, lines = _cli(*common), []
+    try:
+        for line in live.stdout:
+            lines.append(line)
+            if re.match(r"iter +2 ", line):
+                break
+        for extra in (["--resume"], []):  # another --resume; the same command again
+            second = subprocess.run([sys.executable, "-m", "agents.train", QUICKSTART, *common, *extra], cwd=ROOT,
+                                    env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                                    timeout=300)
+            assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+            err = second.stderr.strip().splitlines()
+            assert len(err) == 1 and f"is being trained now by process {live.pid} " in err[0], second.stderr
+        os.killpg(live.pid, signal.SIGINT)  # Ctrl-C: the live run stops as an interrupted one
+        lines += live.stdout.readlines()
+        assert live.wait(timeout=600) == 130, "".join(lines)[-3000:]
+    finally:
+        if live.poll() is None:
+            os.killpg(live.pid, signal.SIGKILL)
+            live.wait()
+    out = "".join(lines)
+    iterations = [int(i) for i in re.findall(r"^iter +(\d+) ", out, re.M)]
+    assert iterations == list(range(1, len(iterations) + 1)) and 2 < len(iterations) < 2000, out[-3000:]
+    assert "interrupted before its stop criteria" in out and "Traceback" not in out, out[-3000:]
+    assert not os.path.exists(tmp_path / "live" / "driver.json")
