@@ -28,7 +28,7 @@ sentiment-demo: install
 	$(VENV)/bin/tokenmdp demo
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" tests
