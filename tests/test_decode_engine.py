@@ -608,3 +608,38 @@ def test_a_greedy_blocks_steps_compile_with_fullgraph_and_take_the_masked_argmax
             token = got[Columns.ACTIONS][j]
         assert sampler is None or bool((logits == MASKED).any())  # the mask was on
     torch.testing.assert_close(compiled.kv, one_by_one.kv, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["compiled", "captured-on-cpu", "window-cache"])
+def test_a_copy_of_a_policy_that_has_generated_generates_the_originals_tokens(how, monkeypatch):
+    """A policy deep-copied (or pickled) after its rollouts: the copy's captured graphs, compiled
+    steps and cached step function are its own, rebuilt on its first call (the original's run on
+    the original's ring and weights), so for the same seed it draws the original's tokens, and
+    still does once the original's weights change."""
+    import pickle
+
+    from agents.modules import decode_engine
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(decode_engine, "COMPILE_BACKEND", "aot_eager")
+    module = make_module()
+    module.kv_cache = {"compiled": RingKVCache(compile_step=True), "captured-on-cpu": RingKVCache(),
+                       "window-cache": WindowKVCache()}[how]
+    if how == "captured-on-cpu":
+        rollout(module, steps=1)  # builds the engine
+        capture_on_the_cpu(module.kv_cache.engine)
+    rollout(module, steps=10)
+    copies = [copy.deepcopy(module)]
+    if how != "captured-on-cpu":  # (the emulation's capture function is the test's own closure)
+        copies.append(pickle.loads(pickle.dumps(module)))
+    for twin in copies:
+        if how == "captured-on-cpu":
+            capture_on_the_cpu(twin.kv_cache.engine)  # the copy's engine captures as the original's does
+    want, want_logp = rollout(module, steps=10, seed=3)
+    with torch.no_grad():
+        module.lm.base_model.h[0].mlp.c_fc.weight.mul_(3.0)
+    module.weights_changed()
+    for twin in copies:
+        got, got_logp = rollout(twin, steps=10, seed=3)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(got_logp, want_logp, atol=1e-5)

@@ -94,6 +94,15 @@ class RingBuffers:
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # the newest token's slot
         self.slot_host = 0  # the same, on the host (prefills read it; no sync)
 
+    def __getstate__(self) -> dict:
+        """Without the per-layer views of `kv`: a copy makes them again from its own `kv` (pickle
+        would copy each view apart from the buffer)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("keys", "values")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.keys, self.values = list(self.kv[0].unbind(0)), list(self.kv[1].unbind(0))
+
     def matches(self, trunk, rows: int, length: int) -> bool:
         p = trunk.wte.weight
         return (trunk is self.trunk and rows == self.rows and length == self.length
@@ -186,6 +195,12 @@ class DecodeEngine(RingBuffers):
         self.graphs: dict = {}
         self.compiled: dict = {}  # name -> the compiled eager function (compile_step without capture)
         self.captures = 0  # graphs captured so far (a key dropped and seen again is captured again)
+
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickle) keeps the ring but no captured graph or compiled function:
+        those run on this engine's own tensors (and a CUDA graph does not copy), so the copy
+        captures and compiles its own at its first call."""
+        return {**super().__getstate__(), "graphs": {}, "compiled": {}}
 
     def step(self, token: torch.Tensor, tail=None, tail_inputs: tuple = (), key=None):
         """One decode step: the hidden state at the new token, or `tail(hidden, *tail_inputs)`

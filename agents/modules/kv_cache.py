@@ -407,6 +407,9 @@ class WindowKVCache:
         self.lean_step = None  # the step as tensor ops (gpt2_step), False where it does not apply (first step)
         self.reuse_prefills = True  # False: every row that starts is prefilled (as if no two windows were alike)
 
+    def __getstate__(self) -> dict:  # a copy picks its step again: `lean_step` computes with this trunk
+        return {**self.__dict__, "lean_step": None}
+
     def invalidate(self) -> None:
         """The weights changed: nothing cached holds."""
         self.forget_rows()
