@@ -270,8 +270,14 @@ def evaluate(models: list[Model], env_config: dict, *, split: str = "test", gree
              seed: int = 0, precision: str = "fp32", log=print) -> dict:
     """Runs every model over the split, decoding with its weights in `precision` (perplexity in
     fp32 whatever it is); returns {"columns", "rows", "breakdown_columns",
-    "breakdown", "generations", "difficulty"}."""
+    "breakdown", "generations", "difficulty"}. A `precision` other than fp32 or bf16 (or bf16 on
+    a GPU without it) is refused with one line."""
+    from agents.generate import check_precision
     from env.tasks import make_task
+
+    error = check_precision(precision, str(next(models[0].lm.parameters()).device))
+    if error:
+        raise EvalError(error.removeprefix("--"))
 
     task = make_task(env_config["task"], max_new_tokens=env_config["max_new_tokens"])
     examples = task.examples(split)[:max_examples]

@@ -335,3 +335,12 @@ def test_a_model_directory_saved_in_bf16_is_evaluated_with_fp32_weights(setup, t
     assert sum(map(len, gens)) > 0
     assert result["rows"][0]["perplexity"] == pytest.approx(perplexity(fp32, reference.tokenizer, prompts, gens),
                                                             rel=1e-6)
+
+
+def test_evaluate_refuses_an_unknown_precision_in_one_line_before_generating(setup):
+    """The library function checks `precision` itself (the CLI is not its only caller)."""
+    lines = []
+    with pytest.raises(ValueError) as err:
+        evaluate([Model(setup["dirs"][0])], setup["env_config"], precision="fp16", log=lines.append)
+    assert str(err.value) == "precision: expected one of fp32, bf16, got 'fp16'"
+    assert lines == []  # no model generated
