@@ -197,18 +197,30 @@ def make_curve_logger():
         its first result repeats an iteration already logged: the rows from there on are
         dropped from result.json and progress.csv before Tune's loggers append, and the
         TensorBoard writer is reopened with `purge_step`, which hides the old events from
-        that step on.
+        that step on. So too for a trial a new driver restarts from iteration 1 (it had no
+        checkpoint): event files of the earlier driver's lie beside this one's.
         """
 
         def __init__(self):
             super().__init__()
-            self._last_iteration = {}
+            self._last_iteration, self._own_events = {}, {}
+
+        def log_trial_start(self, trial):
+            before = _event_files(trial.local_path)
+            super().log_trial_start(trial)
+            self._own_events[trial] = _event_files(trial.local_path) - before
+
+        def _earlier_events(self, trial) -> bool:
+            """Whether the trial's folders hold event files another writer wrote (a driver before)."""
+            folders = {trial.local_path, trial.path if isinstance(trial.path, str) else None} - {None}
+            return bool(set().union(*map(_event_files, folders)) - self._own_events.get(trial, set()))
 
         def log_trial_result(self, iteration, trial, result):
             n = result.get("training_iteration")
             last = self._last_iteration.get(trial)
             if n is not None and (last is None or n <= last):
-                if drop_iterations_from(trial.local_path, n) or (last is not None and n <= last):
+                if (drop_iterations_from(trial.local_path, n) or (last is not None and n <= last)
+                        or (last is None and self._earlier_events(trial))):
                     if trial in self._trial_writer:
                         self._trial_writer[trial].close()
                     trial.init_local_path()
@@ -220,6 +232,14 @@ def make_curve_logger():
             super().log_trial_result(iteration, trial, result)
 
     return ContinuousCurves()
+
+
+def _event_files(folder: str) -> set[str]:
+    """The TensorBoard event files' names in a folder."""
+    try:
+        return {name for name in os.listdir(folder) if name.startswith("events.out.tfevents.")}
+    except OSError:
+        return set()
 
 
 def make_progress_csv_logger():
