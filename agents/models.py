@@ -207,7 +207,8 @@ def build_causal_lm(model_config: dict, tokenizer, *, seed: int = 0, max_positio
             torch.manual_seed(seed)
             model = GPT2LMHeadModel(config)
     else:
-        model = _check_embeddings(AutoModelForCausalLM.from_pretrained(name), name, tokenizer)
+        # fp32 master weights whatever the directory holds (many are saved in bf16, which transformers keeps)
+        model = _check_embeddings(AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32), name, tokenizer)
     model.config.use_cache = False
     disable_dropout(model)
     fuse_activations(model)
@@ -249,7 +250,7 @@ def build_seq2seq_lm(model_config: dict, tokenizer, *, seed: int = 0) -> PreTrai
     else:
         if declared_kind({**model_config, "kind": "auto"}) == "causal":
             raise ValueError(f"model.kind: seq2seq, but model.name_or_path {name!r} is a causal LM")
-        model = _check_embeddings(AutoModelForSeq2SeqLM.from_pretrained(name), name, tokenizer)
+        model = _check_embeddings(AutoModelForSeq2SeqLM.from_pretrained(name, dtype=torch.float32), name, tokenizer)
     model.config.use_cache = False
     disable_dropout(model)
     fuse_activations(model)

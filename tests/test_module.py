@@ -304,3 +304,29 @@ def test_ppo_trains_on_a_model_with_a_padded_vocabulary(tmp_path, ray_local):
     out = exported.generate(input_ids=torch.tensor([[0, 0, 0, 0, 0]]), do_sample=True, max_new_tokens=10,
                             min_new_tokens=10, num_return_sequences=8)
     assert int(out.max()) < tokens
+
+
+def test_a_model_directory_saved_in_bf16_trains_with_fp32_weights(tmp_path):
+    """Many model directories hold bf16 weights, which transformers loads as they are: the policy
+    (causal and seq2seq alike) gets fp32 weights, the saved values exactly, so the optimizer's
+    small steps are not lost to bf16 rounding."""
+    from transformers import BartConfig, BartForConditionalGeneration, GPT2Config, GPT2LMHeadModel
+
+    from agents.models import SEQ2SEQ_CONFIGS, build_causal_lm, build_seq2seq_lm
+    from env.tokenization import word_level_tokenizer
+
+    tok = word_level_tokenizer(["a", "b", "c", "d"])
+    saved = {
+        "gpt2": GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=16, n_layer=1, n_head=2)),
+        "bart": BartForConditionalGeneration(BartConfig(vocab_size=len(tok), pad_token_id=0, eos_token_id=1,
+                                                        bos_token_id=1, decoder_start_token_id=1,
+                                                        max_position_embeddings=64, **SEQ2SEQ_CONFIGS["tiny-bart"])),
+    }
+    for name, model in saved.items():
+        model.to(torch.bfloat16).save_pretrained(tmp_path / name)
+        build = build_causal_lm if name == "gpt2" else build_seq2seq_lm
+        built = build({"name_or_path": str(tmp_path / name)}, tok)
+        params = dict(built.named_parameters())
+        assert {p.dtype for p in params.values()} == {torch.float32}, name
+        for key, p in model.named_parameters():
+            assert torch.equal(params[key], p.float()), (name, key)
