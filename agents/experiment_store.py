@@ -14,6 +14,11 @@ in `tests/test_rllib_contract.py`:
   the storage path later, in the background copy. A driver killed between the two left a stored
   state whose trial checkpoint was gone, and `--resume` failed that trial. The deletion now waits
   for a copy that stored a state saved after it (on any filesystem).
+* `hook_experiment_saves`: a copy reads the top folder's files (the experiment's state, the
+  search algorithm's, the callbacks') as one save left them (before, the search algorithm's state,
+  a pickle named .json, failed the copy's JSON check and never reached the storage path, so a
+  resumed sweep lost the trials not yet made); a scheduler that can (ASHA, `agents.pbt`) is saved
+  with them and restored on `--resume` (`TuneController.save_to_dir`, `.resume`).
 * `check_experiment_state` removes a killed copy's partial files and refuses, in one line, a state
   cut short by Tune's own copy (storage that is not local).
 """
@@ -69,7 +74,7 @@ def _excluded(rel: str, exclude) -> bool:
 def _whole_copy(source: str, partial: str, rel: str) -> bool:
     """Copies `source` to `partial` as a file that is whole in itself, or returns False. Tune
     may be writing the source meanwhile (the driver saves its state and appends results while
-    the copy of the previous save runs): a state file (JSON) must parse, else it is copied again
+    the copy of the previous save runs): the experiment's state (JSON) must parse, else it is copied again
     (a few times, then left out of this copy); a log of lines (result.json, progress.csv) is cut
     after its last whole line."""
     import json
@@ -87,7 +92,7 @@ def _whole_copy(source: str, partial: str, rel: str) -> bool:
                 if data and not data.endswith(b"\n"):
                     f.truncate(data.rfind(b"\n") + 1)
             return True
-        if "/" in rel or not name.endswith(".json"):
+        if "/" in rel or not name.startswith("experiment_state-"):  # the others are written whole (renamed)
             return True
         try:
             with open(partial) as f:
@@ -115,21 +120,22 @@ def upload_whole_files(local_path: str, fs_path: str, exclude=None) -> list[str]
             if not PARTIAL_NAME.search(name) and not _excluded(rel, exclude):
                 copies.append((rel, os.path.join(local_path, rel), os.path.join(fs_path, rel)))
 
-    def state(rel):
-        return "/" not in rel and rel.startswith("experiment_state-")
-
     # a copy of its own per thread: Tune starts another after a copy that ran past its timeout
     tag = f"{PARTIAL}{os.getpid()}-{threading.get_ident()}"
-    states = sorted(c for c in copies if state(c[0]))  # the newest (Tune resumes from it) last
-    others = sorted((c for c in copies if not state(c[0])), key=lambda c: ("/" not in c[0], c[0]))  # subfolders first
+    # the top folder's files (the experiment's state, the search algorithm's, the callbacks', the
+    # scheduler's): the experiment's state last, the newest of them last (Tune resumes from it)
+    states = sorted((c for c in copies if "/" not in c[0]), key=lambda c: (c[0].startswith("experiment_state-"), c[0]))
+    others = sorted(c for c in copies if "/" in c[0])
     try:
-        # The state is read first and put in place last, so a stored state is never newer than the
-        # trials' files stored with it (Tune saves a newer one while this copy runs).
+        # The top folder's files are read first, as one save left them all (a save holds the lock;
+        # the search algorithm's state newer than the experiment's would lose the trials it made
+        # meanwhile), and put in place last: a stored state is never newer than the trials' files.
         read = []
-        for rel, source, target in states:
-            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-            if _whole_copy(source, target + tag, rel):
-                read.append((rel, target))
+        with SAVE_LOCK:
+            for rel, source, target in states:
+                os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+                if _whole_copy(source, target + tag, rel):
+                    read.append((rel, target))
         for rel, source, target in others:
             os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
             try:
@@ -148,6 +154,10 @@ def upload_whole_files(local_path: str, fs_path: str, exclude=None) -> list[str]
                 os.remove(target + tag)
     return placed
 
+
+# held while Tune saves the experiment's state files (hook_experiment_saves wraps the
+# save) and while a copy reads them, so a copy takes the files of one save
+SAVE_LOCK = threading.Lock()
 
 # (filesystem, path) of each checkpoint the retention dropped, deleted by the first copy that
 # stores a state saved after the drop (that state no longer names it)
@@ -210,6 +220,38 @@ def store_experiments_safely() -> None:
 
     sync_up_command.whole_files, sync_up_command.original = True, original
     _FilesystemSyncer._sync_up_command = sync_up_command
+
+
+SCHEDULER_FILE = "scheduler_state.json"  # a scheduler's own state (agents.pbt's ResumableASHA)
+
+
+def hook_experiment_saves() -> None:
+    """Each save of the experiment's state (`TuneController.save_to_dir`: the experiment's, the
+    search algorithm's and the callbacks' files) holds SAVE_LOCK, so a copy reads the files of one
+    save. Tune saves no scheduler with them (`_scheduler_alg` is left out): a scheduler that says
+    it `saves_with_experiment` is saved beside them, and restored by `--resume` after the trials are
+    back (`TuneController.resume`). Installed once per process; driver side."""
+    from ray.tune.execution.tune_controller import TuneController
+
+    original_save, original_resume = TuneController.save_to_dir, TuneController.resume
+    if getattr(original_save, "saves_scheduler", False):
+        return
+
+    def save_to_dir(self):
+        with SAVE_LOCK:
+            original_save(self)
+            if getattr(self._scheduler_alg, "saves_with_experiment", False):
+                self._scheduler_alg.save(os.path.join(self._storage.experiment_driver_staging_path, SCHEDULER_FILE))
+
+    def resume(self, resume_config):
+        original_resume(self, resume_config)
+        saved = os.path.join(self._storage.experiment_fs_path, SCHEDULER_FILE)
+        if getattr(self._scheduler_alg, "saves_with_experiment", False) and os.path.isfile(saved):
+            self._scheduler_alg.restore(saved)
+
+    save_to_dir.saves_scheduler, save_to_dir.original = True, original_save
+    resume.original = original_resume
+    TuneController.save_to_dir, TuneController.resume = save_to_dir, resume
 
 
 # One driver per experiment: a second one (another --resume, or the same command in a second

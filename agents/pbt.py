@@ -8,6 +8,9 @@ The schema imports this module, so nothing here imports agents/schema.py or agen
 Tune is imported where it is used (the config checks run before Ray starts)."""
 from __future__ import annotations
 
+import json
+import os
+
 from agents.algorithms.base import COMMON_TRAINING
 from env.validation import ConfigError, is_search_space as _is_search_space, unknown_key
 
@@ -152,13 +155,43 @@ def make_scheduler(cfg: dict, *, keep_running: bool = False):
         return make_pbt(cfg, keep_running=keep_running)
     if t["scheduler"] != "asha":
         return None
-    from ray.tune.schedulers import ASHAScheduler
-
-    return ASHAScheduler(
+    return resumable_asha_class()(
         time_attr="training_iteration", metric=t["metric"], mode=t["mode"],
         max_t=cfg["stop"]["training_iteration"] or 10**6, grace_period=t["grace_period"],
         reduction_factor=t["reduction_factor"],
     )
+
+
+def resumable_asha_class():
+    from ray.tune.schedulers import AsyncHyperBandScheduler
+
+    class ResumableASHA(AsyncHyperBandScheduler):
+        """Tune's ASHA, whose rungs (the metric each trial had at each milestone) and trials'
+        brackets are saved with the experiment's state and restored on --resume (Tune saves no
+        scheduler: a resumed run's rungs started empty, so a trial the run would have stopped at
+        a rung ran to the end). `agents.experiment_store` calls save and restore."""
+
+        saves_with_experiment = True
+
+        def save(self, checkpoint_path: str) -> None:
+            state = {"rungs": [[{t: float(v) for t, v in recorded.items()} for _, recorded in bracket._rungs]
+                               for bracket in self._brackets],
+                     "trials": {t: self._brackets.index(b) for t, b in self._trial_info.items()}}
+            with open(checkpoint_path + ".tmp", "w", encoding="utf-8") as f:
+                json.dump(state, f)
+            os.replace(checkpoint_path + ".tmp", checkpoint_path)
+
+        def restore(self, checkpoint_path: str) -> None:
+            with open(checkpoint_path, encoding="utf-8") as f:
+                state = json.load(f)
+            for bracket, rungs in zip(self._brackets, state["rungs"]):
+                for (_, recorded), saved in zip(bracket._rungs, rungs):
+                    recorded.clear()
+                    recorded.update(saved)
+            for trial_id, index in state["trials"].items():
+                self._trial_info[trial_id] = self._brackets[index]
+
+    return ResumableASHA
 
 
 def make_pbt(cfg: dict, *, keep_running: bool = False):

@@ -200,7 +200,8 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
     from agents.config import algorithm_config
     from agents.pbt import make_scheduler
     from agents.progress import make_progress_callback, metric_error
-    from agents.experiment_store import DrivingExperiment, check_experiment_state, store_experiments_safely
+    from agents.experiment_store import (DrivingExperiment, check_experiment_state, hook_experiment_saves,
+                                         store_experiments_safely)
     from agents.workarounds import (drop_restored_trial_decisions, make_curve_logger, make_log_once_pruner,
                                     make_progress_csv_logger, make_wandb_callback, note_tune_interrupts,
                                     release_resolved_task_futures, replace_restored_callbacks)
@@ -238,6 +239,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
 
     release_resolved_task_futures()
     store_experiments_safely()
+    hook_experiment_saves()
     note_tune_interrupts()
     progress = make_progress_callback(cfg["evaluation"]["interval"], quiet=quiet, metric=tune_cfg["metric"])
     callbacks = [progress, make_curve_logger(), make_progress_csv_logger(), make_log_once_pruner()]
@@ -266,7 +268,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
             raise ValueError(f"--resume: no experiment to resume at {experiment}")
         check_experiment_state(experiment)
         drop_restored_trial_decisions()
-        tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_errored=True)
+        tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_errored=True, param_space=param_space)
         # The restored run config carries the callbacks pickled at the start; print through this
         # process's instead, so progress lines and the summary cover the resumed iterations.
         replace_restored_callbacks(tuner, callbacks)

@@ -208,6 +208,7 @@ PINNED = {
     "_FilesystemSyncer", "_sync_up_command", "_delete_fs_path", "_get_clip_function", "_lr_scheduler_classes", "_params",
     "_foreach_norm", "_foreach_mul_", "_foreach_div", "_foreach_clamp_min_", "_foreach_sqrt_", "_foreach_lerp_",
     "_update", "_compute_off_policyness", "_worker_logs_enabled",
+    "_scheduler_alg", "_storage", "_brackets", "_rungs", "_trial_info",
 }
 THIRD_PARTY_PRIVATE_OK = {"_model"}  # bert_score's scorer (env/rewards/bertscore.py), not Ray's or transformers'
 
@@ -470,6 +471,30 @@ def test_tune_storage_sync_up_command_replaced_and_checkpoint_deletion_deferred(
     fn, kwargs = syncer._sync_up_command("/staging/run", "/storage/run", exclude=["*.tmp"])
     assert fn is _copy_then_delete and kwargs["copy"] is upload_whole_files
     assert kwargs["kwargs"] == {"local_path": "/staging/run", "fs_path": "/storage/run", "exclude": ["*.tmp"]}
+
+
+def test_tune_controller_saves_and_resumes_where_the_scheduler_hooks_expect():
+    # agents/experiment_store.py hook_experiment_saves wraps TuneController.save_to_dir(self) (the
+    # experiment's, search algorithm's and callbacks' files into _storage.experiment_driver_staging_path)
+    # and TuneController.resume(self, resume_config) (trials re-added, each through the scheduler's
+    # on_trial_add); agents/pbt.py ResumableASHA saves ASHA's _brackets' _rungs and _trial_info.
+    from ray.tune.execution.tune_controller import TuneController
+    from ray.tune.schedulers import AsyncHyperBandScheduler
+
+    from agents.experiment_store import hook_experiment_saves
+
+    hook_experiment_saves()
+    save = getattr(TuneController.save_to_dir, "original", TuneController.save_to_dir)
+    resume = getattr(TuneController.resume, "original", TuneController.resume)
+    assert params(save) == ["self"] and params(resume) == ["self", "resume_config"]
+    assert "self._storage.experiment_driver_staging_path" in inspect.getsource(save)
+    assert "_search_alg.save_to_dir(" in inspect.getsource(save) and "_callbacks.save_to_dir(" in inspect.getsource(save)
+    assert "_requeue_restored_trials(" in inspect.getsource(resume)
+    assert "self._scheduler_alg" in inspect.getsource(TuneController.__init__)
+    scheduler = AsyncHyperBandScheduler(metric="m", mode="max", max_t=8, grace_period=1, reduction_factor=2)
+    assert isinstance(scheduler._trial_info, dict)
+    assert all(isinstance(r[1], dict) for b in scheduler._brackets for r in b._rungs)
+    assert "recorded[trial.trial_id] = cur_rew" in inspect.getsource(type(scheduler._brackets[0]).on_result)
 
 
 def _episode_data(rng, T: int, L: int = 6):

@@ -300,3 +300,48 @@ def test_a_run_killed_as_tune_deletes_an_old_checkpoint_resumes_from_its_newer_o
     with open(result) as f:
         iterations = [json.loads(line)["training_iteration"] for line in f if line.strip()]
     assert iterations == list(range(1, 8)), iterations
+
+
+def test_a_copy_stores_the_search_algorithms_and_callbacks_state_files_of_the_same_save(tmp_path):
+    """Tune's search algorithm and callbacks save pickles named .json/.pkl beside the experiment's
+    state: each reaches the storage path (the search algorithm's did not: it failed a JSON check
+    meant for the experiment's state, and a resumed sweep lost the trials not yet made), and a
+    save in progress (it holds SAVE_LOCK) finishes before the copy reads the top folder."""
+    import pickle
+    import threading
+
+    from agents.experiment_store import SAVE_LOCK, upload_whole_files
+
+    staging, storage = tmp_path / "staging", tmp_path / "storage"
+    staging.mkdir()
+    (staging / "basic-variant-state-1.json").write_bytes(pickle.dumps({"made": 1}))
+    (staging / "callback-states-1.pkl").write_bytes(pickle.dumps({"cb": 1}))
+    (staging / "experiment_state-1.json").write_text('{"trial_data": [1]}')
+    placed = upload_whole_files(str(staging), str(storage))
+    assert set(placed) == {"basic-variant-state-1.json", "callback-states-1.pkl", "experiment_state-1.json"}
+    assert pickle.loads((storage / "basic-variant-state-1.json").read_bytes()) == {"made": 1}
+
+    def save():  # what Tune's save does, in the order it does it, under the lock
+        (staging / "experiment_state-1.json").write_text('{"trial_data": [1, 2]}')
+        saved.set()
+        release.wait(10)
+        (staging / "basic-variant-state-1.json").write_bytes(pickle.dumps({"made": 2}))
+
+    saved, release = threading.Event(), threading.Event()
+
+    def locked_save():
+        with SAVE_LOCK:
+            save()
+
+    saver = threading.Thread(target=locked_save)
+    saver.start()
+    saved.wait(10)
+    copier = threading.Thread(target=upload_whole_files, args=(str(staging), str(storage)))
+    copier.start()
+    copier.join(0.3)
+    assert copier.is_alive()  # waits for the save to end
+    release.set()
+    saver.join()
+    copier.join(10)
+    assert (storage / "experiment_state-1.json").read_text() == '{"trial_data": [1, 2]}'
+    assert pickle.loads((storage / "basic-variant-state-1.json").read_bytes()) == {"made": 2}

@@ -79,6 +79,104 @@ def test_asha_stops_a_trial_that_cannot_learn_at_its_first_rung_and_lets_the_goo
     assert logged == [1, 4], logged
 
 
+# the sweep above (one trial at a time), its state saved often, for the kills below
+_ASHA_SWEEP = [QUICKSTART, "--set", "sampler={grid_search: [{name: none}, {name: top_k, k: 1}]}",
+               "--set", "stop.training_iteration=4", "--set", "tune.scheduler=asha", "--set", "tune.grace_period=1",
+               "--set", "tune.reduction_factor=2", "--set", "tune.max_concurrent_trials=1",
+               "--set", "tune.num_cpus_per_trial=0.5", "--set", "training.train_batch_size=256",
+               "--set", "training.minibatch_size=128", "--set", "env_runners.num_envs_per_env_runner=8",
+               "--set", "generate.num_samples=0", "--set", "tune.name=asha", "--set", "tune.dashboard=false",
+               "--set", "checkpoint.state_every_s=0.1"]
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_before_its_second_trial_was_made_resumes_both_and_asha_keeps_its_rungs(tmp_path):
+    """The sweep above, a checkpoint every iteration, killed (SIGKILL, driver and Ray) after the good
+    trial's iteration 2, before Tune made the second trial. `--resume` makes and runs it (Tune's
+    search algorithm state reaches the storage path, and the restored search space resolves), and
+    ASHA's rungs come back with the experiment: the good trial goes on from its checkpoint without
+    reporting iterations 1-2 again, and the weak one is still stopped at iteration 1 against them.
+    Before: the second trial was lost (or failed to start), and with empty rungs it ran all 4."""
+    import signal
+    import subprocess
+    import sys
+
+    from agents.experiment_store import SCHEDULER_FILE, newest_experiment_state
+    from tests.conftest import ROOT, let_the_storage_copy_finish
+
+    args = [*_ASHA_SWEEP, "--set", "checkpoint.frequency=1", "--set", f"tune.storage_path={tmp_path}"]
+    experiment = tmp_path / "asha"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    killed = subprocess.Popen([sys.executable, "-m", "agents.train", *args], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for line in killed.stdout:
+            if re.match(r"(\[\S+\] )?iter +2 ", line):
+                let_the_storage_copy_finish(killed.pid, experiment)
+                break
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+    with open(newest_experiment_state(str(experiment))) as f:
+        assert len(json.load(f)["trial_data"]) == 1  # the second trial not made yet
+    with open(experiment / SCHEDULER_FILE) as f:
+        assert any(rung for bracket in json.load(f)["rungs"] for rung in bracket)  # the good trial's rungs
+    out = run("agents.train", *args, "--resume", timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (experiment / "summary.csv").is_file(), out.stdout[-3000:]  # two trials
+    with open(experiment / "summary.csv") as f:
+        rows = {r["sampler"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"none", "top_k"} and all(r["status"] == "ok" for r in rows.values()), rows
+    assert int(rows["none"]["iterations"]) == 4, rows
+    assert int(rows["top_k"]["iterations"]) == 1, rows  # stopped at the first rung, as without the kill
+    # the good trial's lines (the only trial then: no prefix) go on from its checkpoint
+    resumed = [int(i) for i in re.findall(r"^iter +(\d+) ", out.stdout, re.M)]
+    assert resumed and min(resumed) >= 2, out.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_asha_resumed_after_the_good_trial_finished_still_stops_the_weak_one_at_its_first_rung(tmp_path):
+    """The same sweep killed once the good trial has finished (it cannot record its rungs again):
+    `--resume` restores ASHA's rungs with the experiment's state, so the weak trial is stopped at
+    iteration 1 as in the uninterrupted run (with empty rungs it ran all 4)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from agents.experiment_store import newest_experiment_state
+    from tests.conftest import ROOT
+
+    args = [*_ASHA_SWEEP, "--set", "checkpoint.frequency=0", "--set", f"tune.storage_path={tmp_path}"]
+    experiment = tmp_path / "asha"
+
+    def statuses():
+        try:
+            with open(newest_experiment_state(str(experiment))) as f:
+                return [json.loads(t[0])["status"] for t in json.load(f)["trial_data"]]
+        except (TypeError, OSError, ValueError, KeyError):
+            return []
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    killed = subprocess.Popen([sys.executable, "-m", "agents.train", *args], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while killed.poll() is None and time.time() < deadline and "TERMINATED" not in statuses():
+            time.sleep(0.02)
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+    assert statuses().count("TERMINATED") == 1 and len(statuses()) <= 2, statuses()  # the weak trial not ended
+    out = run("agents.train", *args, "--resume", timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (experiment / "summary.csv").is_file(), out.stdout[-3000:]  # two trials
+    with open(experiment / "summary.csv") as f:
+        rows = {r["sampler"]: r for r in csv.DictReader(f)}
+    assert int(rows["none"]["iterations"]) == 4, rows  # from its result.json: it finished before the kill
+    assert int(rows["top_k"]["iterations"]) == 1, rows  # stopped at the first rung, as without the kill
+
+
 def test_asha_from_the_config_stops_a_trial_below_the_rung_and_fifo_has_no_scheduler():
     """The scheduler agents.train hands Tune, fed results as Tune reports them (flattened keys)."""
     from types import SimpleNamespace
@@ -112,3 +210,33 @@ def test_asha_from_the_config_stops_a_trial_below_the_rung_and_fifo_has_no_sched
     assert got["weak"] == [TrialScheduler.STOP]  # below the good trial at the first rung (grace period 1)
     got = decisions("min", {"good": good, "weak": weak})  # tune.mode min: the low curve is now the better one
     assert got["weak"] == [TrialScheduler.CONTINUE] * 3 + [TrialScheduler.STOP]
+
+
+def test_asha_rungs_saved_and_restored_decide_as_before(tmp_path):
+    """ResumableASHA's save and restore (what agents.experiment_store calls at each save of the
+    experiment's state and after --resume re-added the trials): a restored scheduler stops a trial
+    below the rung the saved one recorded, as the saved one does."""
+    from types import SimpleNamespace
+
+    from ray.tune.schedulers import TrialScheduler
+
+    from agents.config import load
+    from agents.pbt import make_scheduler
+
+    metric = "env_runners/episode_return_mean"
+    cfg = load(QUICKSTART, ["tune.scheduler=asha", "tune.grace_period=1", "tune.reduction_factor=2",
+                            "stop.training_iteration=4"])
+    before = make_scheduler(cfg)
+    good, weak = SimpleNamespace(trial_id="good"), SimpleNamespace(trial_id="weak")
+    before.on_trial_add(None, good)
+    for it, reward in ((1, 0.4), (2, 0.45), (3, 0.5), (4, 0.55)):
+        before.on_trial_result(None, good, {"training_iteration": it, metric: reward})
+    before.on_trial_complete(None, good, {"training_iteration": 4, metric: 0.55})
+    before.save(str(tmp_path / "scheduler_state.json"))
+    after = make_scheduler(cfg)  # a new driver's, from the same config
+    after.on_trial_add(None, weak)
+    after.restore(str(tmp_path / "scheduler_state.json"))
+    assert after.on_trial_result(None, weak, {"training_iteration": 1, metric: 0.1}) == TrialScheduler.STOP
+    fresh = make_scheduler(cfg)  # what --resume had before: empty rungs let the weak trial go on
+    fresh.on_trial_add(None, weak)
+    assert fresh.on_trial_result(None, weak, {"training_iteration": 1, metric: 0.1}) == TrialScheduler.CONTINUE
