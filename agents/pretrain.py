@@ -1,6 +1,6 @@
 """Supervised warm start: maximum likelihood with teacher forcing and scheduled sampling.
 
-    python -m agents.pretrain CONFIG.yaml [--set key=value ...]
+    python -m agents.pretrain CONFIG.yaml [--set key=value ...] [--resume]
 
 Trains a causal LM on text (`data.text_field`) or on source -> target pairs
 (`data.source_field` + `data.target_field`, loss on the target only), and writes
@@ -21,6 +21,10 @@ An encoder-decoder model (`model.kind: seq2seq`, a built-in `tiny-t5` / `tiny-ba
 directory whose config says `is_encoder_decoder`) learns source -> target pairs: the source
 is the encoder's input, the loss is on the target and EOS; scheduled sampling mixes the
 decoder's inputs the same way.
+
+Every `training.checkpoint_every` steps (100) the model, optimizer and data order are saved to
+`output_dir/pretrain_checkpoint.pt`; `--resume` goes on from there exactly, and the file is
+removed when the run ends.
 
 With a built-in model (`tiny-gpt2`) and no `model.tokenizer`, the tokenizer is
 a word-level one over the training text's words. Errors in the config or the
@@ -67,6 +71,7 @@ SCHEMA = {
         "ss_max": F(float, 0.0, lo=0.0, hi=1.0),
         "log_every": F(int, 50, lo=1),
         "eval_batches": F(int, 8, lo=1),
+        "checkpoint_every": F(int, 100, lo=0),  # steps between checkpoints in output_dir (0: none): see --resume
         "device": F(str, "auto", choices=["auto", "cpu", "cuda"]),  # auto: CUDA when present
         # CPU threads for torch (null: torch's default). A tiny model on a busy machine runs far
         # faster on one thread than fighting for several.
@@ -326,13 +331,20 @@ def ss_probability(step: int, steps: int, ss_max: float) -> float:
 
 # -- training ---------------------------------------------------------------------------
 
-def pretrain(cfg: dict, log=print) -> dict:
-    """Trains and saves; returns {"output_dir", "eval_before", "eval_after", "train_loss"}."""
+CHECKPOINT = "pretrain_checkpoint.pt"  # in output_dir while a warm start runs; removed when it ends
+
+
+def pretrain(cfg: dict, log=print, resume: bool = False) -> dict:
+    """Trains and saves; returns {"output_dir", "eval_before", "eval_after", "train_loss"}. Saves a
+    checkpoint every `training.checkpoint_every` steps; `resume` goes on from it exactly."""
     from agents.models import build_causal_lm, build_seq2seq_lm, decoder_start_id, model_kind
 
     from env.rewards.base import resolve_device
 
     t = cfg["training"]
+    from agents.resume import warm_start_state
+
+    saved = warm_start_state(cfg, resume, CHECKPOINT)
     if t["num_threads"]:
         torch.set_num_threads(t["num_threads"])
     device = resolve_device(t["device"])
@@ -367,15 +379,22 @@ def pretrain(cfg: dict, log=print) -> dict:
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     bs = t["batch_size"]
     held_batches = [batch_of(held_ex[i:i + bs], pad) for i in range(0, len(held_ex), bs)][:t["eval_batches"]]
-    eval_before = evaluate(held_batches) if held_batches else None
-    if eval_before is not None:
+    eval_before = saved["eval_before"] if saved else evaluate(held_batches) if held_batches else None
+    if eval_before is not None and not saved:
         log(f"held-out cross-entropy before: {eval_before:.4f} nats/token ({len(held_ex)} examples)")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
     gen = torch.Generator().manual_seed(cfg["seed"])
     order, cursor = torch.randperm(len(train_ex), generator=gen).tolist(), 0
     tokens, seen, start, losses = 0, 0, time.perf_counter(), []
-    for step in range(t["steps"]):
+    out = os.path.abspath(os.path.expanduser(cfg["output_dir"]))
+    if saved:
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        gen.set_state(saved["gen"])
+        order, cursor, losses = saved["order"], saved["cursor"], saved["losses"]
+        log(f"resumed at step {saved['step']}/{t['steps']} from {os.path.join(out, CHECKPOINT)}")
+    for step in range(saved["step"] if saved else 0, t["steps"]):
         if cursor + bs > len(order):  # a new epoch: reshuffle
             order, cursor = torch.randperm(len(train_ex), generator=gen).tolist(), 0
         batch = [train_ex[i] for i in order[cursor:cursor + bs]]
@@ -407,11 +426,16 @@ def pretrain(cfg: dict, log=print) -> dict:
                 line += f"  held-out {evaluate(held_batches):.4f}"
             log(line)
             seen, tokens, start = 0, 0, time.perf_counter()
+        if t["checkpoint_every"] and (step + 1) % t["checkpoint_every"] == 0 and step + 1 < t["steps"]:
+            os.makedirs(out, exist_ok=True)  # whole, then renamed into place: a kill leaves the last one
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "gen": gen.get_state(),
+                        "step": step + 1, "order": order, "cursor": cursor, "losses": losses, "cfg": cfg,
+                        "eval_before": eval_before}, os.path.join(out, CHECKPOINT + ".tmp"))
+            os.replace(os.path.join(out, CHECKPOINT + ".tmp"), os.path.join(out, CHECKPOINT))
     eval_after = evaluate(held_batches) if held_batches else None
     if eval_after is not None:
         log(f"held-out cross-entropy after: {eval_after:.4f} nats/token (before: {eval_before:.4f})")
 
-    out = os.path.abspath(os.path.expanduser(cfg["output_dir"]))
     os.makedirs(out, exist_ok=True)
     model.to("cpu")
     model.config.use_cache = True  # off for training in agents.models; generate() wants it
@@ -422,6 +446,8 @@ def pretrain(cfg: dict, log=print) -> dict:
     no_transformers_bars()
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    if os.path.exists(os.path.join(out, CHECKPOINT)):
+        os.remove(os.path.join(out, CHECKPOINT))
     return {"output_dir": out, "eval_before": eval_before, "eval_after": eval_after,
             "train_loss": sum(losses[-t["log_every"]:]) / len(losses[-t["log_every"]:])}
 
@@ -431,6 +457,8 @@ def main(argv=None, prog: str = "python -m agents.pretrain") -> int:
     parser.add_argument("config", help="YAML file, e.g. tune_configs/pretrain_reviews.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set training.steps=100 (repeatable)")
+    parser.add_argument("--resume", action="store_true", help="go on from the checkpoint an interrupted run left "
+                        "in output_dir (training.checkpoint_every)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
@@ -439,7 +467,7 @@ def main(argv=None, prog: str = "python -m agents.pretrain") -> int:
 
         check_local_path("model.name_or_path", cfg["model"]["name_or_path"])
         check_local_path("model.tokenizer", cfg["model"]["tokenizer"])
-        result = pretrain(cfg, log=lambda line: print(line, flush=True))
+        result = pretrain(cfg, log=lambda line: print(line, flush=True), resume=args.resume)
     except (ConfigError, DataError, ValueError, OSError) as e:
         print(f"error: {first_line(e)}", file=sys.stderr)
         return 2

@@ -120,3 +120,32 @@ def check_fresh_run(cfg: dict) -> None:
     if experiment and unfinished_trials(experiment):
         raise ValueError(f"tune.name: {experiment} holds an interrupted run; go on with it with --resume, or give "
                          "a new tune.name (or remove that directory) to start another")
+
+
+def warm_start_state(cfg: dict, resume: bool, name: str) -> dict | None:
+    """The checkpoint (`name` in output_dir) an `agents.pretrain --resume` goes on from (None for a
+    fresh run); refuses, in one line, a fresh run over an interrupted one, a resume with nothing to
+    resume, or one whose config differs."""
+    import torch
+
+    from env.validation import first_line
+
+    path = os.path.join(os.path.abspath(os.path.expanduser(cfg["output_dir"])), name)
+    if not os.path.isfile(path):
+        if resume:
+            raise ValueError(f"--resume: no interrupted warm start in output_dir ({path} does not exist)")
+        return None
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 (a file cut short or not ours: say which)
+        raise ValueError(f"output_dir: the checkpoint {path} cannot be read ({first_line(e)})") from None
+    if not resume:
+        raise ValueError(f"output_dir: {os.path.dirname(path)} holds an interrupted warm start (step "
+                         f"{saved['step']} of {saved['cfg']['training']['steps']}): go on with --resume, or "
+                         f"remove {name} there to start over")
+    then, now = _leaves(_as_json(saved["cfg"])), _leaves(_as_json(cfg))
+    changed = sorted(k for k in set(then) | set(now) if then.get(k) != now.get(k))
+    if changed:
+        raise ValueError(f"--resume: the warm start goes on with the config it started with, and this one differs: "
+                         f"{', '.join(changed[:3])}")
+    return saved

@@ -249,3 +249,43 @@ def test_scheduled_sampling_draws_nothing_for_no_positions():
     from agents.pretrain import draw_tokens
 
     assert draw_tokens(torch.empty(0, 9), torch.Generator().manual_seed(0)).shape == (0,)
+
+
+def test_an_interrupted_warm_start_resumes_exactly_and_a_fresh_run_does_not_take_it_over(corpus, tmp_path):
+    """Killed at step 8 of 12 (its checkpoint at 6): a fresh run into the same output_dir is refused
+    in one line, --resume goes on from step 6 with the same data order and scheduled-sampling draws,
+    and ends with the weights an uninterrupted run gets; the checkpoint is gone after it."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from agents.pretrain import CHECKPOINT
+
+    knobs = dict(steps=12, log_every=1, checkpoint_every=3, ss_max=0.5)
+    pretrain(config(corpus, tmp_path / "whole", **knobs), log=lambda line: None)
+    assert not os.path.exists(tmp_path / "whole" / CHECKPOINT)
+
+    class Killed(Exception):
+        pass
+
+    def log(line):
+        if line.startswith("step     8/"):
+            raise Killed  # as the process dying there
+    cut = config(corpus, tmp_path / "cut", **knobs)
+    with pytest.raises(Killed):
+        pretrain(cut, log=log)
+    assert torch.load(tmp_path / "cut" / CHECKPOINT, weights_only=False)["step"] == 6
+    with pytest.raises(ValueError, match=r"^output_dir: .* holds an interrupted warm start \(step 6 of 12\): "
+                                         r"go on with --resume"):
+        pretrain(cut, log=lambda line: None)
+    with pytest.raises(ValueError, match=r"^--resume: .* differs: training.lr$"):
+        pretrain(config(corpus, tmp_path / "cut", **knobs, lr=1e-3), log=lambda line: None, resume=True)
+    lines = []
+    pretrain(cut, log=lines.append, resume=True)
+    assert lines[0].startswith("resumed at step 6/12") and lines[1].startswith("step     7/12")
+    assert not os.path.exists(tmp_path / "cut" / CHECKPOINT)
+    whole, resumed = (AutoModelForCausalLM.from_pretrained(tmp_path / d) for d in ("whole", "cut"))
+    for (name, a), b in zip(whole.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match=r"^--resume: no interrupted warm start in output_dir"):
+        pretrain(cut, log=lambda line: None, resume=True)
