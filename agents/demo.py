@@ -72,6 +72,10 @@ def main(argv=None, prog: str = "python -m agents.demo") -> int:
         if os.path.isdir(os.path.join(out, old)):
             print(f"removing the previous {os.path.join(out, old)}")
             shutil.rmtree(os.path.join(out, old))
+    from agents.pretrain import CHECKPOINT
+
+    if os.path.isfile(os.path.join(out, "warm_start", CHECKPOINT)):  # an interrupted demo's: start it over
+        os.remove(os.path.join(out, "warm_start", CHECKPOINT))
 
     t = time.time()
     run([py, "-m", "env.tasks.review_corpus", f"{out}/data", "--seed", str(args.seed)])

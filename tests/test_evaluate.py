@@ -274,8 +274,11 @@ def test_cli_writes_table_and_plot(setup, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_demo_end_to_end_with_a_short_budget(tmp_path):
-    """corpus -> pretrain -> PPO -> evaluate, shortened; asserts what a short run guarantees."""
+    """corpus -> pretrain -> PPO -> evaluate, shortened; asserts what a short run guarantees. An
+    earlier demo interrupted in its warm start left a checkpoint there: the demo starts over."""
     out = tmp_path / "demo"
+    os.makedirs(out / "warm_start")
+    (out / "warm_start" / "pretrain_checkpoint.pt").write_bytes(b"an interrupted warm start's")
     run = run_module("agents.demo", "--out", str(out), "--pretrain-set", "training.steps=40",
                      "--ppo-set", "stop.training_iteration=2", "--ppo-set", "training.train_batch_size=256",
                      "--ppo-set", "training.minibatch_size=128", "--num-samples", "1", timeout=400)
