@@ -129,6 +129,26 @@ def wait_until_copied(experiment_dir, timeout_s: float = 60.0) -> None:
         time.sleep(0.5)
 
 
+def kill_after_iteration(proc, iteration: int, experiment_dir, line=r"iter +{} ") -> list[str]:
+    """Reads a training CLI's output (`proc`, started in a session of its own) up to its line for
+    `iteration` (the regular expression `line`), lets the storage copy finish, and SIGKILLs the
+    driver and Ray (the process group); returns the lines read."""
+    import re
+    import signal
+
+    lines = []
+    try:
+        for text in proc.stdout:
+            lines.append(text)
+            if re.match(line.format(iteration), text):
+                let_the_storage_copy_finish(proc.pid, experiment_dir)
+                break
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return lines
+
+
 def let_the_storage_copy_finish(driver_pid: int, experiment_dir) -> None:
     """Before a test SIGKILLs a training run: Tune copies the experiment (its state, the trial
     files) from the driver's staging directory to the storage path in a background thread after

@@ -17,7 +17,7 @@ import pytest
 
 from agents.config import algorithm_config, load, read_yaml, validate
 from agents.progress import _metric
-from tests.conftest import QUICKSTART, ROOT, let_the_storage_copy_finish, logged_iterations
+from tests.conftest import QUICKSTART, ROOT, kill_after_iteration, let_the_storage_copy_finish, logged_iterations
 
 TINY = ["training.train_batch_size=256", "training.minibatch_size=128", "training.num_epochs=2",
         "env_runners.num_envs_per_env_runner=8", "env.max_new_tokens=10"]
@@ -249,17 +249,8 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_with_each_iteration_l
               "--set", "checkpoint.frequency=0", "--set", "checkpoint.at_end=false", "--set", "generate.num_samples=0",
               "--set", "tune.dashboard=false", "--set", f"tune.storage_path={tmp_path}", "--set", "tune.name=run",
               "--set", "checkpoint.state_every_s=0.2"]
-    killed, seen = _cli(common), []
-    try:
-        for line in killed.stdout:
-            if re.match(r"iter +3 ", line):
-                let_the_storage_copy_finish(killed.pid, tmp_path / "run")
-                seen.append(3)
-                break
-    finally:
-        os.killpg(killed.pid, signal.SIGKILL)
-        killed.wait()
-    assert seen == [3]
+    lines = kill_after_iteration(_cli(common), 3, tmp_path / "run")
+    assert re.match(r"iter +3 ", lines[-1]), "".join(lines)[-3000:]
     resumed_run = _cli([*common, "--resume"])
     out = resumed_run.communicate(timeout=900)[0]
     assert resumed_run.returncode == 0, out[-3000:]

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.conftest import QUICKSTART, ROOT, let_the_storage_copy_finish
+from tests.conftest import QUICKSTART, ROOT, kill_after_iteration
 from tests.test_reproducibility import TINY
 
 # Runs the copy from argv[1] to argv[2] in a process that SIGKILLs itself at step argv[3] (a step:
@@ -88,17 +88,8 @@ def before_and_after(tmp_path_factory):
               "--set", "checkpoint.frequency=1", "--set", "generate.num_samples=0", "--set", "tune.dashboard=false",
               "--set", f"tune.storage_path={tmp / 'storage'}", "--set", "tune.name=run",
               "--set", "checkpoint.state_every_s=0.2"]
-    killed, seen = _cli(*common), []
-    try:
-        for line in killed.stdout:
-            if re.match(r"iter +2 ", line):
-                let_the_storage_copy_finish(killed.pid, tmp / "storage" / "run")
-                seen.append(2)
-                break
-    finally:
-        os.killpg(killed.pid, signal.SIGKILL)
-        killed.wait()
-    assert seen == [2]
+    lines = kill_after_iteration(_cli(*common), 2, tmp / "storage" / "run")
+    assert re.match(r"iter +2 ", lines[-1]), "".join(lines)[-3000:]
     shutil.copytree(tmp / "storage" / "run", tmp / "before")
     resumed = _cli(*common, "--resume")
     out = resumed.communicate(timeout=900)[0]

@@ -97,26 +97,18 @@ def test_a_sweep_killed_before_its_second_trial_was_made_resumes_both_and_asha_k
     ASHA's rungs come back with the experiment: the good trial goes on from its checkpoint without
     reporting iterations 1-2 again, and the weak one is still stopped at iteration 1 against them.
     Before: the second trial was lost (or failed to start), and with empty rungs it ran all 4."""
-    import signal
     import subprocess
     import sys
 
     from agents.experiment_store import SCHEDULER_FILE, newest_experiment_state
-    from tests.conftest import ROOT, let_the_storage_copy_finish
+    from tests.conftest import ROOT, kill_after_iteration
 
     args = [*_ASHA_SWEEP, "--set", "checkpoint.frequency=1", "--set", f"tune.storage_path={tmp_path}"]
     experiment = tmp_path / "asha"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     killed = subprocess.Popen([sys.executable, "-m", "agents.train", *args], cwd=ROOT, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        for line in killed.stdout:
-            if re.match(r"(\[\S+\] )?iter +2 ", line):
-                let_the_storage_copy_finish(killed.pid, experiment)
-                break
-    finally:
-        os.killpg(killed.pid, signal.SIGKILL)
-        killed.wait()
+    kill_after_iteration(killed, 2, experiment, line=r"(\[\S+\] )?iter +{} ")
     with open(newest_experiment_state(str(experiment))) as f:
         assert len(json.load(f)["trial_data"]) == 1  # the second trial not made yet
     with open(experiment / SCHEDULER_FILE) as f:
