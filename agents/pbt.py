@@ -174,12 +174,10 @@ def resumable_asha_class():
         saves_with_experiment = True
 
         def save(self, checkpoint_path: str) -> None:
-            state = {"rungs": [[{t: float(v) for t, v in recorded.items()} for _, recorded in bracket._rungs]
-                               for bracket in self._brackets],
-                     "trials": {t: self._brackets.index(b) for t, b in self._trial_info.items()}}
-            with open(checkpoint_path + ".tmp", "w", encoding="utf-8") as f:
-                json.dump(state, f)
-            os.replace(checkpoint_path + ".tmp", checkpoint_path)
+            write_json(checkpoint_path, {
+                "rungs": [[{t: float(v) for t, v in recorded.items()} for _, recorded in bracket._rungs]
+                          for bracket in self._brackets],
+                "trials": {t: self._brackets.index(b) for t, b in self._trial_info.items()}})
 
         def restore(self, checkpoint_path: str) -> None:
             with open(checkpoint_path, encoding="utf-8") as f:
@@ -192,6 +190,13 @@ def resumable_asha_class():
                 self._trial_info[trial_id] = self._brackets[index]
 
     return ResumableASHA
+
+
+def write_json(path: str, state: dict) -> None:
+    """Writes `state` whole, then renames it into place (a kill leaves the previous one)."""
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(state, f)
+    os.replace(path + ".tmp", path)
 
 
 def make_pbt(cfg: dict, *, keep_running: bool = False):
@@ -252,9 +257,39 @@ def keep_running_pbt_class():
         fits at once, in tune.max_concurrent_trials and in the cluster) the trial waiting is one that
         PBT paused to clone another, and it has a slot of its own: the others go on."""
 
+        saves_with_experiment = True  # agents.experiment_store saves it with the experiment's state
+
         def __init__(self, *args, keep_running: bool = False, **kwargs):
             super().__init__(*args, **kwargs)
             self.keep_running = keep_running
+
+        def save(self, checkpoint_path: str) -> None:
+            """Each trial's last score, last PBT checkpoint (the one an exploiting trial clones) and
+            last perturbation, which Tune does not save: a resumed run ranked its trials afresh."""
+            from ray.train import Checkpoint
+
+            write_json(checkpoint_path, {
+                "trials": {trial.trial_id: {
+                    "last_score": None if s.last_score is None else float(s.last_score),
+                    "last_checkpoint": s.last_checkpoint.path if isinstance(s.last_checkpoint, Checkpoint) else None,
+                    "last_perturbation_time": s.last_perturbation_time, "last_train_time": s.last_train_time,
+                } for trial, s in self._trial_state.items()},
+                "perturbations": self._num_perturbations, "checkpoints": self._num_checkpoints})
+
+        def restore(self, checkpoint_path: str) -> None:
+            from ray.train import Checkpoint
+
+            with open(checkpoint_path, encoding="utf-8") as f:
+                state = json.load(f)
+            for trial, s in self._trial_state.items():  # the trials --resume added again
+                saved = state["trials"].get(trial.trial_id)
+                if saved:
+                    path = saved["last_checkpoint"]  # (one deleted since cannot be cloned: none)
+                    s.last_score = saved["last_score"]
+                    s.last_checkpoint = Checkpoint(path) if path and os.path.isdir(path) else None
+                    s.last_perturbation_time, s.last_train_time = (saved["last_perturbation_time"],
+                                                                  saved["last_train_time"])
+            self._num_perturbations, self._num_checkpoints = state["perturbations"], state["checkpoints"]
 
         def on_trial_result(self, tune_controller, trial, result):
             decision = super().on_trial_result(tune_controller, trial, result)

@@ -293,6 +293,9 @@ def test_a_pbt_run_killed_mid_way_resumes_and_finishes_every_trial(tmp_path):
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait()
     assert len(reached) == 2 and max(reached.values()) < STOP, reached  # killed before the end
+    with open(tmp_path / "pbt" / "scheduler_state.json") as f:  # PBT's own state, for the resume
+        saved = json.load(f)["trials"]
+    assert len(saved) == 2 and all(t["last_score"] is not None for t in saved.values()), saved
     out = run("agents.train", *args, "--resume", timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     after = [int(i) for i in re.findall(r"iter +(\d+) ", out.stdout)]
@@ -303,3 +306,36 @@ def test_a_pbt_run_killed_mid_way_resumes_and_finishes_every_trial(tmp_path):
             rows = [json.loads(line) for line in f if line.strip()]
         finals.append(rows[-1]["training_iteration"])
     assert finals == [STOP, STOP], finals
+
+
+def test_pbts_trial_states_saved_and_restored_by_trial_id(tmp_path):
+    """KeepRunningPBT's save and restore (what agents.experiment_store calls at each save of the
+    experiment's state and after --resume added the trials again): each trial's last score, last
+    perturbation and the checkpoint an exploiting trial clones come back to the new driver's trial
+    objects (matched by id); a checkpoint deleted since comes back as none."""
+    from ray.train import Checkpoint
+    from ray.tune.schedulers.pbt import _PBTTrialState
+
+    from agents.pbt import make_scheduler
+
+    class FakeTrial:  # what PBT's per-trial state reads of a Trial
+        def __init__(self, trial_id):
+            self.trial_id, self.experiment_tag = trial_id, trial_id
+
+    cfg = load(PBT_YAML)
+    before = make_scheduler(cfg)
+    kept, gone = tmp_path / "checkpoint_000002", tmp_path / "checkpoint_000001"
+    kept.mkdir()
+    for trial_id, score, checkpoint, at in (("a", 0.9, kept, 6), ("b", 0.2, gone, 4)):
+        state = before._trial_state[FakeTrial(trial_id)] = _PBTTrialState(FakeTrial(trial_id))
+        state.last_score, state.last_checkpoint, state.last_perturbation_time = score, Checkpoint(str(checkpoint)), at
+    before._num_perturbations, before._num_checkpoints = 3, 5
+    before.save(str(tmp_path / "scheduler_state.json"))
+    after = make_scheduler(cfg)  # a new driver's, its trials added again as new objects
+    for trial_id in ("a", "b"):
+        after._trial_state[FakeTrial(trial_id)] = _PBTTrialState(FakeTrial(trial_id))
+    after.restore(str(tmp_path / "scheduler_state.json"))
+    got = {t.trial_id: s for t, s in after._trial_state.items()}
+    assert (got["a"].last_score, got["a"].last_perturbation_time, got["a"].last_checkpoint.path) == (0.9, 6, str(kept))
+    assert (got["b"].last_score, got["b"].last_perturbation_time, got["b"].last_checkpoint) == (0.2, 4, None)
+    assert (after._num_perturbations, after._num_checkpoints) == (3, 5)

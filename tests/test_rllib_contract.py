@@ -208,7 +208,8 @@ PINNED = {
     "_FilesystemSyncer", "_sync_up_command", "_delete_fs_path", "_get_clip_function", "_lr_scheduler_classes", "_params",
     "_foreach_norm", "_foreach_mul_", "_foreach_div", "_foreach_clamp_min_", "_foreach_sqrt_", "_foreach_lerp_",
     "_update", "_compute_off_policyness", "_worker_logs_enabled",
-    "_scheduler_alg", "_storage", "_brackets", "_rungs", "_trial_info",
+    "_scheduler_alg", "_storage", "_brackets", "_rungs", "_trial_info", "_trial_state", "_num_perturbations",
+    "_num_checkpoints",
 }
 THIRD_PARTY_PRIVATE_OK = {"_model"}  # bert_score's scorer (env/rewards/bertscore.py), not Ray's or transformers'
 
@@ -495,6 +496,17 @@ def test_tune_controller_saves_and_resumes_where_the_scheduler_hooks_expect():
     assert isinstance(scheduler._trial_info, dict)
     assert all(isinstance(r[1], dict) for b in scheduler._brackets for r in b._rungs)
     assert "recorded[trial.trial_id] = cur_rew" in inspect.getsource(type(scheduler._brackets[0]).on_result)
+    # agents/pbt.py KeepRunningPBT saves PBT's _trial_state (Trial -> _PBTTrialState), _num_perturbations
+    # and _num_checkpoints; on_trial_add makes each re-added trial's state anew
+    from ray.tune.schedulers import PopulationBasedTraining
+    from ray.tune.schedulers.pbt import _PBTTrialState
+
+    pbt_source = inspect.getsource(PopulationBasedTraining)
+    assert "self._trial_state[trial] = _PBTTrialState(trial)" in pbt_source
+    assert "self._num_perturbations = 0" in pbt_source and "self._num_checkpoints = 0" in pbt_source
+    state_init = inspect.getsource(_PBTTrialState.__init__)
+    for name in ("last_score", "last_checkpoint", "last_perturbation_time", "last_train_time"):
+        assert f"self.{name}" in state_init, name
 
 
 def _episode_data(rng, T: int, L: int = 6):
