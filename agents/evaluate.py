@@ -275,6 +275,8 @@ def evaluate(models: list[Model], env_config: dict, *, split: str = "test", gree
     from agents.generate import check_precision
     from env.tasks import make_task
 
+    if not models:
+        raise EvalError("models: none given")
     error = check_precision(precision, str(next(models[0].lm.parameters()).device))
     if error:
         raise EvalError(error.removeprefix("--"))

@@ -117,7 +117,7 @@ def upload_whole_files(local_path: str, fs_path: str, exclude=None) -> list[str]
     for root, _, names in os.walk(local_path):
         for name in names:
             rel = os.path.relpath(os.path.join(root, name), local_path).replace(os.sep, "/")
-            if not PARTIAL_NAME.search(name) and not _excluded(rel, exclude):
+            if not PARTIAL_NAME.search(name) and not _excluded(rel, exclude) and rel != DRIVER_FILE:
                 copies.append((rel, os.path.join(local_path, rel), os.path.join(fs_path, rel)))
 
     # a copy of its own per thread: Tune starts another after a copy that ran past its timeout
@@ -245,7 +245,8 @@ def hook_experiment_saves() -> None:
 
     def resume(self, resume_config):
         original_resume(self, resume_config)
-        saved = os.path.join(self._storage.experiment_fs_path, SCHEDULER_FILE)
+        # the experiment's .json files are in the staging folder by now (Tune's resume copied them)
+        saved = os.path.join(self._storage.experiment_driver_staging_path, SCHEDULER_FILE)
         if getattr(self._scheduler_alg, "saves_with_experiment", False) and os.path.isfile(saved):
             self._scheduler_alg.restore(saved)
 
@@ -256,7 +257,10 @@ def hook_experiment_saves() -> None:
 
 # One driver per experiment: a second one (another --resume, or the same command in a second
 # terminal) would write into the live trials' folders and a newer experiment state beside theirs.
-DRIVER_FILE = "driver.json"  # {"pid", "host", "heartbeat"}: the driver training the experiment now
+# {"pid", "host", "heartbeat"}: the driver training the experiment now. Not .json: Tune's resume
+# copies the experiment's .json and .pkl files into the driver's staging folder, whose files its
+# copies put back, so a .json lock would come back with a frozen heartbeat.
+DRIVER_FILE = "driver.lock"
 HEARTBEAT_S = 5.0  # how often the driver rewrites it
 STALE_S = 60.0  # a file not rewritten for this long is a dead driver's (on another machine too)
 
@@ -307,14 +311,28 @@ class DrivingExperiment:
         self._stop = threading.Event()
         self._thread = None
 
-    def _write(self) -> None:
+    def _write(self, exclusive: bool = False) -> None:
+        """Rewrites the driver file (whole, then renamed into place); `exclusive`: creates it, and
+        raises FileExistsError where it exists (two drivers starting at once: one gets it)."""
         import json
         import socket
 
         partial = f"{self.path}{PARTIAL}{os.getpid()}-{threading.get_ident()}"
         with open(partial, "w") as f:
             json.dump({"pid": os.getpid(), "host": socket.gethostname(), "heartbeat": time.time()}, f)
-        os.replace(partial, self.path)
+        try:
+            if exclusive:
+                try:
+                    os.link(partial, self.path)  # fails where the file exists: only one driver creates it
+                    return
+                except FileExistsError:
+                    raise
+                except OSError:  # a filesystem without hard links: held, though not exclusively
+                    pass
+            os.replace(partial, self.path)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -324,9 +342,12 @@ class DrivingExperiment:
                 pass
 
     def __enter__(self):
-        check_no_live_driver(self.experiment)
         os.makedirs(self.experiment, exist_ok=True)
-        self._write()
+        try:
+            self._write(exclusive=True)
+        except FileExistsError:  # a live driver's (refused), or a dead one's (taken over)
+            check_no_live_driver(self.experiment)
+            self._write()
         self._thread = threading.Thread(target=self._beat, name="experiment-driver-heartbeat", daemon=True)
         self._thread.start()
         return self

@@ -27,7 +27,7 @@ def _rows(path, rewards: list[float], first: int = 1):
 def _summarize(grid, tmp_path, capsys, progress=None, resumed=False):
     from agents.config import load
     from agents.progress import make_progress_callback
-    from agents.train import summarize
+    from agents.summary import summarize
 
     cfg = load(QUICKSTART, ["generate.num_samples=0"])
     code = summarize(cfg, grid, progress or make_progress_callback(quiet=True), str(tmp_path / "run"), 1.0,

@@ -1,0 +1,164 @@
+"""The summary `agents.train` prints when a run ends: each trial's first, last and best reward
+(from the trials' result.json after a resume), greedy evaluations, a sweep's best setting per
+sampler and its summary.csv, samples from the best checkpoint, and the exit code."""
+from __future__ import annotations
+
+import csv
+import math
+import os
+
+
+def summarize(cfg: dict, grid, progress, experiment: str, wall: float, resumed: bool = False) -> int:
+    from agents.generate import generate, load_policy
+
+    metric, mode = cfg["tune"]["metric"], cfg["tune"]["mode"]
+    print(f"\nSummary ({len(grid)} trial{'s' if len(grid) != 1 else ''}, {wall:.0f}s wall): {experiment}")
+    failed = 0
+    for result in grid:
+        trial_id = (result.metrics or {}).get("trial_id", "?")
+        if resumed and result.path:  # the iterations before the resume too (and trials that had finished)
+            progress.replay(trial_id, result.path)
+        if result.error:
+            failed += 1
+            print(f"  trial {trial_id}: FAILED: {str(result.error).strip().splitlines()[-1]}")
+            continue
+        first = progress.first.get(trial_id)
+        last = progress.last.get(trial_id)
+        if first and last:
+            what = "policy-alone episode reward" if trial_id in progress.guided else "mean episode reward"
+            print(f"  trial {trial_id}: {what} {first[1]:.3f} (iteration {first[0]}) -> "
+                  f"{last[1]:.3f} (iteration {last[0]}), best {progress.best[trial_id]:.3f}")
+        evals = progress.evals.get(trial_id)
+        if evals:
+            it, best_eval = max(evals, key=lambda e: e[1])
+            print(f"  trial {trial_id}: greedy evaluation reward {evals[-1][1]:.3f} (iteration {evals[-1][0]}), "
+                  f"best {best_eval:.3f} (iteration {it})")
+        if result.checkpoint and len(grid) == 1:
+            print(f"  checkpoint: {result.checkpoint.path}")
+    if len(grid) > 1:
+        sweep_table(cfg, grid, progress, experiment)
+    try:
+        best = grid.get_best_result(metric=metric, mode=mode, filter_nan_and_inf=True)
+    except RuntimeError:
+        best = None
+    n = cfg["generate"]["num_samples"]
+    if best is not None and best.checkpoint and n:
+        from agents.core import no_transformers_bars
+
+        no_transformers_bars()  # no "Loading weights" bar above the samples
+        module = load_policy(best.checkpoint.path)
+        seed = cfg["seed"] if isinstance(cfg["seed"], int) else 0  # a searched seed: any fixed one
+        samples = generate(module, module.model_config["env"], [None] * n, seed=seed)
+        print(f"  samples from {os.path.basename(best.checkpoint.path)} (sampling):")
+        for s in samples:
+            print(f"    [reward {s['reward']:.3f}] {s['generation']}")
+        print(f"  more: python -m agents.generate --checkpoint {best.checkpoint.path}")
+    from agents.workarounds import tune_interrupted
+
+    if tune_interrupted():  # Ctrl-C (or SIGUSR1): Tune saved the experiment's state and returned
+        name = os.path.basename(experiment)
+        how = f"--resume (tune.name {name})" if cfg["tune"]["name"] else f"--resume --set tune.name={name}"
+        print(f"  interrupted before its stop criteria: go on with the same command and {how}")
+        return INTERRUPTED
+    if failed:
+        print(f"  {failed} of {len(grid)} trial{'s' if len(grid) != 1 else ''} failed" +
+              (" (the others' results above stand)" if failed < len(grid) else ""))
+    return 1 if failed else 0
+
+
+INTERRUPTED = 130  # the exit code of a run stopped by Ctrl-C, as a shell gives one
+
+
+def _searched_training_keys(cfg: dict) -> list[tuple[str, str]]:
+    """(section, key) of the training/reward values the config searches over (or PBT mutates)."""
+    from env.validation import is_search_space as _is_search_space
+
+    keys = [(sec, k) for sec in ("training", "reward") for k, v in cfg[sec].items() if _is_search_space(v)]
+    if cfg["tune"]["scheduler"] == "pbt":  # PBT changes these as it goes: the table shows each trial's last value
+        mutated = (tuple(path.split(".", 1)) for path in cfg["tune"]["hyperparam_mutations"])
+        keys += [key for key in mutated if key not in keys]
+    return keys
+
+
+def _trial_row(cfg: dict, result, progress) -> dict:
+    config = result.config or {}
+    sampler = (config.get("_model_config") or {}).get("sampler") or {"name": "none"}
+    from agents.schema import SAMPLER_PARAMS
+
+    params = {k: sampler.get(k) for k in SAMPLER_PARAMS.get(sampler.get("name"), ())}
+    row = {
+        "trial": (result.metrics or {}).get("trial_id", "?"),
+        "seed": config.get("seed"),
+        "sampler": sampler.get("name", "none"),
+        "params": " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()),
+        "masking": sampler.get("masking", "-") if sampler.get("name", "none") != "none" else "-",
+    }
+    if config.get("guided_algorithm"):  # guided runs (possibly a sweep over algorithm names): one setting each
+        row = {"algorithm": config["guided_algorithm"], **row}
+    for sec, key in _searched_training_keys(cfg):  # reward.kl_* are the config class's ref_kl_*
+        row[key] = config.get(key if sec == "training" else f"ref_{key}")
+    trial_id = row["trial"]
+    last = progress.last.get(trial_id)
+    masks = progress.mask.get(trial_id)
+    row.update({
+        "iterations": last[0] if last else None,
+        "final_reward": round(last[1], 4) if last else None,
+        "best_reward": round(progress.best[trial_id], 4) if trial_id in progress.best else None,
+        "mean_mask_size": round(sum(masks) / len(masks), 2) if masks else None,
+        "status": "error" if result.error else "ok",
+        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+    })
+    return row
+
+
+def sweep_table(cfg: dict, grid, progress, experiment: str) -> str:
+    """Writes every trial to summary.csv and prints the best setting per (sampler, masking).
+
+    Trials that differ only in their seed form one setting: its rewards are
+    averaged over seeds, and the spread of the final reward across seeds is shown.
+    """
+    rows = [_trial_row(cfg, r, progress) for r in grid]
+    path = os.path.join(experiment, "summary.csv")
+    os.makedirs(experiment, exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    searched = [k for _, k in _searched_training_keys(cfg)]
+    settings: dict[tuple, list] = {}
+    for row in rows:
+        if row["best_reward"] is not None:
+            key = (row["sampler"], row["masking"], row["params"], *(row.get(k) for k in searched))
+            settings.setdefault(key, []).append(row)
+    best: dict[tuple, tuple] = {}
+    for key, group in settings.items():
+        score = sum(r["best_reward"] for r in group) / len(group)
+        which = key[:2] + ((group[0]["algorithm"],) if "algorithm" in group[0] else ())
+        if which not in best or score > best[which][0]:
+            best[which] = (score, key, group)
+    if rows and "algorithm" in rows[0]:
+        searched = ["algorithm", *searched]
+        best = {w: (score, (*key[:3], group[0]["algorithm"], *key[3:]), group) for w, (score, key, group) in best.items()}
+    header = ["sampler", "masking", "params", *searched, "seeds", "best_reward", "final_reward", "final_std",
+              "mean_mask_size"]
+    table = [header]
+    for score, key, group in sorted(best.values(), key=lambda b: -b[0]):
+        finals = [r["final_reward"] for r in group]
+        masks = [r["mean_mask_size"] for r in group if r["mean_mask_size"] is not None]
+        mean = sum(finals) / len(finals)
+        std = math.sqrt(sum((x - mean) ** 2 for x in finals) / (len(finals) - 1)) if len(finals) > 1 else None
+        table.append([_fmt(v) for v in (*key, len(group), score, mean, std, sum(masks) / len(masks) if masks else None)])
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    print("\n  best setting per sampler (rewards averaged over seeds):")
+    for r in table:
+        print("    " + "  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print(f"  all trials: {path}")
+    return path
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
