@@ -21,6 +21,8 @@ in `tests/test_rllib_contract.py`:
   with them and restored on `--resume` (`TuneController.save_to_dir`, `.resume`).
 * `check_experiment_state` removes a killed copy's partial files and refuses, in one line, a state
   cut short by Tune's own copy (storage that is not local).
+* `DrivingExperiment` (with `live_driver`, `check_no_live_driver`): one driver per experiment, by a
+  lock file with a heartbeat (no private name).
 """
 from __future__ import annotations
 
