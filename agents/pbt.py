@@ -192,10 +192,10 @@ def resumable_asha_class():
     return ResumableASHA
 
 
-def write_json(path: str, state: dict) -> None:
+def write_json(path: str, state: dict, **dump_options) -> None:
     """Writes `state` whole, then renames it into place (a kill leaves the previous one)."""
     with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(state, f)
+        json.dump(state, f, **dump_options)
     os.replace(path + ".tmp", path)
 
 

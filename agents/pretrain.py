@@ -338,12 +338,11 @@ def pretrain(cfg: dict, log=print, resume: bool = False) -> dict:
     """Trains and saves; returns {"output_dir", "eval_before", "eval_after", "train_loss"}. Saves a
     checkpoint every `training.checkpoint_every` steps; `resume` goes on from it exactly."""
     from agents.models import build_causal_lm, build_seq2seq_lm, decoder_start_id, model_kind
+    from agents.resume import warm_start_state
 
     from env.rewards.base import resolve_device
 
     t = cfg["training"]
-    from agents.resume import warm_start_state
-
     saved = warm_start_state(cfg, resume, CHECKPOINT)
     if t["num_threads"]:
         torch.set_num_threads(t["num_threads"])

@@ -28,11 +28,10 @@ def _as_json(cfg: dict) -> dict:
 
 def save_run_config(cfg: dict, experiment: str) -> None:
     """Writes the run's validated config into its experiment directory (whole, then renamed into place)."""
-    path = os.path.join(experiment, RUN_CONFIG)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(_as_json(cfg), f, indent=1, sort_keys=True)
-    os.replace(path + ".tmp", path)
+    from agents.pbt import write_json
+
+    os.makedirs(experiment, exist_ok=True)
+    write_json(os.path.join(experiment, RUN_CONFIG), _as_json(cfg), indent=1, sort_keys=True)
 
 
 def _leaves(node, prefix: str = "") -> dict:
