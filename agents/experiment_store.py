@@ -8,12 +8,14 @@ in `tests/test_rllib_contract.py`:
 * `upload_whole_files` (for a local storage path): Tune's background copy of the experiment
   (`_FilesystemSyncer._sync_up_command`) writes each file whole and renames it into place, the
   experiment's state last: a driver killed at any moment of the copy leaves a state that resumes.
+  Copies of one folder in flight at once place their files in the order they were started.
 * Deferred checkpoint deletion: Tune's retention (`checkpoint.num_to_keep`) deletes a trial's
   oldest checkpoint as soon as a new one registers (`_CheckpointManager.register_checkpoint`,
   through its module's `_delete_fs_path`), while the experiment state naming the new one reaches
   the storage path later, in the background copy. A driver killed between the two left a stored
   state whose trial checkpoint was gone, and `--resume` failed that trial. The deletion now waits
-  for a copy that stored a state saved after it (on any filesystem).
+  for a copy that stored a state saved after it (on any filesystem); what a killed driver left
+  undeleted is deleted on `--resume` (`remove_unnamed_checkpoints`).
 * `hook_experiment_saves`: a copy reads the top folder's files (the experiment's state, the
   search algorithm's, the callbacks') as one save left them (before, the search algorithm's state,
   a pickle named .json, failed the copy's JSON check and never reached the storage path, so a
@@ -26,6 +28,7 @@ in `tests/test_rllib_contract.py`:
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import threading
@@ -74,45 +77,77 @@ def _excluded(rel: str, exclude) -> bool:
 
 
 def _whole_copy(source: str, partial: str, rel: str) -> bool:
-    """Copies `source` to `partial` as a file that is whole in itself, or returns False. Tune
-    may be writing the source meanwhile (the driver saves its state and appends results while
-    the copy of the previous save runs): the experiment's state (JSON) must parse, else it is copied again
-    (a few times, then left out of this copy); a log of lines (result.json, progress.csv) is cut
-    after its last whole line."""
-    import json
+    """Copies a trial's file `source` to `partial` as a file that is whole in itself, or returns
+    False. Tune may be appending to it meanwhile (the driver appends results while the copy of the
+    previous save runs): a log of lines (result.json, progress.csv) is cut after its last whole line."""
     import shutil
 
-    name = os.path.basename(rel)
+    try:
+        shutil.copyfile(source, partial)
+    except FileNotFoundError:  # the staging copy went away meanwhile (a trial's folder removed)
+        return False
+    if os.path.basename(rel) in ("result.json", "progress.csv"):
+        with open(partial, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+    return True
+
+
+def _read_whole(source: str, rel: str) -> bytes | None:
+    """The bytes of a file of the top folder as a save left it, or None. Saves hold SAVE_LOCK, and
+    so does the caller; the experiment's state (JSON) written by a save that did not hold it must
+    parse, else it is read again (a few times, then left out of this copy). The others (the search
+    algorithm's state, the callbacks') are written whole."""
+    import json
+
     for _ in range(5):
         try:
-            shutil.copyfile(source, partial)
-        except FileNotFoundError:  # the staging copy went away meanwhile (a trial's folder removed)
-            return False
-        if name in ("result.json", "progress.csv"):
-            with open(partial, "rb+") as f:
+            with open(source, "rb") as f:
                 data = f.read()
-                if data and not data.endswith(b"\n"):
-                    f.truncate(data.rfind(b"\n") + 1)
-            return True
-        if "/" in rel or not name.startswith("experiment_state-"):  # the others are written whole (renamed)
-            return True
+        except FileNotFoundError:
+            return None
+        if not rel.startswith("experiment_state-"):
+            return data
         try:
-            with open(partial) as f:
-                json.load(f)
-            return True
+            json.loads(data)
+            return data
         except ValueError:
             time.sleep(0.05)
-    return False
+    return None
 
 
-def upload_whole_files(local_path: str, fs_path: str, exclude=None) -> list[str]:
+def _write(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+# Copies of one folder in flight at once (Tune starts another when one runs past its timeout)
+# place their files in the order they were started: once a copy has placed a file, an older one
+# places nothing more (it would put an older experiment state over the newer one, naming
+# checkpoints the newer copy's deletions removed, or older result rows under a newer state).
+_PLACE_LOCK = threading.Lock()
+_placed_by: dict[str, int] = {}  # storage folder -> the order of the newest copy that placed a file there
+
+
+def _place(partial: str, target: str, folder: str, order: int | None) -> bool:
+    with _PLACE_LOCK:
+        if order is not None:
+            if order < _placed_by.get(folder, 0):
+                return False
+            _placed_by[folder] = order
+        os.replace(partial, target)
+    return True
+
+
+def upload_whole_files(local_path: str, fs_path: str, exclude=None, order: int | None = None) -> list[str]:
     """Copies a folder (or a file) to a local storage path one whole file at a time: each file is
     written beside its target and renamed over it (`os.replace`, atomic), so a process killed at
     any moment leaves every file either as it was or as it is now, never cut short. The trials'
     files go first and the experiment's state (which names each trial's checkpoint) last: when a
     new state is in place, so is everything it points to, and every result row it implies.
-    Returns the files put in place (relative paths; a file Tune was still writing is left for the
-    next copy)."""
+    `order`: this copy's place among the copies started (`_place`). Returns the files put in place
+    (relative paths; a file Tune was still writing is left for the next copy)."""
     copies, placed = [], []  # (relative path, source, target)
     if os.path.isfile(local_path):
         copies.append((os.path.basename(fs_path), local_path, fs_path))
@@ -128,32 +163,27 @@ def upload_whole_files(local_path: str, fs_path: str, exclude=None) -> list[str]
     # scheduler's): the experiment's state last, the newest of them last (Tune resumes from it)
     states = sorted((c for c in copies if "/" not in c[0]), key=lambda c: (c[0].startswith("experiment_state-"), c[0]))
     others = sorted(c for c in copies if "/" in c[0])
-    try:
-        # The top folder's files are read first, as one save left them all (a save holds the lock;
-        # the search algorithm's state newer than the experiment's would lose the trials it made
-        # meanwhile), and put in place last: a stored state is never newer than the trials' files.
-        read = []
-        with SAVE_LOCK:
-            for rel, source, target in states:
-                os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-                if _whole_copy(source, target + tag, rel):
-                    read.append((rel, target))
-        for rel, source, target in others:
+    # The top folder's files are read first, into memory, as one save left them all (a save holds
+    # the lock; the search algorithm's state newer than the experiment's would lose the trials it
+    # made meanwhile), and written and put in place last, outside the lock (slow storage does not
+    # hold the driver's saves): a stored state is never newer than the trials' files.
+    with SAVE_LOCK:
+        read = [(rel, target, data) for rel, source, target in states
+                if (data := _read_whole(source, rel)) is not None]
+    for rel, target, source in [*((rel, target, source) for rel, source, target in others), *read]:
+        partial = target + tag  # source: a trial's file, or the bytes of a top-folder file read above
+        try:
             os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-            try:
-                if _whole_copy(source, target + tag, rel):
-                    os.replace(target + tag, target)
-                    placed.append(rel)
-            finally:
-                if os.path.exists(target + tag):
-                    os.remove(target + tag)
-        for rel, target in read:
-            os.replace(target + tag, target)
+            if isinstance(source, bytes):
+                _write(partial, source)
+            elif not _whole_copy(source, partial, rel):
+                continue
+            if not _place(partial, target, fs_path, order):
+                break  # a newer copy placed its files: this one's are older
             placed.append(rel)
-    finally:
-        for _, _, target in states:
-            if os.path.exists(target + tag):
-                os.remove(target + tag)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
     return placed
 
 
@@ -217,11 +247,42 @@ def store_experiments_safely() -> None:
         if fs is not None and not isinstance(fs, pyarrow.fs.LocalFileSystem):
             copy, kwargs = original(self, local_path, uri, exclude)
         else:
-            copy, kwargs = upload_whole_files, {"local_path": local_path, "fs_path": uri, "exclude": exclude}
+            copy, kwargs = upload_whole_files, {"local_path": local_path, "fs_path": uri, "exclude": exclude,
+                                                "order": next(sync_up_command.started)}
         return _copy_then_delete, {"copy": copy, "kwargs": kwargs, "due": due, "local_path": local_path}
 
     sync_up_command.whole_files, sync_up_command.original = True, original
+    sync_up_command.started = itertools.count(1)  # the copies' order (`_place`)
     _FilesystemSyncer._sync_up_command = sync_up_command
+
+
+def remove_unnamed_checkpoints(trials) -> list[str]:
+    """Deletes the checkpoint folders in the trials' folders on the storage path that no restored
+    trial names (`--resume`, before any trial runs again): the ones a killed driver's retention had
+    dropped and not deleted yet (its deletions waited for a copy), and the one a trial was writing
+    when it was killed (the resumed trial would write its next checkpoint into it). A checkpoint
+    any trial names stays, in another trial's folder too (PBT restores a trial from another's).
+    Returns the paths deleted."""
+    import pyarrow.fs
+    from ray.train._internal.storage import _delete_fs_path
+
+    named = set()
+    for trial in trials:
+        results = [*trial.run_metadata.checkpoint_manager._checkpoint_results, trial.latest_checkpoint_result]
+        named |= {os.path.normpath(r.checkpoint.path) for r in results if r is not None and r.checkpoint is not None}
+    removed = []
+    for trial in trials:
+        fs = trial.storage.storage_filesystem
+        try:
+            found = fs.get_file_info(pyarrow.fs.FileSelector(trial.storage.trial_fs_path, allow_not_found=True))
+        except (OSError, RuntimeError):  # the trial has no folder (yet)
+            continue
+        for info in found:
+            if (info.type == pyarrow.fs.FileType.Directory and re.fullmatch(r"checkpoint_\d+", info.base_name)
+                    and os.path.normpath(info.path) not in named):
+                _delete_fs_path(fs=fs, fs_path=info.path)
+                removed.append(info.path)
+    return removed
 
 
 SCHEDULER_FILE = "scheduler_state.json"  # a scheduler's own state (agents.pbt's ResumableASHA)
@@ -247,6 +308,7 @@ def hook_experiment_saves() -> None:
 
     def resume(self, resume_config):
         original_resume(self, resume_config)
+        remove_unnamed_checkpoints(self.get_trials())
         # the experiment's .json files are in the staging folder by now (Tune's resume copied them)
         saved = os.path.join(self._storage.experiment_driver_staging_path, SCHEDULER_FILE)
         if getattr(self._scheduler_alg, "saves_with_experiment", False) and os.path.isfile(saved):

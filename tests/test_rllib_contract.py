@@ -209,7 +209,7 @@ PINNED = {
     "_foreach_norm", "_foreach_mul_", "_foreach_div", "_foreach_clamp_min_", "_foreach_sqrt_", "_foreach_lerp_",
     "_update", "_compute_off_policyness", "_worker_logs_enabled",
     "_scheduler_alg", "_storage", "_brackets", "_rungs", "_trial_info", "_trial_state", "_num_perturbations",
-    "_num_checkpoints",
+    "_num_checkpoints", "_checkpoint_results",
 }
 THIRD_PARTY_PRIVATE_OK = {"_model"}  # bert_score's scorer (env/rewards/bertscore.py), not Ray's or transformers'
 
@@ -471,7 +471,16 @@ def test_tune_storage_sync_up_command_replaced_and_checkpoint_deletion_deferred(
     syncer = _FilesystemSyncer(storage_filesystem=pyarrow.fs.LocalFileSystem())
     fn, kwargs = syncer._sync_up_command("/staging/run", "/storage/run", exclude=["*.tmp"])
     assert fn is _copy_then_delete and kwargs["copy"] is upload_whole_files
-    assert kwargs["kwargs"] == {"local_path": "/staging/run", "fs_path": "/storage/run", "exclude": ["*.tmp"]}
+    assert {k: v for k, v in kwargs["kwargs"].items() if k != "order"} == \
+        {"local_path": "/staging/run", "fs_path": "/storage/run", "exclude": ["*.tmp"]}
+    # remove_unnamed_checkpoints reads each restored trial's _CheckpointManager._checkpoint_results
+    # (the kept checkpoints, a list of _TrainingResult), its latest, and the trial's storage folder
+    from ray.train._internal.storage import StorageContext
+    from ray.tune.experiment import Trial
+
+    assert "self._checkpoint_results: List[_TrainingResult] = []" in inspect.getsource(checkpoint_manager._CheckpointManager.__init__)
+    assert isinstance(Trial.latest_checkpoint_result, property) and isinstance(StorageContext.trial_fs_path, property)
+    assert "self.run_metadata.checkpoint_manager" in inspect.getsource(Trial.latest_checkpoint_result.fget)
 
 
 def test_tune_controller_saves_and_resumes_where_the_scheduler_hooks_expect():

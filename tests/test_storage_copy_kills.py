@@ -21,11 +21,11 @@ from tests.conftest import QUICKSTART, ROOT, kill_after_iteration
 from tests.test_reproducibility import TINY
 
 # Runs the copy from argv[1] to argv[2] in a process that SIGKILLs itself at step argv[3] (a step:
-# before a file's copy, halfway through writing it, before renaming it into place); prints the
+# before a file's copy or write, halfway through writing it, before renaming it into place); prints the
 # number of steps when it is not killed.
 KILLED_COPY = r"""
 import os, shutil, signal, sys
-from agents.experiment_store import upload_whole_files
+import agents.experiment_store as store
 
 source, target, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 steps = 0
@@ -49,12 +49,20 @@ def copyfile(src, dst):
         f.write(data[len(data) // 2:])
     return dst
 
+def write(path, data):  # a file of the top folder, read into memory first
+    step()
+    with open(path, "wb") as f:
+        f.write(data[:len(data) // 2])
+        f.flush()
+        step()
+        f.write(data[len(data) // 2:])
+
 def replace_step(src, dst):
     step()
     replace(src, dst)
 
-shutil.copyfile, os.replace = copyfile, replace_step
-upload_whole_files(source, target)
+shutil.copyfile, os.replace, store._write = copyfile, replace_step, write
+store.upload_whole_files(source, target)
 print(steps)
 """
 
@@ -282,6 +290,10 @@ def test_a_run_killed_as_tune_deletes_an_old_checkpoint_resumes_from_its_newer_o
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait()
     assert len(gone) == 3, killed.stdout.read()[-3000:]
+    # what a driver killed between storing a state and deleting the checkpoints it no longer names
+    # leaves: a checkpoint no stored state names (its deletion was queued in the dead driver)
+    (trial,) = glob.glob(os.path.join(tmp_path, "storage", "run", "LMPPO_*"))
+    shutil.copytree(max(glob.glob(os.path.join(trial, "checkpoint_*"))), os.path.join(trial, "checkpoint_000000"))
     resumed = _cli(*common, "--resume")
     out = resumed.communicate(timeout=900)[0]
     assert resumed.returncode == 0, out[-3000:]
@@ -291,6 +303,9 @@ def test_a_run_killed_as_tune_deletes_an_old_checkpoint_resumes_from_its_newer_o
     with open(result) as f:
         iterations = [json.loads(line)["training_iteration"] for line in f if line.strip()]
     assert iterations == list(range(1, 8)), iterations
+    # the deletion the killed driver had queued is not lost: one checkpoint is left, as kept
+    left = glob.glob(os.path.join(tmp_path, "storage", "run", "LMPPO_*", "checkpoint_*"))
+    assert [os.path.basename(p) for p in left] == ["checkpoint_000006"], left
 
 
 def test_a_copy_stores_the_search_algorithms_and_callbacks_state_files_of_the_same_save(tmp_path):
@@ -336,3 +351,81 @@ def test_a_copy_stores_the_search_algorithms_and_callbacks_state_files_of_the_sa
     copier.join(10)
     assert (storage / "experiment_state-1.json").read_text() == '{"trial_data": [1, 2]}'
     assert pickle.loads((storage / "basic-variant-state-1.json").read_bytes()) == {"made": 2}
+
+
+def test_an_older_copy_still_in_flight_places_nothing_over_a_newer_one(tmp_path):
+    """Tune starts a second copy when one runs past its timeout. Should the older one go on after
+    the newer one placed its files, it places nothing: an older experiment state over the newer
+    one would name checkpoints the newer copy's deletions removed, and older result rows would sit
+    under a newer state."""
+    from agents.experiment_store import upload_whole_files
+
+    storage = tmp_path / "storage"
+    for name, rows in (("old", 1), ("new", 2)):
+        (tmp_path / name / "trial").mkdir(parents=True)
+        (tmp_path / name / "experiment_state-1.json").write_text(json.dumps({"trial_data": [rows]}))
+        (tmp_path / name / "trial" / "result.json").write_text('{"training_iteration": 1}\n' * rows)
+    assert len(upload_whole_files(str(tmp_path / "new"), str(storage), order=2)) == 2
+    assert upload_whole_files(str(tmp_path / "old"), str(storage), order=1) == []
+    assert json.loads((storage / "experiment_state-1.json").read_text()) == {"trial_data": [2]}
+    assert (storage / "trial" / "result.json").read_text().count("\n") == 2
+    assert len(upload_whole_files(str(tmp_path / "new"), str(storage), order=3)) == 2  # the next one does
+
+
+def test_a_copy_to_slow_storage_does_not_hold_the_drivers_saves(tmp_path, monkeypatch):
+    """The copy reads the top folder's files under SAVE_LOCK (the files of one save) and writes
+    them to the storage path outside it: a save waits for the read, not for slow storage."""
+    import shutil as shutil_module
+    import threading
+
+    import agents.experiment_store as store
+
+    staging, storage = tmp_path / "staging", tmp_path / "storage"
+    staging.mkdir()
+    (staging / "experiment_state-1.json").write_text('{"trial_data": [1]}')
+    writing, release = threading.Event(), threading.Event()
+
+    def slow(write):
+        def to_storage(source_or_path, target_or_data):
+            target = source_or_path if isinstance(target_or_data, bytes) else target_or_data
+            if str(target).startswith(str(storage)):
+                writing.set()
+                release.wait(10)
+            return write(source_or_path, target_or_data)
+        return to_storage
+
+    monkeypatch.setattr(shutil_module, "copyfile", slow(shutil_module.copyfile))
+    monkeypatch.setattr(store, "_write", slow(store._write))
+    copier = threading.Thread(target=store.upload_whole_files, args=(str(staging), str(storage)))
+    copier.start()
+    try:
+        assert writing.wait(10)
+        assert store.SAVE_LOCK.acquire(timeout=2), "a save waited for the copy's write to storage"
+        store.SAVE_LOCK.release()
+    finally:
+        release.set()
+        copier.join(10)
+    assert (storage / "experiment_state-1.json").read_text() == '{"trial_data": [1]}'
+
+
+@pytest.mark.slow
+def test_a_resume_deletes_the_checkpoints_no_trial_names(before_and_after, tmp_path):
+    """What a killed driver can leave in a trial's folder besides the checkpoints its stored state
+    names (a checkpoint whose deletion was queued, one it was writing) is deleted when the
+    experiment is resumed; the named ones stay (`remove_unnamed_checkpoints`)."""
+    from ray.tune import ExperimentAnalysis
+
+    from agents.experiment_store import remove_unnamed_checkpoints
+
+    _, after, _ = before_and_after
+    experiment = tmp_path / "run"
+    shutil.copytree(after, experiment)
+    (trial,) = glob.glob(os.path.join(experiment, "LMPPO_*"))
+    named = sorted(glob.glob(os.path.join(trial, "checkpoint_*")))
+    assert len(named) == 3
+    for orphan in ("checkpoint_000007", "checkpoint_000042"):
+        shutil.copytree(named[0], os.path.join(trial, orphan))
+    trials = ExperimentAnalysis(str(experiment)).trials
+    assert sorted(os.path.basename(p) for p in remove_unnamed_checkpoints(trials)) == \
+        ["checkpoint_000007", "checkpoint_000042"]
+    assert sorted(glob.glob(os.path.join(trial, "checkpoint_*"))) == named
