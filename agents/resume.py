@@ -27,11 +27,59 @@ def _as_json(cfg: dict) -> dict:
 
 
 def save_run_config(cfg: dict, experiment: str) -> None:
-    """Writes the run's validated config into its experiment directory (whole, then renamed into place)."""
+    """Writes the run's validated config, and what code made the run (`code_versions`), into its
+    experiment directory (each whole, then renamed into place)."""
     from agents.pbt import write_json
 
     os.makedirs(experiment, exist_ok=True)
     write_json(os.path.join(experiment, RUN_CONFIG), _as_json(cfg), indent=1, sort_keys=True)
+    write_json(os.path.join(experiment, VERSIONS), code_versions(), indent=1, sort_keys=True)
+
+
+VERSIONS = "versions.json"
+LIBRARIES = ("ray", "torch", "transformers", "gymnasium", "peft")
+
+
+def code_versions() -> dict:
+    """What code makes a run: the project's version and, run from a git checkout, its commit
+    (with "+changes" where tracked files differ from it); Python's and the main libraries' versions."""
+    import importlib.metadata
+    import platform
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = None
+    if os.path.exists(os.path.join(root, ".git")):  # not an installed copy inside someone else's repository
+        def git(*args):
+            return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10)
+        try:
+            head = git("rev-parse", "HEAD")
+            if head.returncode == 0:
+                changed = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+                commit = head.stdout.strip() + ("+changes" if changed else "")
+        except (OSError, subprocess.SubprocessError):  # no git on this machine
+            pass
+    versions = {"tokenmdp": importlib.metadata.version("tokenmdp"), "commit": commit,
+                "python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def version_changes(cfg: dict) -> list[str]:
+    """What code differs from the code that started the run being resumed, as "name then -> now"
+    ([] where nothing does, or the run saved no versions)."""
+    path = os.path.join(experiment_dir(cfg), VERSIONS)
+    try:
+        with open(path, encoding="utf-8") as f:
+            then = json.load(f)
+    except (OSError, ValueError):
+        return []
+    now = code_versions()
+    return [f"{name} {then.get(name)} -> {now[name]}" for name in now if then.get(name) != now[name]]
 
 
 def _leaves(node, prefix: str = "") -> dict:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from agents.config import ConfigError, algorithm_config, load, to_tune, validate
-from tests.conftest import QUICKSTART, one_line_cli_error
+from tests.conftest import QUICKSTART, ROOT, one_line_cli_error
 from tests.conftest import run_module as run_cli
 
 
@@ -566,6 +566,32 @@ def test_resume_refuses_a_config_that_differs_from_the_runs_own(tmp_path, capsys
         "error: --resume: the run goes on with the config it started with, and this one differs: "
         "stop.training_iteration (500 -> 7), training.lr (0.001 -> 0.5); give the run's own config "
         "(or a new tune.name for a new run)")
+
+
+def test_a_run_records_what_code_made_it_and_a_resume_with_other_code_says_what_changed(tmp_path):
+    """Beside its config, a run saves the project's version and commit and the libraries'
+    versions (versions.json); a --resume under other code (an upgrade, a new commit) goes on,
+    and says first what differs."""
+    import subprocess
+
+    from agents.resume import VERSIONS, code_versions, experiment_dir, save_run_config, version_changes
+
+    cfg = load(QUICKSTART, ["tune.name=r", f"tune.storage_path={tmp_path}"])
+    save_run_config(cfg, experiment_dir(cfg))
+    with open(os.path.join(experiment_dir(cfg), VERSIONS)) as f:
+        saved = json.load(f)
+    now = code_versions()
+    assert saved == now and now["tokenmdp"] and now["torch"] == torch.__version__ and now["python"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode == 0:  # run from a git checkout (an editable install)
+        assert now["commit"].split("+")[0] == head.stdout.strip()
+    assert version_changes(cfg) == []
+    saved.update(torch="2.0.0", commit="0123abc")
+    with open(os.path.join(experiment_dir(cfg), VERSIONS), "w") as f:
+        json.dump(saved, f)
+    assert version_changes(cfg) == [f"commit 0123abc -> {now['commit']}", f"torch 2.0.0 -> {torch.__version__}"]
+    os.remove(os.path.join(experiment_dir(cfg), VERSIONS))  # a run from before versions.json
+    assert version_changes(cfg) == []
 
 
 def test_a_fresh_run_under_an_interrupted_runs_name_is_refused_in_one_line(tmp_path, capsys):

@@ -302,6 +302,7 @@ def test_run_killed_after_a_checkpoint_and_resumed_matches_the_uninterrupted_run
     resumed_run = _cli([*common, "--set", "tune.name=killed", "--resume"])
     out = resumed_run.communicate(timeout=900)[0]
     assert resumed_run.returncode == 0, out[-3000:]
+    assert "other code than it started with" not in out  # the same code resumed it (versions.json)
     printed = [int(i) for i in re.findall(r"^iter +(\d+) ", out, re.M)]
     # after the checkpoint of iteration 2 or 4, once per iteration, up to the stop
     assert printed and printed[0] in (3, 5) and printed == list(range(printed[0], 7)), out[-3000:]
