@@ -313,9 +313,19 @@ def test_lora_checkpoint_exports_merged_and_as_an_adapter_and_both_load(lora_che
         plain = AutoModelForCausalLM.from_pretrained(str(merged)).eval()
         with_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(adapter / "base_model")),
                                               str(adapter)).eval()
-        for got in (plain(input_ids=batch).logits, with_peft(input_ids=batch).logits,
-                    load_pretrained_lm(str(adapter))(input_ids=batch).logits):
+        loaded = load_pretrained_lm(str(adapter))
+        for got in (plain(input_ids=batch).logits, with_peft(input_ids=batch).logits, loaded(input_ids=batch).logits):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        # an adapter whose base directory was saved in bf16 (transformers would load it in bf16):
+        # evaluation holds the merged model in fp32, the base's saved values exactly
+        AutoModelForCausalLM.from_pretrained(str(adapter / "base_model")).to(torch.bfloat16).save_pretrained(
+            str(adapter / "base_model"))
+        loaded = load_pretrained_lm(str(adapter))
+        assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+        base = AutoModelForCausalLM.from_pretrained(str(adapter / "base_model"), dtype=torch.float32)
+        merged_from_bf16 = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+        for name, value in merged_from_bf16.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], value), name
 
 
 def test_lora_checkpoint_generates_and_serves(lora_checkpoint):
