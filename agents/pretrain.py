@@ -23,8 +23,9 @@ is the encoder's input, the loss is on the target and EOS; scheduled sampling mi
 decoder's inputs the same way.
 
 Every `training.checkpoint_every` steps (100) the model, optimizer and data order are saved to
-`output_dir/pretrain_checkpoint.pt`; `--resume` goes on from there exactly, and the file is
-removed when the run ends.
+`output_dir/pretrain_checkpoint.pt`; `--resume` goes on from there exactly (with the same config
+but for `training.log_every`, `checkpoint_every` and `eval_batches`), and the file is removed
+when the run ends.
 
 With a built-in model (`tiny-gpt2`) and no `model.tokenizer`, the tokenizer is
 a word-level one over the training text's words. Errors in the config or the
@@ -334,6 +335,11 @@ def ss_probability(step: int, steps: int, ss_max: float) -> float:
 CHECKPOINT = "pretrain_checkpoint.pt"  # in output_dir while a warm start runs; removed when it ends
 
 
+# what a --resume may set anew: none of it changes the weights the run ends with (CPU threads do,
+# in the last bits: a sum's order)
+RESUME_MAY_CHANGE = ("training.log_every", "training.checkpoint_every", "training.eval_batches")
+
+
 def pretrain(cfg: dict, log=print, resume: bool = False) -> dict:
     """Trains and saves; returns {"output_dir", "eval_before", "eval_after", "train_loss"}. Saves a
     checkpoint every `training.checkpoint_every` steps; `resume` goes on from it exactly."""
@@ -343,7 +349,7 @@ def pretrain(cfg: dict, log=print, resume: bool = False) -> dict:
     from env.rewards.base import resolve_device
 
     t = cfg["training"]
-    saved = warm_start_state(cfg, resume, CHECKPOINT)
+    saved = warm_start_state(cfg, resume, CHECKPOINT, may_change=RESUME_MAY_CHANGE)
     if t["num_threads"]:
         torch.set_num_threads(t["num_threads"])
     device = resolve_device(t["device"])

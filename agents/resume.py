@@ -169,10 +169,11 @@ def check_fresh_run(cfg: dict) -> None:
                          "a new tune.name (or remove that directory) to start another")
 
 
-def warm_start_state(cfg: dict, resume: bool, name: str) -> dict | None:
+def warm_start_state(cfg: dict, resume: bool, name: str, may_change: tuple = ()) -> dict | None:
     """The checkpoint (`name` in output_dir) an `agents.pretrain --resume` goes on from (None for a
     fresh run); refuses, in one line, a fresh run over an interrupted one, a resume with nothing to
-    resume, or one whose config differs."""
+    resume, or one whose config differs but in the keys `may_change` (what leaves the weights as
+    they would be: how often to log or save)."""
     import torch
 
     from env.validation import first_line
@@ -191,7 +192,7 @@ def warm_start_state(cfg: dict, resume: bool, name: str) -> dict | None:
                          f"{saved['step']} of {saved['cfg']['training']['steps']}): go on with --resume, or "
                          f"remove {name} there to start over")
     then, now = _leaves(_as_json(saved["cfg"])), _leaves(_as_json(cfg))
-    changed = sorted(k for k in set(then) | set(now) if then.get(k) != now.get(k))
+    changed = sorted(k for k in set(then) | set(now) if then.get(k) != now.get(k) and k not in may_change)
     if changed:
         raise ValueError(f"--resume: the warm start goes on with the config it started with, and this one differs: "
                          f"{', '.join(changed[:3])}")
