@@ -321,17 +321,19 @@ def hook_experiment_saves() -> None:
 
 # One driver per experiment: a second one (another --resume, or the same command in a second
 # terminal) would write into the live trials' folders and a newer experiment state beside theirs.
-# {"pid", "host", "heartbeat"}: the driver training the experiment now. Not .json: Tune's resume
-# copies the experiment's .json and .pkl files into the driver's staging folder, whose files its
-# copies put back, so a .json lock would come back with a frozen heartbeat.
+# {"pid", "host", "started", "heartbeat"}: the driver training the experiment now. Not .json:
+# Tune's resume copies the experiment's .json and .pkl files into the driver's staging folder,
+# whose files its copies put back, so a .json lock would come back with a frozen heartbeat.
 DRIVER_FILE = "driver.lock"
 HEARTBEAT_S = 5.0  # how often the driver rewrites it
-STALE_S = 60.0  # a file not rewritten for this long is a dead driver's (on another machine too)
+STALE_S = 60.0  # a file not rewritten for this long is a dead driver's (on another machine)
 
 
 def live_driver(experiment: str) -> str | None:
-    """A description of the driver training `experiment` now, or None: its driver file was
-    rewritten within STALE_S seconds and, on this machine, its process is alive."""
+    """A description of the driver training `experiment` now, or None. On this machine: its
+    process is alive and is the one that wrote the file (its start time), however long ago it
+    last wrote it (a driver stopped with Ctrl-Z, or starved, still holds the experiment); where
+    start times cannot be read, and on another machine: the file was rewritten within STALE_S."""
     import json
     import socket
 
@@ -341,9 +343,28 @@ def live_driver(experiment: str) -> str | None:
         pid, host, age = int(driver["pid"]), str(driver["host"]), time.time() - float(driver["heartbeat"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if age > STALE_S or (host == socket.gethostname() and not _alive(pid)):
+    if host == socket.gethostname():
+        if not _alive(pid):
+            return None
+        started, now = driver.get("started"), _process_start(pid)
+        if started is not None and now is not None:
+            if started != now:  # its number was reused by another process
+                return None
+            stopped = " (stopped or starved: `kill -CONT` or end it)" if age > STALE_S else ""
+            return f"process {pid} on {host} (its last sign {max(age, 0):.0f}s ago{stopped})"
+    if age > STALE_S:
         return None
     return f"process {pid} on {host} (its last sign {max(age, 0):.0f}s ago)"
+
+
+def _process_start(pid: int) -> str | None:
+    """When the process started, in the kernel's clock ticks since boot (Linux's /proc); None
+    where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def _alive(pid: int) -> bool:
@@ -383,7 +404,8 @@ class DrivingExperiment:
 
         partial = f"{self.path}{PARTIAL}{os.getpid()}-{threading.get_ident()}"
         with open(partial, "w") as f:
-            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "heartbeat": time.time()}, f)
+            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": _process_start(os.getpid()),
+                       "heartbeat": time.time()}, f)
         try:
             if exclusive:
                 try:

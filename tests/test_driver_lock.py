@@ -17,12 +17,13 @@ from tests.conftest import QUICKSTART, ROOT
 from tests.test_reproducibility import TINY
 
 
-def _driver_file(experiment, pid, host=None, age=0.0):
+def _driver_file(experiment, pid, host=None, age=0.0, started=None):
     from agents.experiment_store import DRIVER_FILE
 
     os.makedirs(experiment, exist_ok=True)
     with open(os.path.join(experiment, DRIVER_FILE), "w") as f:
-        json.dump({"pid": pid, "host": host or socket.gethostname(), "heartbeat": time.time() - age}, f)
+        json.dump({"pid": pid, "host": host or socket.gethostname(), "heartbeat": time.time() - age,
+                   **({"started": started} if started else {})}, f)
 
 
 def test_a_live_driver_is_told_from_a_dead_one(tmp_path):
@@ -47,6 +48,34 @@ def test_a_live_driver_is_told_from_a_dead_one(tmp_path):
     assert live_driver(experiment) is None
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="process start times are read from Linux's /proc")
+def test_a_stopped_driver_on_this_machine_still_holds_its_experiment(tmp_path):
+    """A driver stopped with Ctrl-Z (SIGSTOP here) writes no heartbeat, yet comes back when it is
+    continued: on this machine its process, the one that wrote the file (its start time), holds
+    the experiment however old the file is. Once it is gone, or its number belongs to another
+    process, nothing does; another machine's driver silent past STALE_S holds nothing."""
+    from agents.experiment_store import STALE_S, _process_start, live_driver
+
+    experiment = str(tmp_path / "run")
+    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        started = _process_start(driver.pid)
+        assert started
+        os.kill(driver.pid, signal.SIGSTOP)
+        _driver_file(experiment, driver.pid, age=STALE_S * 5, started=started)
+        held = live_driver(experiment)
+        assert held and f"process {driver.pid}" in held and "stopped or starved" in held, held
+        _driver_file(experiment, driver.pid, age=STALE_S * 5, started=str(int(started) - 1))  # a reused number
+        assert live_driver(experiment) is None
+        _driver_file(experiment, driver.pid, host="another-node", age=STALE_S * 5, started=started)
+        assert live_driver(experiment) is None
+    finally:
+        driver.kill()
+        driver.wait()
+    _driver_file(experiment, driver.pid, age=0, started=started)
+    assert live_driver(experiment) is None
+
+
 def test_the_driver_file_is_held_and_rewritten_while_the_run_goes_and_removed_after(tmp_path, monkeypatch):
     import agents.experiment_store as store
 
@@ -55,7 +84,7 @@ def test_the_driver_file_is_held_and_rewritten_while_the_run_goes_and_removed_af
     with store.DrivingExperiment(experiment):
         with open(os.path.join(experiment, store.DRIVER_FILE)) as f:
             first = json.load(f)
-        assert first["pid"] == os.getpid()
+        assert first["pid"] == os.getpid() and first["started"] == store._process_start(os.getpid())
         time.sleep(0.3)
         with open(os.path.join(experiment, store.DRIVER_FILE)) as f:
             assert json.load(f)["heartbeat"] > first["heartbeat"]
