@@ -111,8 +111,12 @@ def resume_differences(cfg: dict) -> list[str]:
     path = os.path.join(experiment_dir(cfg), RUN_CONFIG)
     if not os.path.isfile(path):
         return []
-    with open(path, encoding="utf-8") as f:
-        then = _leaves(json.load(f))
+    try:
+        with open(path, encoding="utf-8") as f:
+            then = _leaves(json.load(f))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--resume: the run's saved config {path} cannot be read ({e}); remove it to resume "
+                         "without checking the config against the run's own") from None
     now = _leaves(_as_json(cfg))
     defaults = _schema_defaults(cfg) if set(then) != set(now) else {}
 
@@ -131,7 +135,7 @@ def resume_differences(cfg: dict) -> list[str]:
 def check_resume_config(cfg: dict) -> None:
     """Refuses a `--resume` of a run a live driver is training, or whose config differs from the
     run's own, naming the keys."""
-    from agents.experiment_store import check_no_live_driver
+    from agents.experiment_store import check_no_live_driver, newest_experiment_state
 
     check_no_live_driver(experiment_dir(cfg))
     changed = resume_differences(cfg)
@@ -139,6 +143,8 @@ def check_resume_config(cfg: dict) -> None:
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         raise ValueError(f"--resume: the run goes on with the config it started with, and this one differs: "
                          f"{', '.join(changed[:3])}{more}; give the run's own config (or a new tune.name for a new run)")
+    if newest_experiment_state(experiment_dir(cfg)) is None:  # said before Ray starts
+        raise ValueError(f"--resume: no experiment to resume at {experiment_dir(cfg)}")
 
 
 def unfinished_trials(experiment: str) -> int:

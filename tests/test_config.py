@@ -566,6 +566,15 @@ def test_resume_refuses_a_config_that_differs_from_the_runs_own(tmp_path, capsys
         "error: --resume: the run goes on with the config it started with, and this one differs: "
         "stop.training_iteration (500 -> 7), training.lr (0.001 -> 0.5); give the run's own config "
         "(or a new tune.name for a new run)")
+    # the same config, and no experiment state beside it: said before Ray starts
+    same = [QUICKSTART, "--resume", *sum((["--set", s] for s in sets), [])]
+    assert one_line_cli_error(capsys, main, *same) == f"error: --resume: no experiment to resume at {tmp_path / 'r'}"
+    with open(os.path.join(experiment_dir(cfg), "run_config.json"), "w") as f:
+        f.write('{"training": {')  # damaged: named, with what to do
+    assert one_line_cli_error(capsys, main, *same) == (
+        f"error: --resume: the run's saved config {tmp_path / 'r' / 'run_config.json'} cannot be read (Expecting "
+        "property name enclosed in double quotes: line 1 column 15 (char 14)); remove it to resume without "
+        "checking the config against the run's own")
 
 
 def test_a_run_records_what_code_made_it_and_a_resume_with_other_code_says_what_changed(tmp_path):
