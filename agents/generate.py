@@ -16,44 +16,13 @@ import weakref
 
 import numpy as np
 import torch
-from ray.rllib.core import (COMPONENT_LEARNER, COMPONENT_LEARNER_GROUP, COMPONENT_RL_MODULE,
-                            DEFAULT_MODULE_ID)
 
 from agents.core import MAX_SEED, DropLogLines
 from agents.samplers import sample_rows, warp_logits
+from agents.saved_policy import (MODULE_SUBDIR, PRECISIONS, RunDirectoryError,  # noqa: F401 (importable from here)
+                                 checkpoints_under, find_module_dir)
 
-# Where an Algorithm checkpoint keeps the trained policy (RLlib's component names).
-MODULE_SUBDIR = os.path.join(COMPONENT_LEARNER_GROUP, COMPONENT_LEARNER, COMPONENT_RL_MODULE, DEFAULT_MODULE_ID)
 MAX_N = 1000  # generations per prompt, all printed (evaluate samples more and writes them to files)
-
-
-def find_module_dir(path: str) -> str:
-    path = os.path.abspath(os.path.expanduser(path))
-    for candidate in (os.path.join(path, MODULE_SUBDIR), path):
-        if os.path.isfile(os.path.join(candidate, "module_state.pt")) or os.path.isfile(
-            os.path.join(candidate, "module_state.pkl")
-        ):
-            return candidate
-    inside = checkpoints_under(path)
-    if inside:  # an experiment or trial directory: name its newest checkpoint
-        more = f" (and {len(inside) - 1} older)" if len(inside) > 1 else ""
-        raise RunDirectoryError(f"--checkpoint: {path} is a run directory, not a checkpoint; its newest checkpoint "
-                                f"is {inside[-1]}{more}")
-    raise FileNotFoundError(f"--checkpoint: {path} holds no policy (looked for {MODULE_SUBDIR})")
-
-
-class RunDirectoryError(FileNotFoundError):
-    """A checkpoint was asked for, and the path is a run (experiment or trial) directory holding some."""
-
-
-def checkpoints_under(path: str) -> list[str]:
-    """The checkpoint directories (holding a policy) under `path`, oldest first."""
-    found = set()
-    for root, dirs, files in os.walk(path):
-        if root.endswith(os.sep + MODULE_SUBDIR) and {"module_state.pt", "module_state.pkl"} & set(files):
-            found.add(root[:-len(os.sep + MODULE_SUBDIR)])
-            dirs.clear()
-    return sorted(found, key=lambda d: (os.path.getmtime(d), d))
 
 
 def load_policy(checkpoint: str):
@@ -282,9 +251,6 @@ def check_device(device: str) -> str | None:
     if where.type == "cuda" and where.index is not None and where.index >= torch.cuda.device_count():
         return f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s)"
     return None
-
-
-PRECISIONS = ("fp32", "bf16")  # a loaded policy's weights while it decodes (generate, serve)
 
 
 def check_precision(precision: str, device: str) -> str | None:

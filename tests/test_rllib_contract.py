@@ -653,3 +653,16 @@ def test_worker_log_switch_turned_off_by_the_serve_cli_at_shutdown():
 
     assert worker._worker_logs_enabled is True
     assert "if not _worker_logs_enabled:" in inspect.getsource(worker.print_worker_logs)
+
+
+def test_checkpoint_component_names_spelled_out_by_the_saved_policy_lookup():
+    # agents/saved_policy.py MODULE_SUBDIR spells out where an Algorithm checkpoint keeps its policy
+    # (so the command lines find a --checkpoint's policy without importing RLlib): RLlib's names
+    import os
+
+    from ray.rllib.core import COMPONENT_LEARNER, COMPONENT_LEARNER_GROUP, COMPONENT_RL_MODULE, DEFAULT_MODULE_ID
+
+    from agents.saved_policy import MODULE_SUBDIR
+
+    assert MODULE_SUBDIR == os.path.join(COMPONENT_LEARNER_GROUP, COMPONENT_LEARNER, COMPONENT_RL_MODULE,
+                                         DEFAULT_MODULE_ID)

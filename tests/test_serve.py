@@ -512,48 +512,67 @@ def test_ctrl_c_shuts_the_server_down_cleanly(server):
 
 
 def test_serve_cli_refuses_a_taken_port_and_a_path_without_a_policy(checkpoint, tmp_path):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        port = s.getsockname()[1]
-        taken = run("agents.serve", "--checkpoint", checkpoint, "--port", str(port), timeout=120)
-        # The port taken after the CLI's check (by another process starting at the same moment):
-        # Serve's own bind fails, and the error is the same one line, not Ray's traceback.
-        raced = subprocess.run(
-            [sys.executable, "-c", "import sys, agents.serve.cli as c; c._check_port_free = lambda *a: None; "
-             "sys.exit(c.main(sys.argv[1:]))", "--checkpoint", checkpoint, "--port", str(port),
-             "--num-replicas", "1", "--num-cpus", "0.5"],
-            cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
-        direct = run("agents.serve", "--checkpoint", checkpoint, "--port", str(free_port()),
-                     "--direct-port", str(port), timeout=120)
-    for refused in (taken, raced):
-        assert refused.returncode == 2, refused.stderr[-2000:]
-        error = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
-        assert error == [f"error: --port: cannot listen on 127.0.0.1:{port} (Address already in use)"], \
-            refused.stderr[-2000:]
-    assert len(taken.stderr.strip().splitlines()) == 1
-    assert direct.returncode == 2
-    assert direct.stderr.strip() == f"error: --direct-port: cannot listen on 127.0.0.1:{port} (Address already in use)"
-    # an address that is no host's, or not this machine's: --host is what is wrong, not --port
-    from agents.serve.cli import _check_port_free
-
-    for host, why in (("999.1.1.1", "--host: cannot listen on 999.1.1.1 ("), ("192.0.2.1", "--host: 192.0.2.1 is not an address")):
-        with pytest.raises(ValueError) as bad:
-            _check_port_free("--port", host, free_port())
-        assert str(bad.value).startswith(why), str(bad.value)
-    missing = run("agents.serve", "--checkpoint", str(tmp_path), "--port", str(free_port()), timeout=120)
-    assert missing.returncode == 2
-    assert missing.stderr.strip().startswith("error: --checkpoint:")
-    # a checkpoint whose weights were cut short: the replicas cannot load it, and the error is
-    # theirs in one line (not Serve's "Deploying application ... failed")
+    # A checkpoint whose weights were cut short: the replicas cannot load it, and the error is
+    # theirs in one line (not Serve's "Deploying application ... failed"). Its server starts a Ray
+    # instance and a replica, so it runs while the refusals below are checked. Serve tries a
+    # replica that fails to start 3 times before it fails the deployment (each try a new replica
+    # process, seconds on 2 cores); one try ends in the same error, through the same code.
     cut = tmp_path / "cut"
     shutil.copytree(checkpoint, cut)
     (state,) = cut.rglob("module_state.pkl")
     state.write_bytes(state.read_bytes()[:100])
-    broken = run("agents.serve", "--checkpoint", str(cut), "--port", str(free_port()), "--num-cpus", "0.5", timeout=300)
-    assert broken.returncode == 2, broken.stderr[-2000:]
-    assert broken.stderr.strip().startswith(f"error: --checkpoint: the policy in {cut}") and \
-        broken.stderr.strip().endswith("cannot be loaded (UnpicklingError: pickle data was truncated)"), broken.stderr[-2000:]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    broken_stderr = open(tmp_path / "broken.stderr", "w+")
+    broken = subprocess.Popen(
+        [sys.executable, "-m", "agents.serve", "--checkpoint", str(cut), "--port", str(free_port()), "--num-cpus", "0.5"],
+        cwd=ROOT, env={**env, "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"}, stdout=subprocess.DEVNULL,
+        stderr=broken_stderr, text=True, start_new_session=True)  # its own group, with its Ray processes
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            port = s.getsockname()[1]
+            taken = run("agents.serve", "--checkpoint", checkpoint, "--port", str(port), timeout=120)
+            direct = run("agents.serve", "--checkpoint", checkpoint, "--port", str(free_port()),
+                         "--direct-port", str(port), timeout=120)
+            # The port taken after the CLI's check (by another process starting at the same moment):
+            # Serve's own bind fails, and the error is the same one line, not Ray's traceback.
+            raced = subprocess.run(
+                [sys.executable, "-c", "import sys, agents.serve.cli as c; c._check_port_free = lambda *a: None; "
+                 "sys.exit(c.main(sys.argv[1:]))", "--checkpoint", checkpoint, "--port", str(port),
+                 "--num-replicas", "1", "--num-cpus", "0.5"],
+                cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        for refused in (taken, raced):
+            assert refused.returncode == 2, refused.stderr[-2000:]
+            error = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+            assert error == [f"error: --port: cannot listen on 127.0.0.1:{port} (Address already in use)"], \
+                refused.stderr[-2000:]
+        assert len(taken.stderr.strip().splitlines()) == 1
+        assert direct.returncode == 2
+        assert direct.stderr.strip() == f"error: --direct-port: cannot listen on 127.0.0.1:{port} (Address already in use)"
+        # an address that is no host's, or not this machine's: --host is what is wrong, not --port
+        from agents.serve.cli import _check_port_free
+
+        for host, why in (("999.1.1.1", "--host: cannot listen on 999.1.1.1 ("), ("192.0.2.1", "--host: 192.0.2.1 is not an address")):
+            with pytest.raises(ValueError) as bad:
+                _check_port_free("--port", host, free_port())
+            assert str(bad.value).startswith(why), str(bad.value)
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        missing = run("agents.serve", "--checkpoint", str(empty), "--port", str(free_port()), timeout=120)
+        assert missing.returncode == 2
+        assert missing.stderr.strip().startswith("error: --checkpoint:")
+        broken.wait(timeout=300)
+    finally:
+        if broken.poll() is None:  # the test failed first: the server and its Ray processes go
+            os.killpg(broken.pid, signal.SIGKILL)
+            broken.wait()
+        broken_stderr.seek(0)
+        broken_err = broken_stderr.read()
+        broken_stderr.close()
+    assert broken.returncode == 2, broken_err[-2000:]
+    assert broken_err.strip().startswith(f"error: --checkpoint: the policy in {cut}") and \
+        broken_err.strip().endswith("cannot be loaded (UnpicklingError: pickle data was truncated)"), broken_err[-2000:]
 
 
 @pytest.mark.slow

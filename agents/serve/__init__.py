@@ -47,7 +47,9 @@ The package:
     replies.py      the replies: /generate's, OpenAI's objects and streamed chunks, OpenAI's error object
     replica.py      `Policy`: the checkpoint in one replica, checking requests and generating
     application.py  the FastAPI `app` (routes, errors, `BodyLimit`) and its Serve deployment
-                    (`PolicyServer`, `replica_options`, `make_app`)
+                    (`PolicyServer`, `make_app`)
+    options.py      the batching defaults and `replica_options` (fixed replicas or autoscaling):
+                    standard library only, so the command line refuses bad flags before Ray starts
     cli.py          `main`: the command line (replicas, autoscaling, ports, shutdown)
     launch.py       start `python -m agents.serve` from Python and wait for it (`ServeProcess`)
 
@@ -59,11 +61,12 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "agents.serve.application": ("MAX_BODY_BYTES", "MAX_ONGOING_REQUESTS", "BodyLimit", "PolicyServer", "app",
-                                 "make_app", "max_ongoing_requests", "replica_options"),
+    "agents.serve.application": ("MAX_BODY_BYTES", "BodyLimit", "PolicyServer", "app", "make_app"),
     "agents.serve.cli": ("APP_NAME", "main"),
     "agents.serve.batching": ("Batcher", "Busy", "Completion", "Job"),
-    "agents.serve.replica": ("BATCH_ROWS", "MAX_QUEUE", "Policy", "alone_results", "replica_policy", "unknown_words"),
+    "agents.serve.options": ("BATCH_ROWS", "MAX_QUEUE", "MAX_ONGOING_REQUESTS", "max_ongoing_requests",
+                             "replica_options"),
+    "agents.serve.replica": ("Policy", "alone_results", "replica_policy", "unknown_words"),
     "agents.serve.requests": ("MAX_PROMPT_CHARS", "MAX_REFERENCES", "MAX_SEED", "ROUTES", "BadRequest",
                               "CompletionRequest", "CompletionResponse", "GenerateRequest", "GenerateResponse",
                               "error_line"),

@@ -1,6 +1,7 @@
 """The HTTP application and its Serve deployment: one FastAPI `app` (`BodyLimit`, the error
-handlers, the routes), `PolicyServer` (one replica, `@serve.ingress(app)`), `replica_options`
-(fixed replicas or autoscaling) and `make_app` (the Serve application).
+handlers, the routes), `PolicyServer` (one replica, `@serve.ingress(app)`) and `make_app` (the
+Serve application; `replica_options`, fixed replicas or autoscaling, is agents/serve/options.py's
+and importable from here too).
 
 The routes are module functions on one FastAPI `app` that take the replica's
 `Policy` as a FastAPI dependency (`replica_policy`), so the same application
@@ -28,20 +29,15 @@ from pydantic import BaseModel
 from ray import serve
 from starlette.exceptions import HTTPException
 
-from agents.serve.batching import BATCH_BLOCK, Busy
-from agents.serve.replica import BATCH_ROWS, MAX_QUEUE, Policy, replica_policy
+from agents.serve.batching import Busy
+from agents.serve.options import (BATCH_BLOCK, BATCH_ROWS, MAX_ONGOING_REQUESTS, MAX_QUEUE,  # noqa: F401
+                                  max_ongoing_requests, replica_options)  # (importable from here as before)
+from agents.serve.replica import Policy, replica_policy
 from agents.serve.replies import Chunks, openai_error, reply, sse
 from agents.serve.requests import (ROUTES, BadRequest, ChatCompletionResponse, ChatRequest, CompletionRequest,
                                    CompletionResponse, GenerateRequest, GenerateResponse, error_line)
 
 MAX_BODY_BYTES = 1 << 20
-MAX_ONGOING_REQUESTS = 8  # per replica without batching: validation answers while a generation runs
-
-
-def max_ongoing_requests(batch_rows: int = BATCH_ROWS, max_queue: int = MAX_QUEUE) -> int:
-    """Requests Serve lets into one replica at a time: every row and queue place, and some more,
-    so that the replica (not Serve's proxy) answers a full queue with 429; without batching, 8."""
-    return batch_rows + max_queue + MAX_ONGOING_REQUESTS if batch_rows > 0 else MAX_ONGOING_REQUESTS
 
 logger = logging.getLogger(__name__)
 
@@ -278,38 +274,6 @@ class PolicyServer:
         self.policy = Policy(checkpoint, max_samples, batch_rows, max_queue, device=device, batch_block=batch_block,
                              precision=precision)
         self.policy.replica = serve.get_replica_context().replica_tag
-
-
-def replica_options(num_replicas: int | None = None, min_replicas: int | None = None,
-                    max_replicas: int | None = None, target_ongoing_requests: float | None = None, *,
-                    max_ongoing: int = MAX_ONGOING_REQUESTS, default_target: float = 2.0) -> dict:
-    """Serve deployment options for a fixed number of replicas or for autoscaling (when
-    `max_replicas` is given); raises ValueError naming the flag for a combination that cannot work.
-    `max_ongoing`: the requests a replica takes at a time (`max_ongoing_requests`);
-    `default_target`: the autoscaling target when none is given."""
-    if max_replicas is None:
-        for flag, value in (("--min-replicas", min_replicas), ("--target-ongoing-requests", target_ongoing_requests)):
-            if value is not None:
-                raise ValueError(f"{flag} needs --max-replicas (autoscaling runs between --min-replicas and it)")
-        n = 1 if num_replicas is None else num_replicas
-        if n < 1:
-            raise ValueError(f"--num-replicas must be >= 1 (got {n})")
-        return {"num_replicas": n}
-    lo = 1 if min_replicas is None else min_replicas
-    if lo < 0:
-        raise ValueError(f"--min-replicas must be >= 0 (got {lo})")
-    if max_replicas < max(lo, 1):
-        raise ValueError(f"--max-replicas must be >= 1 and >= --min-replicas {lo} (got {max_replicas})")
-    start = max(lo, 1) if num_replicas is None else num_replicas
-    if not lo <= start <= max_replicas:
-        raise ValueError(f"--num-replicas (the replicas to start with when autoscaling) must lie in "
-                         f"[--min-replicas, --max-replicas] = [{lo}, {max_replicas}] (got {start})")
-    target = default_target if target_ongoing_requests is None else target_ongoing_requests
-    if not 0 < target <= max_ongoing:
-        raise ValueError(f"--target-ongoing-requests must be in (0, {max_ongoing}] (a replica takes "
-                         f"{max_ongoing} requests at a time; got {target:g})")
-    return {"autoscaling_config": {"min_replicas": lo, "max_replicas": max_replicas, "initial_replicas": start,
-                                   "target_ongoing_requests": target}}
 
 
 def make_app(checkpoint: str, *, num_replicas: int = 1, num_cpus: float = 0.5, max_samples: int = 16,

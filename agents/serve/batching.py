@@ -45,13 +45,9 @@ import numpy as np
 import torch
 
 from agents.samplers import row_tokens
+from agents.serve.options import BATCH_BLOCK  # decode steps per block (defined with the CLI's other defaults)
 
 logger = logging.getLogger(__name__)
-
-# Decode steps per block: rows join, leave and stream between blocks, and the host reads the
-# tokens once per block (on a GPU the block's steps replay captured graphs with the head, each
-# row's sampler and the draw inside).
-BATCH_BLOCK = 8
 
 
 class Busy(RuntimeError):

@@ -58,12 +58,10 @@ import socket
 import sys
 import time
 
-from ray import serve
-
-from agents.generate import PRECISIONS
-from agents.serve.application import make_app, max_ongoing_requests, replica_options
-from agents.serve.batching import BATCH_BLOCK
-from agents.serve.replica import BATCH_ROWS, MAX_QUEUE
+# The flags, the ports and the checkpoint are checked with these alone (the standard library):
+# Ray, Serve, torch and the application are imported once they pass, so bad input is refused at once.
+from agents.saved_policy import PRECISIONS, find_module_dir
+from agents.serve.options import BATCH_BLOCK, BATCH_ROWS, MAX_QUEUE, max_ongoing_requests, replica_options
 
 APP_NAME = "policy"
 SERVE_PROXY_GRPC = "RAY_SERVE_PROXY_USE_GRPC"  # read by Serve's proxy: gRPC to the replicas ("1")
@@ -242,8 +240,6 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     prefix = args.route_prefix.rstrip("/")
 
-    from agents.generate import find_module_dir
-
     external = bool(os.environ.get("RAY_ADDRESS"))
     try:
         find_module_dir(args.checkpoint)
@@ -259,7 +255,10 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
     checkpoint = os.path.abspath(os.path.expanduser(args.checkpoint))
 
     import ray
+    from ray import serve
     from ray._private import worker as ray_worker
+
+    from agents.serve.application import make_app
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     started = False

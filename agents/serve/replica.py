@@ -18,14 +18,12 @@ import threading
 
 from ray import serve
 
-from agents.serve.batching import BATCH_BLOCK, Batcher, Completion, Job
+from agents.serve.batching import Batcher, Completion, Job
+from agents.serve.options import BATCH_BLOCK, BATCH_ROWS, MAX_QUEUE
 from agents.serve.requests import (MAX_SEED, ROUTES, BadRequest, ChatRequest, CompletionRequest,
                                    GenerateRequest)
 from env.text_env import env_setting
 from env.tokenization import unknown_words
-
-BATCH_ROWS = 16  # rows stepping together in a replica (--batch-rows)
-MAX_QUEUE = 256  # completions that may wait for a row before a request is refused with 429 (--max-queue)
 
 
 # -- the policy in one replica (no Ray: usable and testable in-process) ----------------------
