@@ -277,9 +277,9 @@ def evaluate(models: list[Model], env_config: dict, *, split: str = "test", gree
 
     if not models:
         raise EvalError("models: none given")
-    error = check_precision(precision, str(next(models[0].lm.parameters()).device))
-    if error:
-        raise EvalError(error.removeprefix("--"))
+    for device in dict.fromkeys(str(next(m.lm.parameters()).device) for m in models):  # each GPU the models are on
+        if error := check_precision(precision, device):
+            raise EvalError(error.removeprefix("--"))
 
     task = make_task(env_config["task"], max_new_tokens=env_config["max_new_tokens"])
     examples = task.examples(split)[:max_examples]

@@ -257,8 +257,10 @@ def check_precision(precision: str, device: str) -> str | None:
     """The --precision error line, None for a precision the device has."""
     if precision not in PRECISIONS:
         return f"--precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}"
+    from agents.models import gpu_has_bf16
+
     where = torch.device(device)
-    if precision == "bf16" and where.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if precision == "bf16" and where.type == "cuda" and not gpu_has_bf16(where):  # emulated bf16 counts as none
         return f"--precision bf16: {torch.cuda.get_device_name(where)} has no bf16; use fp32"
     return None
 

@@ -347,3 +347,26 @@ def test_evaluate_refuses_an_unknown_precision_in_one_line_before_generating(set
         evaluate([Model(setup["dirs"][0])], setup["env_config"], precision="fp16", log=lines.append)
     assert str(err.value) == "precision: expected one of fp32, bf16, got 'fp16'"
     assert lines == []  # no model generated
+
+
+def test_bf16_is_refused_on_a_gpu_that_would_only_emulate_it_for_each_models_device(setup, monkeypatch):
+    """bf16 needs it in the GPU's hardware (a V100 emulates it, slowly): `check_precision` asks
+    `gpu_has_bf16` of the device given, and `evaluate` checks the device of every model, not the
+    first one's alone. (On this CPU machine the GPUs are stand-ins: the answers are patched.)"""
+    import agents.generate
+    import agents.models
+
+    monkeypatch.setattr(agents.models, "gpu_has_bf16", lambda device=None: device.index != 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"GPU {device.index}")
+    assert agents.generate.check_precision("bf16", "cuda:0") is None
+    assert agents.generate.check_precision("bf16", "cuda:1") == "--precision bf16: GPU 1 has no bf16; use fp32"
+    assert agents.generate.check_precision("fp32", "cuda:1") is None
+
+    asked = []
+    monkeypatch.setattr(agents.generate, "check_precision",
+                        lambda precision, device: asked.append(device) or ("--precision bf16: no" if device == "meta" else None))
+    on_cpu, elsewhere = Model(setup["dirs"][0]), Model(setup["dirs"][0])
+    elsewhere.lm = torch.nn.Linear(2, 2, device="meta")  # a second model on another device
+    with pytest.raises(ValueError, match="^precision bf16: no$"):
+        evaluate([on_cpu, elsewhere], setup["env_config"], precision="bf16", log=lambda line: None)
+    assert asked == ["cpu", "meta"]
