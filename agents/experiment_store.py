@@ -331,9 +331,10 @@ STALE_S = 60.0  # a file not rewritten for this long is a dead driver's (on anot
 
 def live_driver(experiment: str) -> str | None:
     """A description of the driver training `experiment` now, or None. On this machine: its
-    process is alive and is the one that wrote the file (its start time), however long ago it
-    last wrote it (a driver stopped with Ctrl-Z, or starved, still holds the experiment); where
-    start times cannot be read, and on another machine: the file was rewritten within STALE_S."""
+    process is alive (not a zombie) and, where it is the one that wrote the file (its start
+    time), however long ago it last wrote it (a driver stopped with Ctrl-Z, or starved, still
+    holds the experiment); otherwise (start times unknown, the number another process's now, or
+    another machine): the file was rewritten within STALE_S."""
     import json
     import socket
 
@@ -344,27 +345,17 @@ def live_driver(experiment: str) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if host == socket.gethostname():
-        if not _alive(pid):
+        state = _process_state(pid)
+        if not _alive(pid) or (state and state[0] in "ZX"):  # gone, or a zombie its parent has not reaped
             return None
-        started, now = driver.get("started"), _process_start(pid)
-        if started is not None and now is not None:
-            if started != now:  # its number was reused by another process
-                return None
-            stopped = " (stopped or starved: `kill -CONT` or end it)" if age > STALE_S else ""
+        started = driver.get("started")
+        if started is not None and state and state[1] == started:  # the process that wrote the file
+            stopped = f"; stopped or starved? `kill -CONT {pid}` or end it" if age > STALE_S else ""
             return f"process {pid} on {host} (its last sign {max(age, 0):.0f}s ago{stopped})"
+        # else its number may be another process's now: judged by its heartbeat, as on another machine
     if age > STALE_S:
         return None
     return f"process {pid} on {host} (its last sign {max(age, 0):.0f}s ago)"
-
-
-def _process_start(pid: int) -> str | None:
-    """When the process started, in the kernel's clock ticks since boot (Linux's /proc); None
-    where that cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 def _alive(pid: int) -> bool:
@@ -375,6 +366,22 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
+
+
+def _process_state(pid: int) -> tuple[str, str] | None:
+    """The process's state letter (R, S, T stopped, Z zombie, ...) and when it started, in the
+    kernel's clock ticks since boot (Linux's /proc); None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the name, which may hold anything
+        return fields[0].decode("ascii", "replace"), fields[19].decode("ascii", "replace")
+    except (OSError, IndexError):
+        return None
+
+
+def _process_start(pid: int) -> str | None:
+    state = _process_state(pid)
+    return state[1] if state else None
 
 
 def check_no_live_driver(experiment: str) -> None:

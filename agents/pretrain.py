@@ -24,7 +24,7 @@ decoder's inputs the same way.
 
 Every `training.checkpoint_every` steps (100) the model, optimizer and data order are saved to
 `output_dir/pretrain_checkpoint.pt`; `--resume` goes on from there exactly (with the same config
-but for `training.log_every`, `checkpoint_every` and `eval_batches`), and the file is removed
+but for `training.log_every` and `checkpoint_every`), and the file is removed
 when the run ends.
 
 With a built-in model (`tiny-gpt2`) and no `model.tokenizer`, the tokenizer is
@@ -336,8 +336,8 @@ CHECKPOINT = "pretrain_checkpoint.pt"  # in output_dir while a warm start runs; 
 
 
 # what a --resume may set anew: none of it changes the weights the run ends with (CPU threads do,
-# in the last bits: a sum's order)
-RESUME_MAY_CHANGE = ("training.log_every", "training.checkpoint_every", "training.eval_batches")
+# in the last bits: a sum's order) or what its held-out figures are measured on (eval_batches)
+RESUME_MAY_CHANGE = ("training.log_every", "training.checkpoint_every")
 
 
 def pretrain(cfg: dict, log=print, resume: bool = False) -> dict:

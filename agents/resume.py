@@ -51,7 +51,10 @@ def code_versions() -> dict:
     commit = None
     if os.path.exists(os.path.join(root, ".git")):  # not an installed copy inside someone else's repository
         def git(*args):
-            return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10)
+            # no optional locks: `git status` would otherwise take the index's lock and rewrite it,
+            # and a user's `git add` at that moment would fail on index.lock
+            return subprocess.run(["git", "--no-optional-locks", "-C", root, *args], capture_output=True, text=True,
+                                  timeout=10)
         try:
             head = git("rev-parse", "HEAD")
             if head.returncode == 0:

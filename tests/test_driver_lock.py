@@ -54,7 +54,7 @@ def test_a_stopped_driver_on_this_machine_still_holds_its_experiment(tmp_path):
     continued: on this machine its process, the one that wrote the file (its start time), holds
     the experiment however old the file is. Once it is gone, or its number belongs to another
     process, nothing does; another machine's driver silent past STALE_S holds nothing."""
-    from agents.experiment_store import STALE_S, _process_start, live_driver
+    from agents.experiment_store import STALE_S, _process_start, _process_state, live_driver
 
     experiment = str(tmp_path / "run")
     driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -64,9 +64,13 @@ def test_a_stopped_driver_on_this_machine_still_holds_its_experiment(tmp_path):
         os.kill(driver.pid, signal.SIGSTOP)
         _driver_file(experiment, driver.pid, age=STALE_S * 5, started=started)
         held = live_driver(experiment)
-        assert held and f"process {driver.pid}" in held and "stopped or starved" in held, held
-        _driver_file(experiment, driver.pid, age=STALE_S * 5, started=str(int(started) - 1))  # a reused number
+        assert held and f"process {driver.pid}" in held and f"`kill -CONT {driver.pid}`" in held, held
+        # its number reused by another process: judged by the heartbeat (a live driver in another
+        # process namespace under the same host name, as containers sharing a volume can be)
+        _driver_file(experiment, driver.pid, age=STALE_S * 5, started=str(int(started) - 1))
         assert live_driver(experiment) is None
+        _driver_file(experiment, driver.pid, age=1, started=str(int(started) - 1))
+        assert f"process {driver.pid}" in live_driver(experiment)
         _driver_file(experiment, driver.pid, host="another-node", age=STALE_S * 5, started=started)
         assert live_driver(experiment) is None
     finally:
@@ -74,6 +78,18 @@ def test_a_stopped_driver_on_this_machine_still_holds_its_experiment(tmp_path):
         driver.wait()
     _driver_file(experiment, driver.pid, age=0, started=started)
     assert live_driver(experiment) is None
+    # killed, and not yet reaped by its parent (a zombie, which signal 0 still finds): dead
+    zombie = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        started = _process_start(zombie.pid)
+        zombie.kill()
+        while _process_state(zombie.pid)[0] != "Z":
+            time.sleep(0.01)
+        _driver_file(experiment, zombie.pid, age=0, started=started)
+        assert live_driver(experiment) is None
+    finally:
+        zombie.kill()
+        zombie.wait()
 
 
 def test_the_driver_file_is_held_and_rewritten_while_the_run_goes_and_removed_after(tmp_path, monkeypatch):

@@ -254,7 +254,7 @@ def test_scheduled_sampling_draws_nothing_for_no_positions():
 def test_an_interrupted_warm_start_resumes_exactly_and_a_fresh_run_does_not_take_it_over(corpus, tmp_path):
     """Killed at step 8 of 12 (its checkpoint at 6): a fresh run into the same output_dir is refused
     in one line, --resume goes on from step 6 with the same data order and scheduled-sampling draws
-    (how often it saves set anew; a changed lr refused), and ends with the weights an uninterrupted
+    (how often it logs and saves set anew; a changed lr refused), and ends with the weights an uninterrupted
     run gets; the checkpoint is gone after it."""
     import os
 
@@ -281,10 +281,12 @@ def test_an_interrupted_warm_start_resumes_exactly_and_a_fresh_run_does_not_take
         pretrain(cut, log=lambda line: None)
     with pytest.raises(ValueError, match=r"^--resume: .* differs: training.lr$"):
         pretrain(config(corpus, tmp_path / "cut", **knobs, lr=1e-3), log=lambda line: None, resume=True)
-    lines = []  # how often it saves may change: the weights do not
-    pretrain(config(corpus, tmp_path / "cut", **knobs | dict(checkpoint_every=4, eval_batches=2)), log=lines.append,
+    with pytest.raises(ValueError, match=r"^--resume: .* differs: training.eval_batches$"):  # another held-out set
+        pretrain(config(corpus, tmp_path / "cut", **knobs, eval_batches=2), log=lambda line: None, resume=True)
+    lines = []  # how often it logs and saves may change: the weights do not
+    pretrain(config(corpus, tmp_path / "cut", **knobs | dict(log_every=2, checkpoint_every=4)), log=lines.append,
              resume=True)
-    assert lines[0].startswith("resumed at step 6/12") and lines[1].startswith("step     7/12")
+    assert lines[0].startswith("resumed at step 6/12") and lines[1].startswith("step     8/12")
     assert not os.path.exists(tmp_path / "cut" / CHECKPOINT)
     whole, resumed = (AutoModelForCausalLM.from_pretrained(tmp_path / d) for d in ("whole", "cut"))
     for (name, a), b in zip(whole.named_parameters(), resumed.parameters()):

@@ -511,6 +511,21 @@ def test_ctrl_c_shuts_the_server_down_cleanly(server):
         socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
 
 
+def test_serve_cli_refuses_bad_input_before_it_imports_ray_or_torch(tmp_path):
+    """A wrong flag or checkpoint is refused at once: the command line checks them before it
+    imports Ray, Serve, torch, transformers or FastAPI (seconds on a laptop)."""
+    probe = ("import atexit, sys; from agents.serve.cli import main; "
+             "atexit.register(lambda: print(sorted({'ray', 'torch', 'transformers', 'fastapi'} & set(sys.modules)))); "
+             "sys.exit(main(sys.argv[1:]))")
+    for argv, error in ((["--checkpoint", str(tmp_path)], "error: --checkpoint: "),
+                        (["--checkpoint", str(tmp_path), "--precision", "fp16"],
+                         "python -m agents.serve: error: --precision")):
+        refused = subprocess.run([sys.executable, "-c", probe, *argv], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=60)
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(error), refused.stderr
+        assert refused.stdout.strip() == "[]", refused.stdout
+
+
 def test_serve_cli_refuses_a_taken_port_and_a_path_without_a_policy(checkpoint, tmp_path):
     # A checkpoint whose weights were cut short: the replicas cannot load it, and the error is
     # theirs in one line (not Serve's "Deploying application ... failed"). Its server starts a Ray

@@ -429,3 +429,30 @@ def test_a_resume_deletes_the_checkpoints_no_trial_names(before_and_after, tmp_p
     assert sorted(os.path.basename(p) for p in remove_unnamed_checkpoints(trials)) == \
         ["checkpoint_000007", "checkpoint_000042"]
     assert sorted(glob.glob(os.path.join(trial, "checkpoint_*"))) == named
+
+
+def test_a_checkpoint_another_trial_names_is_kept(tmp_path):
+    """PBT restores a trial from another's checkpoint: that trial names it (its latest), so it
+    stays though its own trial's retention dropped it; a trial without a folder yet is passed
+    over. (Trials here are stand-ins with the attributes the function reads.)"""
+    from types import SimpleNamespace
+
+    import pyarrow.fs
+
+    from agents.experiment_store import remove_unnamed_checkpoints
+
+    def trial(name, kept=(), latest=None):
+        results = [SimpleNamespace(checkpoint=SimpleNamespace(path=str(tmp_path / p))) for p in kept]
+        latest = SimpleNamespace(checkpoint=SimpleNamespace(path=str(tmp_path / latest))) if latest else None
+        storage = SimpleNamespace(storage_filesystem=pyarrow.fs.LocalFileSystem(), trial_fs_path=str(tmp_path / name))
+        return SimpleNamespace(run_metadata=SimpleNamespace(checkpoint_manager=SimpleNamespace(_checkpoint_results=results)),
+                               latest_checkpoint_result=latest, storage=storage)
+
+    for path in ("a/checkpoint_000001", "b/checkpoint_000001", "b/checkpoint_000002", "b/checkpoint_000003"):
+        (tmp_path / path).mkdir(parents=True)
+    strong = trial("b", kept=["b/checkpoint_000003"], latest="b/checkpoint_000003")
+    weak = trial("a", kept=["a/checkpoint_000001"], latest="b/checkpoint_000002")  # cloned from b's
+    unstarted = trial("c")
+    assert remove_unnamed_checkpoints([strong, weak, unstarted]) == [str(tmp_path / "b" / "checkpoint_000001")]
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*/checkpoint_*")) == \
+        ["a/checkpoint_000001", "b/checkpoint_000002", "b/checkpoint_000003"]
