@@ -62,9 +62,8 @@ def code_versions() -> dict:
                 commit = head.stdout.strip() + ("+changes" if changed else "")
         except (OSError, subprocess.SubprocessError):  # no git on this machine
             pass
-    versions = {"tokenmdp": importlib.metadata.version("tokenmdp"), "commit": commit,
-                "python": platform.python_version()}
-    for name in LIBRARIES:
+    versions = {"tokenmdp": None, "commit": commit, "python": platform.python_version()}
+    for name in ("tokenmdp", *LIBRARIES):  # tokenmdp: None where the code runs from a checkout not installed
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

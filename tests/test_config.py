@@ -577,7 +577,7 @@ def test_resume_refuses_a_config_that_differs_from_the_runs_own(tmp_path, capsys
         "checking the config against the run's own")
 
 
-def test_a_run_records_what_code_made_it_and_a_resume_with_other_code_says_what_changed(tmp_path):
+def test_a_run_records_what_code_made_it_and_a_resume_with_other_code_says_what_changed(tmp_path, monkeypatch):
     """Beside its config, a run saves the project's version and commit and the libraries'
     versions (versions.json); a --resume under other code (an upgrade, a new commit) goes on,
     and says first what differs."""
@@ -601,6 +601,16 @@ def test_a_run_records_what_code_made_it_and_a_resume_with_other_code_says_what_
     assert version_changes(cfg) == [f"commit 0123abc -> {now['commit']}", f"torch 2.0.0 -> {torch.__version__}"]
     os.remove(os.path.join(experiment_dir(cfg), VERSIONS))  # a run from before versions.json
     assert version_changes(cfg) == []
+    import importlib.metadata
+
+    installed = importlib.metadata.version  # run from a checkout that was not installed: recorded as None
+
+    def version(name):
+        if name == "tokenmdp":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed(name)
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert code_versions()["tokenmdp"] is None and code_versions()["torch"] == torch.__version__
 
 
 def test_a_fresh_run_under_an_interrupted_runs_name_is_refused_in_one_line(tmp_path, capsys):
