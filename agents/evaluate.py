@@ -94,7 +94,7 @@ class Model:
     """One model to evaluate: its policy, LM, tokenizer and (for checkpoints) its env config."""
 
     def __init__(self, path: str, name: str | None = None):
-        from agents.generate import find_module_dir
+        from agents.saved_policy import find_module_dir
 
         self.path = os.path.abspath(os.path.expanduser(path))
         if not os.path.exists(self.path):
@@ -121,7 +121,7 @@ class Model:
             from env.tokenization import load_tokenizer
 
             if not any(os.path.isfile(os.path.join(self.path, f)) for f in ("config.json", "adapter_config.json")):
-                from agents.generate import RunDirectoryError
+                from agents.saved_policy import RunDirectoryError
 
                 if isinstance(not_a_checkpoint, RunDirectoryError):  # MODEL is positional, not --checkpoint
                     raise EvalError(str(not_a_checkpoint).removeprefix("--checkpoint: "))

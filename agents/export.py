@@ -41,7 +41,8 @@ import argparse
 import os
 import sys
 
-from agents.generate import find_module_dir, load_policy
+from agents.generate import load_policy
+from agents.saved_policy import find_module_dir
 
 # sampler name -> (its parameter, the GenerationConfig field with the same keep rule)
 GENERATION_FIELDS = {

@@ -19,8 +19,7 @@ import torch
 
 from agents.core import MAX_SEED, DropLogLines
 from agents.samplers import sample_rows, warp_logits
-from agents.saved_policy import (MODULE_SUBDIR, PRECISIONS, RunDirectoryError,  # noqa: F401 (importable from here)
-                                 checkpoints_under, find_module_dir)
+from agents.saved_policy import PRECISIONS, find_module_dir
 
 MAX_N = 1000  # generations per prompt, all printed (evaluate samples more and writes them to files)
 

@@ -1,7 +1,7 @@
 """Where a checkpoint keeps its policy, and the precisions a loaded policy decodes in: what the
 command lines (`agents.serve`, `agents.generate`, `agents.export`, `agents.evaluate`) check of a
 `--checkpoint` before anything is loaded. The standard library only, so a wrong path is refused
-before torch, RLlib or Ray are imported (`agents.generate` re-exports these names).
+before torch, RLlib or Ray are imported.
 """
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ import torch  # noqa: E402
 
 def load(path: str, env_cfg: dict, seed: int):
     """A PPO checkpoint's policy, or an encoder-decoder model directory wrapped as one."""
-    from agents.generate import find_module_dir, load_policy
+    from agents.generate import load_policy
+    from agents.saved_policy import find_module_dir
     from agents.modules.seq2seq import Seq2SeqActorCritic
 
     try:

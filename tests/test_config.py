@@ -181,7 +181,8 @@ def test_lora_modules_the_model_lacks_are_refused_before_ray_starts(capsys):
 def test_a_truncated_checkpoint_is_refused_in_one_line_naming_it(tmp_path, capsys):
     from agents.config import algorithm_config, load
     from agents.export import main as export
-    from agents.generate import MODULE_SUBDIR, main as generate
+    from agents.generate import main as generate
+    from agents.saved_policy import MODULE_SUBDIR
     from env.text_env import TokenGenerationEnv
 
     algo_config = algorithm_config(load(QUICKSTART, []))
@@ -206,7 +207,8 @@ def test_a_truncated_checkpoint_is_refused_in_one_line_naming_it(tmp_path, capsy
 def test_generate_refuses_prompt_words_outside_the_vocabulary_naming_the_prompt(tmp_path, capsys):
     """A word-level task encodes an unknown word as EOS: the prompt would silently end there."""
     from agents.config import algorithm_config, load
-    from agents.generate import MODULE_SUBDIR, main as generate
+    from agents.generate import main as generate
+    from agents.saved_policy import MODULE_SUBDIR
     from env.text_env import TokenGenerationEnv
 
     algo_config = algorithm_config(load(QUICKSTART, []))
@@ -257,7 +259,7 @@ def test_generate_rejects_a_path_without_a_policy(tmp_path, capsys):
     # an experiment directory: its newest checkpoint is named
     import time
 
-    from agents.generate import MODULE_SUBDIR
+    from agents.saved_policy import MODULE_SUBDIR
 
     for n in (5, 10):
         policy = tmp_path / "exp" / "trial_0" / f"checkpoint_{n:06d}" / MODULE_SUBDIR

@@ -226,7 +226,7 @@ def test_cli_bad_input_is_one_line(setup, tmp_path, capsys):
     missing = str(tmp_path / "nothing")
     assert _cli_error(capsys, missing) == f"error: {missing}: no such checkpoint or model directory"
     assert "neither a checkpoint" in _cli_error(capsys, str(tmp_path))
-    from agents.generate import MODULE_SUBDIR
+    from agents.saved_policy import MODULE_SUBDIR
 
     policy = tmp_path / "exp" / "trial_0" / "checkpoint_000003" / MODULE_SUBDIR
     policy.mkdir(parents=True)

@@ -268,7 +268,7 @@ def test_a_missing_target_module_is_one_line():
 @pytest.fixture(scope="module")
 def lora_checkpoint(tmp_path_factory):
     from agents.config import algorithm_config, load
-    from agents.generate import MODULE_SUBDIR
+    from agents.saved_policy import MODULE_SUBDIR
     from tests.conftest import QUICKSTART
 
     cfg = load(QUICKSTART, ["model.lora.r=4", "model.lora.modules_to_save=[ln_f]", "training.precision=bf16"])
@@ -344,7 +344,7 @@ def test_lora_checkpoint_generates_and_serves(lora_checkpoint):
 def test_export_of_adapters_from_a_policy_without_them_is_one_line(tmp_path, capsys):
     from agents.config import algorithm_config, load
     from agents.export import main
-    from agents.generate import MODULE_SUBDIR
+    from agents.saved_policy import MODULE_SUBDIR
     from tests.conftest import QUICKSTART, one_line_cli_error
 
     algo_config = algorithm_config(load(QUICKSTART, []))

@@ -619,7 +619,7 @@ def test_rlmodule_config_deprecation_logger_quieted_by_load_policy(tmp_path):
     assert deprecation.logger.name == "ray._common.deprecation"
     assert 'old="RLModule(config=[RLModuleConfig object])"' in inspect.getsource(rl_module)
     from agents.config import algorithm_config, load
-    from agents.generate import MODULE_SUBDIR
+    from agents.saved_policy import MODULE_SUBDIR
     from env.text_env import TokenGenerationEnv
     from tests.conftest import QUICKSTART
 

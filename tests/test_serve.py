@@ -35,7 +35,7 @@ TOL = 1e-4  # logits of the served (KV-cached) and exported (full) forward passe
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     from agents.config import algorithm_config, load
-    from agents.generate import MODULE_SUBDIR
+    from agents.saved_policy import MODULE_SUBDIR
     from env.text_env import TokenGenerationEnv
 
     cfg = load(QUICKSTART, ["sampler.name=top_k", f"sampler.k={TOP_K}"])

@@ -203,7 +203,7 @@ def test_a_cancelled_job_frees_its_row_and_drops_its_waiting_completions_at_the_
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from agents.generate import MODULE_SUBDIR
+    from agents.saved_policy import MODULE_SUBDIR
 
     path = tmp_path_factory.mktemp("checkpoint")
     build_module().save_to_path(str(path / MODULE_SUBDIR))

@@ -25,7 +25,7 @@ def checkpoint(tmp_path_factory):
     import yaml
 
     from agents.config import algorithm_config, load
-    from agents.generate import MODULE_SUBDIR
+    from agents.saved_policy import MODULE_SUBDIR
     from env.text_env import TokenGenerationEnv
     from env.tokenization import word_level_tokenizer
 

@@ -1,7 +1,6 @@
 """The HTTP application and its Serve deployment: one FastAPI `app` (`BodyLimit`, the error
 handlers, the routes), `PolicyServer` (one replica, `@serve.ingress(app)`) and `make_app` (the
-Serve application; `replica_options`, fixed replicas or autoscaling, is agents/serve/options.py's
-and importable from here too).
+Serve application; `replica_options`, fixed replicas or autoscaling, is agents/serve/options.py's).
 
 The routes are module functions on one FastAPI `app` that take the replica's
 `Policy` as a FastAPI dependency (`replica_policy`), so the same application
@@ -30,8 +29,7 @@ from ray import serve
 from starlette.exceptions import HTTPException
 
 from agents.serve.batching import Busy
-from agents.serve.options import (BATCH_BLOCK, BATCH_ROWS, MAX_ONGOING_REQUESTS, MAX_QUEUE,  # noqa: F401
-                                  max_ongoing_requests, replica_options)  # (importable from here as before)
+from agents.serve.options import BATCH_BLOCK, BATCH_ROWS, MAX_QUEUE, max_ongoing_requests
 from agents.serve.replica import Policy, replica_policy
 from agents.serve.replies import Chunks, openai_error, reply, sse
 from agents.serve.requests import (ROUTES, BadRequest, ChatCompletionResponse, ChatRequest, CompletionRequest,

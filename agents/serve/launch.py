@@ -38,7 +38,7 @@ def untrained_checkpoint(config: str, path: str, overrides=()) -> str:
     returns `path`."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from agents.config import algorithm_config, load
-    from agents.generate import MODULE_SUBDIR
+    from agents.saved_policy import MODULE_SUBDIR
     from env.text_env import TokenGenerationEnv
 
     algo_config = algorithm_config(load(config, list(overrides)))
