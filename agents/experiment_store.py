@@ -6,8 +6,9 @@ in `tests/test_rllib_contract.py`:
 
 * `store_experiments_safely` installs both fixes below on the driver (once per process):
 * `upload_whole_files` (for a local storage path): Tune's background copy of the experiment
-  (`_FilesystemSyncer._sync_up_command`) writes each file whole and renames it into place, the
-  experiment's state last: a driver killed at any moment of the copy leaves a state that resumes.
+  (`_FilesystemSyncer._sync_up_command`) writes each file whole and renames it into place, the top
+  folder's files (the experiment's state among them) last and as one (`PLACING`): a driver killed
+  at any moment of the copy leaves a state that resumes.
   Copies of one folder in flight at once place their files in the order they were started.
 * Deferred checkpoint deletion: Tune's retention (`checkpoint.num_to_keep`) deletes a trial's
   oldest checkpoint as soon as a new one registers (`_CheckpointManager.register_checkpoint`,
@@ -21,18 +22,23 @@ in `tests/test_rllib_contract.py`:
   a pickle named .json, failed the copy's JSON check and never reached the storage path, so a
   resumed sweep lost the trials not yet made); a scheduler that can (ASHA, `agents.pbt`) is saved
   with them and restored on `--resume` (`TuneController.save_to_dir`, `.resume`).
-* `check_experiment_state` removes a killed copy's partial files and refuses, in one line, a state
-  cut short by Tune's own copy (storage that is not local).
-* `DrivingExperiment` (with `live_driver`, `check_no_live_driver`): one driver per experiment, by a
-  lock file with a heartbeat (no private name).
+* `check_experiment_state` finishes a killed copy's renames of the top folder's files, removes its
+  partial files, and refuses, in one line, a state cut short by Tune's own copy (storage that is
+  not local).
+
+One driver per experiment: `agents.driver_lock`.
 """
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import threading
 import time
+
+from agents.driver_lock import DRIVER_FILE
+from agents.whole_files import PARTIAL_NAME, partial_path
 
 def newest_experiment_state(experiment: str) -> str | None:
     """The experiment's newest saved state file, as Tune picks it (by name: the run's start time)."""
@@ -45,10 +51,11 @@ def check_experiment_state(experiment: str) -> None:
     """Removes the partial files of a copy that was killed (`upload_whole_files`), and refuses, in
     one line, an experiment whose saved state is empty or cut short (a run of an older version,
     whose copy wrote the files in place, killed during it): Tune would start the run afresh under
-    the old name or wait forever for a trial that never starts."""
+    the old name or wait forever for a trial that never starts. First it finishes the renames of a
+    copy killed while it put the top folder's files in place (`finish_placing`)."""
     import glob
-    import json
 
+    finish_placing(experiment)
     # what a copy killed midway left beside its target (the target itself is whole: old or new)
     for path in glob.glob(os.path.join(glob.escape(experiment), "**", "*"), recursive=True, include_hidden=True):
         if PARTIAL_NAME.search(os.path.basename(path)) and os.path.isfile(path):
@@ -64,8 +71,6 @@ def check_experiment_state(experiment: str) -> None:
                          "while Tune was copying it to the storage path); there is nothing to resume from") from None
 
 
-PARTIAL = ".partial-"  # a file being copied to the storage path: <name>.partial-<pid>-<thread>
-PARTIAL_NAME = re.compile(r"\.partial-\d+-\d+$")
 
 
 def _excluded(rel: str, exclude) -> bool:
@@ -99,8 +104,6 @@ def _read_whole(source: str, rel: str) -> bytes | None:
     so does the caller; the experiment's state (JSON) written by a save that did not hold it must
     parse, else it is read again (a few times, then left out of this copy). The others (the search
     algorithm's state, the callbacks') are written whole."""
-    import json
-
     for _ in range(5):
         try:
             with open(source, "rb") as f:
@@ -130,14 +133,71 @@ _PLACE_LOCK = threading.Lock()
 _placed_by: dict[str, int] = {}  # storage folder -> the order of the newest copy that placed a file there
 
 
+def _newest_copy(folder: str, order: int | None) -> bool:
+    """Whether the copy `order` may place files in `folder` (no newer copy has); holds _PLACE_LOCK."""
+    if order is not None:
+        if order < _placed_by.get(folder, 0):
+            return False
+        _placed_by[folder] = order
+    return True
+
+
 def _place(partial: str, target: str, folder: str, order: int | None) -> bool:
     with _PLACE_LOCK:
-        if order is not None:
-            if order < _placed_by.get(folder, 0):
-                return False
-            _placed_by[folder] = order
+        if not _newest_copy(folder, order):
+            return False
         os.replace(partial, target)
     return True
+
+
+# The top folder's files are renamed into place as one: a journal naming them ([[partial, name], ...],
+# both in the top folder) is put in place first, then each file, then the journal is removed. A copy
+# killed among the renames is finished by `finish_placing` before a resume: the search algorithm's
+# state is never newer than the experiment's (the trials it made in between would be lost), nor the
+# experiment's newer than the search algorithm's (which would make those trials again).
+PLACING = "placing.journal"
+
+
+def _place_together(written: list[tuple[str, str]], folder: str, tag: str, order: int | None) -> bool:
+    """Renames the files `written` ((partial, target), all in one folder) into place as one
+    (`PLACING`); `folder`, `order`: as `_place`'s."""
+    if len(written) == 1:  # one rename is atomic by itself
+        return _place(*written[0], folder, order)
+    journal = os.path.join(os.path.dirname(written[0][1]), PLACING)
+    with _PLACE_LOCK:
+        if not _newest_copy(folder, order):
+            return False
+        _write(journal + tag, json.dumps([[os.path.basename(p), os.path.basename(t)] for p, t in written]).encode())
+        os.replace(journal + tag, journal)
+        for partial, target in written:
+            os.replace(partial, target)
+        os.remove(journal)
+    return True
+
+
+def finish_placing(experiment: str) -> list[str]:
+    """Finishes the renames of a copy killed while it put the top folder's files in place (its
+    journal names them; each file renamed already is gone from its partial name). Returns the
+    files put in place. Run where no driver copies to `experiment` (before a resume)."""
+    journal = os.path.join(experiment, PLACING)
+    try:
+        with open(journal, "rb") as f:
+            pairs = json.loads(f.read())
+    except FileNotFoundError:
+        return []
+    except ValueError:  # placed whole by a rename, so never cut short; damaged otherwise: the old files stand
+        pairs = []
+    placed = []
+    for pair in pairs if isinstance(pairs, list) else ():
+        if not (isinstance(pair, list) and len(pair) == 2 and all(
+                isinstance(n, str) and n and os.path.basename(n) == n and n not in (".", "..") for n in pair)):
+            continue  # only names in the top folder
+        partial, name = pair
+        if os.path.isfile(os.path.join(experiment, partial)):
+            os.replace(os.path.join(experiment, partial), os.path.join(experiment, name))
+            placed.append(name)
+    os.remove(journal)
+    return placed
 
 
 def upload_whole_files(local_path: str, fs_path: str, exclude=None, order: int | None = None) -> list[str]:
@@ -154,11 +214,11 @@ def upload_whole_files(local_path: str, fs_path: str, exclude=None, order: int |
     for root, _, names in os.walk(local_path):
         for name in names:
             rel = os.path.relpath(os.path.join(root, name), local_path).replace(os.sep, "/")
-            if not PARTIAL_NAME.search(name) and not _excluded(rel, exclude) and rel != DRIVER_FILE:
+            if not PARTIAL_NAME.search(name) and not _excluded(rel, exclude) and rel not in (DRIVER_FILE, PLACING):
                 copies.append((rel, os.path.join(local_path, rel), os.path.join(fs_path, rel)))
 
     # a copy of its own per thread: Tune starts another after a copy that ran past its timeout
-    tag = f"{PARTIAL}{os.getpid()}-{threading.get_ident()}"
+    tag = partial_path("")
     # the top folder's files (the experiment's state, the search algorithm's, the callbacks', the
     # scheduler's): the experiment's state last, the newest of them last (Tune resumes from it)
     states = sorted((c for c in copies if "/" not in c[0]), key=lambda c: (c[0].startswith("experiment_state-"), c[0]))
@@ -170,18 +230,28 @@ def upload_whole_files(local_path: str, fs_path: str, exclude=None, order: int |
     with SAVE_LOCK:
         read = [(rel, target, data) for rel, source, target in states
                 if (data := _read_whole(source, rel)) is not None]
-    for rel, target, source in [*((rel, target, source) for rel, source, target in others), *read]:
-        partial = target + tag  # source: a trial's file, or the bytes of a top-folder file read above
+    for rel, source, target in others:
+        partial = target + tag
         try:
-            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-            if isinstance(source, bytes):
-                _write(partial, source)
-            elif not _whole_copy(source, partial, rel):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if not _whole_copy(source, partial, rel):
                 continue
             if not _place(partial, target, fs_path, order):
-                break  # a newer copy placed its files: this one's are older
+                return placed  # a newer copy placed its files: this one's are older
             placed.append(rel)
         finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+    written = []  # the top folder's files, written beside their targets, then put in place as one
+    try:
+        for rel, target, data in read:
+            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+            _write(target + tag, data)
+            written.append((target + tag, target))
+        if written and _place_together(written, fs_path, tag, order):
+            placed += [rel for rel, _, _ in read]
+    finally:
+        for partial, _ in written:
             if os.path.exists(partial):
                 os.remove(partial)
     return placed
@@ -317,139 +387,3 @@ def hook_experiment_saves() -> None:
     save_to_dir.saves_scheduler, save_to_dir.original = True, original_save
     resume.original = original_resume
     TuneController.save_to_dir, TuneController.resume = save_to_dir, resume
-
-
-# One driver per experiment: a second one (another --resume, or the same command in a second
-# terminal) would write into the live trials' folders and a newer experiment state beside theirs.
-# {"pid", "host", "started", "heartbeat"}: the driver training the experiment now. Not .json:
-# Tune's resume copies the experiment's .json and .pkl files into the driver's staging folder,
-# whose files its copies put back, so a .json lock would come back with a frozen heartbeat.
-DRIVER_FILE = "driver.lock"
-HEARTBEAT_S = 5.0  # how often the driver rewrites it
-STALE_S = 60.0  # a file not rewritten for this long is a dead driver's (on another machine)
-
-
-def live_driver(experiment: str) -> str | None:
-    """A description of the driver training `experiment` now, or None. On this machine: its
-    process is alive (not a zombie) and, where it is the one that wrote the file (its start
-    time), however long ago it last wrote it (a driver stopped with Ctrl-Z, or starved, still
-    holds the experiment); otherwise (start times unknown, the number another process's now, or
-    another machine): the file was rewritten within STALE_S."""
-    import json
-    import socket
-
-    try:
-        with open(os.path.join(experiment, DRIVER_FILE)) as f:
-            driver = json.load(f)
-        pid, host, age = int(driver["pid"]), str(driver["host"]), time.time() - float(driver["heartbeat"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if host == socket.gethostname():
-        state = _process_state(pid)
-        if not _alive(pid) or (state and state[0] in "ZX"):  # gone, or a zombie its parent has not reaped
-            return None
-        started = driver.get("started")
-        if started is not None and state and state[1] == started:  # the process that wrote the file
-            stopped = f"; stopped or starved? `kill -CONT {pid}` or end it" if age > STALE_S else ""
-            return f"process {pid} on {host} (its last sign {max(age, 0):.0f}s ago{stopped})"
-        # else its number may be another process's now: judged by its heartbeat, as on another machine
-    if age > STALE_S:
-        return None
-    return f"process {pid} on {host} (its last sign {max(age, 0):.0f}s ago)"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def _process_state(pid: int) -> tuple[str, str] | None:
-    """The process's state letter (R, S, T stopped, Z zombie, ...) and when it started, in the
-    kernel's clock ticks since boot (Linux's /proc); None where that cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()  # after the name, which may hold anything
-        return fields[0].decode("ascii", "replace"), fields[19].decode("ascii", "replace")
-    except (OSError, IndexError):
-        return None
-
-
-def _process_start(pid: int) -> str | None:
-    state = _process_state(pid)
-    return state[1] if state else None
-
-
-def check_no_live_driver(experiment: str) -> None:
-    """Refuses, in one line, an experiment another live driver is training."""
-    driver = live_driver(experiment)
-    if driver:
-        raise ValueError(f"the run {os.path.basename(experiment)!r} is being trained now by {driver}: stop it "
-                         f"first, or use another tune.name (a driver that died leaves {DRIVER_FILE} in the "
-                         f"experiment, stale after {STALE_S:.0f}s)")
-
-
-class DrivingExperiment:
-    """`with DrivingExperiment(experiment):` holds the experiment's driver file for the block,
-    rewriting it every HEARTBEAT_S seconds from a thread; refuses an experiment a live driver holds."""
-
-    def __init__(self, experiment: str):
-        self.path = os.path.join(experiment, DRIVER_FILE)
-        self.experiment = experiment
-        self._stop = threading.Event()
-        self._thread = None
-
-    def _write(self, exclusive: bool = False) -> None:
-        """Rewrites the driver file (whole, then renamed into place); `exclusive`: creates it, and
-        raises FileExistsError where it exists (two drivers starting at once: one gets it)."""
-        import json
-        import socket
-
-        partial = f"{self.path}{PARTIAL}{os.getpid()}-{threading.get_ident()}"
-        with open(partial, "w") as f:
-            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": _process_start(os.getpid()),
-                       "heartbeat": time.time()}, f)
-        try:
-            if exclusive:
-                try:
-                    os.link(partial, self.path)  # fails where the file exists: only one driver creates it
-                    return
-                except FileExistsError:
-                    raise
-                except OSError:  # a filesystem without hard links: held, though not exclusively
-                    pass
-            os.replace(partial, self.path)
-        finally:
-            if os.path.exists(partial):
-                os.remove(partial)
-
-    def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                self._write()
-            except OSError:  # the storage is away for a moment: the next beat tries again
-                pass
-
-    def __enter__(self):
-        os.makedirs(self.experiment, exist_ok=True)
-        try:
-            self._write(exclusive=True)
-        except FileExistsError:  # a live driver's (refused), or a dead one's (taken over)
-            check_no_live_driver(self.experiment)
-            self._write()
-        self._thread = threading.Thread(target=self._beat, name="experiment-driver-heartbeat", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        try:
-            os.remove(self.path)
-        except OSError:
-            pass
-        return False

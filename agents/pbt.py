@@ -12,6 +12,7 @@ import json
 import os
 
 from agents.algorithms.base import COMMON_TRAINING
+from agents.whole_files import write_whole
 from env.validation import ConfigError, is_search_space as _is_search_space, unknown_key
 
 
@@ -194,9 +195,7 @@ def resumable_asha_class():
 
 def write_json(path: str, state: dict, **dump_options) -> None:
     """Writes `state` whole, then renames it into place (a kill leaves the previous one)."""
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(state, f, **dump_options)
-    os.replace(path + ".tmp", path)
+    write_whole(path, lambda f: f.write(json.dumps(state, **dump_options).encode("utf-8")))
 
 
 def make_pbt(cfg: dict, *, keep_running: bool = False):

@@ -137,7 +137,8 @@ def resume_differences(cfg: dict) -> list[str]:
 def check_resume_config(cfg: dict) -> None:
     """Refuses a `--resume` of a run a live driver is training, or whose config differs from the
     run's own, naming the keys."""
-    from agents.experiment_store import check_no_live_driver, newest_experiment_state
+    from agents.driver_lock import check_no_live_driver
+    from agents.experiment_store import PLACING, newest_experiment_state
 
     check_no_live_driver(experiment_dir(cfg))
     changed = resume_differences(cfg)
@@ -145,7 +146,9 @@ def check_resume_config(cfg: dict) -> None:
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         raise ValueError(f"--resume: the run goes on with the config it started with, and this one differs: "
                          f"{', '.join(changed[:3])}{more}; give the run's own config (or a new tune.name for a new run)")
-    if newest_experiment_state(experiment_dir(cfg)) is None:  # said before Ray starts
+    # said before Ray starts (a killed copy's unfinished renames may place one: agents.train's resume)
+    if newest_experiment_state(experiment_dir(cfg)) is None and not os.path.isfile(
+            os.path.join(experiment_dir(cfg), PLACING)):
         raise ValueError(f"--resume: no experiment to resume at {experiment_dir(cfg)}")
 
 
@@ -167,7 +170,7 @@ def check_fresh_run(cfg: dict) -> None:
     """Refuses, in one line, a fresh run (no --resume) under the name of a live or an interrupted
     one: it would take over the experiment (its saved config and state), and the interrupted run
     could not resume."""
-    from agents.experiment_store import check_no_live_driver
+    from agents.driver_lock import check_no_live_driver
 
     experiment = experiment_dir(cfg) if cfg["tune"]["name"] else None
     if experiment:

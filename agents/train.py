@@ -197,7 +197,7 @@ def run(cfg: dict, *, resume: bool = False, verbose: bool = False, quiet: bool =
     """Trains the experiment (or goes on with it: `resume`); returns (the ResultGrid, the progress
     callback, the experiment's directory, seconds). It holds the experiment's driver lock from
     before anything is written there until the run ends: one driver per experiment."""
-    from agents.experiment_store import DrivingExperiment
+    from agents.driver_lock import DrivingExperiment
 
     name = cfg["tune"]["name"] or "run-" + time.strftime("%Y%m%d-%H%M%S")
     with DrivingExperiment(os.path.join(os.path.abspath(cfg["tune"]["storage_path"]), name)):
@@ -273,9 +273,9 @@ def _run(cfg: dict, name: str, *, resume: bool, verbose: bool, quiet: bool):
     param_space = algorithm_config(cfg)
     trainable = param_space.algo_class  # LMPPO, A3C or LMDQN: Tune gets the class, not a registered name
     if resume:
+        check_experiment_state(experiment)  # first: it finishes a killed copy's renames
         if not tune.Tuner.can_restore(experiment):
             raise ValueError(f"--resume: no experiment to resume at {experiment}")
-        check_experiment_state(experiment)
         drop_restored_trial_decisions()
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_errored=True, param_space=param_space)
         # The restored run config carries the callbacks pickled at the start; print through this

@@ -18,7 +18,7 @@ from tests.test_reproducibility import TINY
 
 
 def _driver_file(experiment, pid, host=None, age=0.0, started=None):
-    from agents.experiment_store import DRIVER_FILE
+    from agents.driver_lock import DRIVER_FILE
 
     os.makedirs(experiment, exist_ok=True)
     with open(os.path.join(experiment, DRIVER_FILE), "w") as f:
@@ -27,7 +27,7 @@ def _driver_file(experiment, pid, host=None, age=0.0, started=None):
 
 
 def test_a_live_driver_is_told_from_a_dead_one(tmp_path):
-    from agents.experiment_store import STALE_S, check_no_live_driver, live_driver
+    from agents.driver_lock import STALE_S, check_no_live_driver, live_driver
 
     experiment = str(tmp_path / "run")
     assert live_driver(experiment) is None  # no driver file
@@ -54,7 +54,7 @@ def test_a_stopped_driver_on_this_machine_still_holds_its_experiment(tmp_path):
     continued: on this machine its process, the one that wrote the file (its start time), holds
     the experiment however old the file is. Once it is gone, or its number belongs to another
     process, nothing does; another machine's driver silent past STALE_S holds nothing."""
-    from agents.experiment_store import STALE_S, _process_start, _process_state, live_driver
+    from agents.driver_lock import STALE_S, _process_start, _process_state, live_driver
 
     experiment = str(tmp_path / "run")
     driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -93,20 +93,20 @@ def test_a_stopped_driver_on_this_machine_still_holds_its_experiment(tmp_path):
 
 
 def test_the_driver_file_is_held_and_rewritten_while_the_run_goes_and_removed_after(tmp_path, monkeypatch):
-    import agents.experiment_store as store
+    import agents.driver_lock as lock
 
-    monkeypatch.setattr(store, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(lock, "HEARTBEAT_S", 0.05)
     experiment = str(tmp_path / "run")
-    with store.DrivingExperiment(experiment):
-        with open(os.path.join(experiment, store.DRIVER_FILE)) as f:
+    with lock.DrivingExperiment(experiment):
+        with open(os.path.join(experiment, lock.DRIVER_FILE)) as f:
             first = json.load(f)
-        assert first["pid"] == os.getpid() and first["started"] == store._process_start(os.getpid())
+        assert first["pid"] == os.getpid() and first["started"] == lock._process_start(os.getpid())
         time.sleep(0.3)
-        with open(os.path.join(experiment, store.DRIVER_FILE)) as f:
+        with open(os.path.join(experiment, lock.DRIVER_FILE)) as f:
             assert json.load(f)["heartbeat"] > first["heartbeat"]
         with pytest.raises(ValueError, match="is being trained now"):
-            store.DrivingExperiment(experiment).__enter__()  # a second one in the same process
-    assert not os.path.exists(os.path.join(experiment, store.DRIVER_FILE))
+            lock.DrivingExperiment(experiment).__enter__()  # a second one in the same process
+    assert not os.path.exists(os.path.join(experiment, lock.DRIVER_FILE))
 
 
 def _cli(*args):

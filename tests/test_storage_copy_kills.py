@@ -22,7 +22,7 @@ from tests.test_reproducibility import TINY
 
 # Runs the copy from argv[1] to argv[2] in a process that SIGKILLs itself at step argv[3] (a step:
 # before a file's copy or write, halfway through writing it, before renaming it into place); prints the
-# number of steps when it is not killed.
+# number of steps and the step before the top folder's journal is put in place when it is not killed.
 KILLED_COPY = r"""
 import os, shutil, signal, sys
 import agents.experiment_store as store
@@ -37,6 +37,7 @@ def step():
     steps += 1
 
 replace = os.replace
+journal_at = None  # the step before the journal of the top folder's renames is put in place
 
 def copyfile(src, dst):
     step()
@@ -58,12 +59,15 @@ def write(path, data):  # a file of the top folder, read into memory first
         f.write(data[len(data) // 2:])
 
 def replace_step(src, dst):
+    global journal_at
+    if os.path.basename(dst) == store.PLACING:
+        journal_at = steps
     step()
     replace(src, dst)
 
 shutil.copyfile, os.replace, store._write = copyfile, replace_step, write
 store.upload_whole_files(source, target)
-print(steps)
+print(steps, journal_at)
 """
 
 
@@ -76,7 +80,7 @@ def _cli(*args):
 def _copied_files(experiment) -> set[str]:
     """The files Tune copies from the driver's staging folder: all but the checkpoints (which a
     trial writes to the storage path itself) and the partial file a copy killed midway left."""
-    from agents.experiment_store import PARTIAL_NAME
+    from agents.whole_files import PARTIAL_NAME
 
     files = set()
     for path in glob.glob(os.path.join(experiment, "**"), recursive=True):
@@ -135,21 +139,39 @@ def _checkpoints_tune_resumes_from(experiment) -> list[str]:
 
 @pytest.mark.slow
 def test_a_copy_killed_at_any_point_leaves_whole_files_and_a_state_that_resumes(before_and_after, tmp_path):
-    from agents.experiment_store import PARTIAL, check_experiment_state
+    from agents.experiment_store import PLACING, check_experiment_state
+    from agents.whole_files import PARTIAL
 
     before, after, staging = before_and_after
     copied = _copied_files(after)
     assert any(r.startswith("experiment_state-") for r in copied) and any(r.endswith("result.json") for r in copied)
-    steps = int(_copy_killed_at(staging, tmp_path / "probe", 10 ** 9).stdout)
-    assert steps == 3 * len(copied) >= 20, (steps, sorted(copied))
+    steps, journal_at = map(int, _copy_killed_at(staging, tmp_path / "probe", 10 ** 9).stdout.split())
+    # each file copied or written in two halves, then renamed (3 steps); the top folder's journal likewise
+    assert steps == 3 * len(copied) + 3 >= 20, (steps, sorted(copied))
+    # the top folder's files this copy changes (the experiment's state, the search algorithm's, ...)
+    changed_top = {r for r in copied if "/" not in r
+                   and not ((before / r).is_file() and filecmp.cmp(before / r, after / r, shallow=False))}
+    assert len(changed_top) >= 2 and any(r.startswith("experiment_state-") for r in changed_top), changed_top
+
+    def version(target, rel):
+        if (target / rel).is_file() and filecmp.cmp(target / rel, after / rel, shallow=False):
+            return "after"
+        if (before / rel).is_file() and (target / rel).is_file():
+            return "before" if filecmp.cmp(target / rel, before / rel, shallow=False) else "neither"
+        return "before" if not (target / rel).exists() else "neither"
 
     for kill_at in range(steps):
         target = tmp_path / f"killed_at_{kill_at}"
         _storage_before_the_copy(before, after, target)
         result = _copy_killed_at(staging, target, kill_at)
         assert result.returncode == -signal.SIGKILL, (kill_at, result.stderr[-2000:])
-        check_experiment_state(str(target))  # removes the partial file a kill halfway left
+        # finishes the renames a kill among the top folder's files left, removes the partial files
+        check_experiment_state(str(target))
         assert not glob.glob(os.path.join(target, "**", f"*{PARTIAL}*"), recursive=True)
+        assert not (target / PLACING).exists()
+        # the top folder's files are all of one save: as before the copy until its journal is in place, then copied
+        versions = {rel: version(target, rel) for rel in changed_top}
+        assert set(versions.values()) == {"before" if kill_at <= journal_at else "after"}, (kill_at, versions)
         for rel in copied | _copied_files(before):
             got = target / rel
             versions = [v / rel for v in (before, after) if (v / rel).is_file()]
@@ -166,13 +188,14 @@ def test_a_copy_killed_at_any_point_leaves_whole_files_and_a_state_that_resumes(
 
 @pytest.mark.slow
 def test_a_run_whose_copy_was_killed_before_its_new_state_resumes_to_the_end(before_and_after, tmp_path):
-    """The last point before the new experiment state is renamed into place: every trial file is
-    the new one, the state the old one (the trial at its iteration-2 checkpoint, not finished)."""
+    """The last point before the top folder's files are renamed into place (the step before their
+    journal is): every trial file is the new one, the state the old one (the trial at its
+    iteration-2 checkpoint, not finished)."""
     before, after, staging = before_and_after
-    steps = 3 * len(_copied_files(after))
+    journal_at = int(_copy_killed_at(staging, tmp_path / "probe", 10 ** 9).stdout.split()[1])
     target = tmp_path / "storage" / "run"
     _storage_before_the_copy(before, after, target)
-    assert _copy_killed_at(staging, target, steps - 1).returncode == -signal.SIGKILL
+    assert _copy_killed_at(staging, target, journal_at).returncode == -signal.SIGKILL
     newest_state = max(glob.glob(os.path.join(target, "experiment_state-*.json")))
     rel = os.path.relpath(newest_state, target)
     assert (before / rel).is_file() and filecmp.cmp(newest_state, before / rel, shallow=False)
@@ -191,11 +214,35 @@ def test_a_run_whose_copy_was_killed_before_its_new_state_resumes_to_the_end(bef
     assert iterations == [1, 2, 3], iterations
 
 
+def test_a_resume_finishes_the_renames_a_killed_copy_left_in_its_own_folder_only(tmp_path):
+    """A copy killed among the top folder's renames (its journal in place, one file renamed, one
+    not): the check before a resume renames the rest; a name that leaves the folder is ignored."""
+    from agents.experiment_store import PLACING, check_experiment_state, newest_experiment_state
+
+    experiment, tag = tmp_path / "run", ".partial-12-34"
+    experiment.mkdir()
+    (tmp_path / "outside").write_text("kept")
+    (experiment / f"experiment_state-2026.json{tag}").write_text('{"trial_data": []}')  # not renamed yet
+    (experiment / "searcher-state-2026.pkl").write_text("new")  # renamed before the kill
+    (experiment / f"escape{tag}").write_text("moved?")
+    (experiment / f"other.json{tag}").write_text("a partial file no journal names")
+    (experiment / PLACING).write_text(json.dumps([
+        [f"searcher-state-2026.pkl{tag}", "searcher-state-2026.pkl"],
+        [f"experiment_state-2026.json{tag}", "experiment_state-2026.json"],
+        [f"escape{tag}", "../outside"]]))
+    check_experiment_state(str(experiment))
+    assert newest_experiment_state(str(experiment)) == str(experiment / "experiment_state-2026.json")
+    assert (experiment / "searcher-state-2026.pkl").read_text() == "new"
+    assert (tmp_path / "outside").read_text() == "kept"
+    assert sorted(os.listdir(experiment)) == ["experiment_state-2026.json", "searcher-state-2026.pkl"]
+
+
 def test_a_copy_leaves_out_what_tune_is_still_writing(tmp_path):
     """The driver saves its state and appends results while the copy of the previous save runs:
     a state that does not parse yet keeps the storage's previous one, a result line being
     written is left for the next copy, and a killed copy's partial file is removed on --resume."""
-    from agents.experiment_store import PARTIAL, check_experiment_state, upload_whole_files
+    from agents.experiment_store import check_experiment_state, upload_whole_files
+    from agents.whole_files import PARTIAL
 
     staging, storage = tmp_path / "staging", tmp_path / "storage"
     (staging / "trial").mkdir(parents=True)
