@@ -42,6 +42,7 @@ import torch
 
 from agents.config import read_yaml
 from agents.schema import check_section, check_sections_known
+from agents.whole_files import write_whole
 from env.validation import ConfigError, Field as F, directory_error, first_line
 from env.tasks.data import DATA_OPTIONS, DataError, DataSpec, load_rows
 
@@ -386,7 +387,9 @@ def pretrain(cfg: dict, log=print, resume: bool = False) -> dict:
     held_batches = [batch_of(held_ex[i:i + bs], pad) for i in range(0, len(held_ex), bs)][:t["eval_batches"]]
     eval_before = saved["eval_before"] if saved else evaluate(held_batches) if held_batches else None
     if eval_before is not None and not saved:
-        log(f"held-out cross-entropy before: {eval_before:.4f} nats/token ({len(held_ex)} examples)")
+        n = min(len(held_ex), bs * t["eval_batches"])  # the examples evaluated (training.eval_batches of them)
+        of = f" of the split's {len(held_ex)}" if n < len(held_ex) else ""
+        log(f"held-out cross-entropy before: {eval_before:.4f} nats/token ({n} examples{of})")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -433,10 +436,10 @@ def pretrain(cfg: dict, log=print, resume: bool = False) -> dict:
             seen, tokens, start = 0, 0, time.perf_counter()
         if t["checkpoint_every"] and (step + 1) % t["checkpoint_every"] == 0 and step + 1 < t["steps"]:
             os.makedirs(out, exist_ok=True)  # whole, then renamed into place: a kill leaves the last one
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "gen": gen.get_state(),
-                        "step": step + 1, "order": order, "cursor": cursor, "losses": losses, "cfg": cfg,
-                        "eval_before": eval_before}, os.path.join(out, CHECKPOINT + ".tmp"))
-            os.replace(os.path.join(out, CHECKPOINT + ".tmp"), os.path.join(out, CHECKPOINT))
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "gen": gen.get_state(),
+                     "step": step + 1, "order": order, "cursor": cursor, "losses": losses, "cfg": cfg,
+                     "eval_before": eval_before}
+            write_whole(os.path.join(out, CHECKPOINT), lambda f: torch.save(state, f))
     eval_after = evaluate(held_batches) if held_batches else None
     if eval_after is not None:
         log(f"held-out cross-entropy after: {eval_after:.4f} nats/token (before: {eval_before:.4f})")

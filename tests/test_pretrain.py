@@ -37,6 +37,7 @@ def test_pretraining_lowers_held_out_cross_entropy_and_saves_a_loadable_dir(warm
     result, lines = warm_start
     assert result["eval_after"] < result["eval_before"] - 1.0  # from ~log(V) = 4 nats to well below
     assert any(line.startswith("step    20/60  loss") and "tokens/s" in line for line in lines)
+    assert lines[0].startswith("held-out cross-entropy before: ") and lines[0].endswith(" (40 examples)")
     model = AutoModelForCausalLM.from_pretrained(result["output_dir"])
     tok = AutoTokenizer.from_pretrained(result["output_dir"])
     text = "the film was very good . i loved it ."
@@ -200,10 +201,11 @@ def test_cli_runs_and_ends_with_the_output_dir(tmp_path, corpus):
     cfg = tmp_path / "c.yaml"
     out = tmp_path / "out"
     cfg.write_text(f"output_dir: {out}\ndata:\n  dataset: {{train: {corpus['train']}, validation: {corpus['validation']}}}\n"
-                   "training: {steps: 4, batch_size: 8, log_every: 2, num_threads: 1}\n")
+                   "training: {steps: 4, batch_size: 8, log_every: 2, num_threads: 1, eval_batches: 2}\n")
     run = run_module("agents.pretrain", str(cfg), timeout=120)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
+    assert lines[0].endswith(" nats/token (16 examples of the split's 40)"), lines[0]  # 2 batches of 8
     assert lines[-1] == f"saved model and tokenizer to {out}"
     assert sum(line.startswith("step ") and "tokens/s" in line for line in lines) == 2
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
