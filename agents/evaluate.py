@@ -29,7 +29,8 @@ directories (a trial directory, or an experiment directory holding several), rea
 from each trial's `result.json` (else `progress.csv`).
 
 Bad input (a missing model or run, an unknown metric, a config error) stops with one
-line naming it, exit code 2.
+line naming it, exit code 2; a wrong flag, MODEL or RUN path before torch, transformers or RLlib
+are imported (they are imported where they are needed).
 """
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ import os
 import sys
 
 import numpy as np
-import torch
 
-from agents.curves import EvalError, plot_curves
+from agents.curves import EvalError, find_trials, plot_curves
+from agents.saved_policy import RunDirectoryError, find_module_dir
 from env.validation import first_line
 
 SENTIMENT_REWARDS = ("sentiment", "vader")
@@ -94,17 +95,9 @@ class Model:
     """One model to evaluate: its policy, LM, tokenizer and (for checkpoints) its env config."""
 
     def __init__(self, path: str, name: str | None = None):
-        from agents.saved_policy import find_module_dir
-
         self.path = os.path.abspath(os.path.expanduser(path))
-        if not os.path.exists(self.path):
-            raise EvalError(f"{path}: no such checkpoint or model directory")
+        self.kind = model_kind(path)
         self.name = name or _short_name(self.path)
-        try:
-            find_module_dir(self.path)
-            self.kind = "checkpoint"
-        except FileNotFoundError as e:
-            self.kind, not_a_checkpoint = "hf", e
         if self.kind == "checkpoint":
             from agents.generate import load_policy
 
@@ -120,13 +113,6 @@ class Model:
             from agents.models import is_encoder_decoder, load_pretrained_lm
             from env.tokenization import load_tokenizer
 
-            if not any(os.path.isfile(os.path.join(self.path, f)) for f in ("config.json", "adapter_config.json")):
-                from agents.saved_policy import RunDirectoryError
-
-                if isinstance(not_a_checkpoint, RunDirectoryError):  # MODEL is positional, not --checkpoint
-                    raise EvalError(str(not_a_checkpoint).removeprefix("--checkpoint: "))
-                raise EvalError(f"{path}: neither a checkpoint from agents.train nor a model directory "
-                                "(no config.json or adapter_config.json)")
             try:
                 self.lm = load_pretrained_lm(self.path)  # a plain model, or a LoRA adapter merged into its base
                 seq2seq = is_encoder_decoder(self.lm)
@@ -153,6 +139,8 @@ class Model:
         when it is the reference, keeps its fp32 weights."""
         if precision == "fp32":
             return self.policy
+        import torch
+
         from agents.generate import decode_in
 
         policy = copy.deepcopy(self.policy)
@@ -160,6 +148,26 @@ class Model:
             return decode_in(policy, precision)
         policy.lm.to(torch.bfloat16)
         return policy
+
+
+def model_kind(path: str) -> str:
+    """What a MODEL path is: "checkpoint" (from agents.train) or "hf" (a Hugging Face model or LoRA
+    adapter directory); else an EvalError naming it. The standard library only: the command line
+    checks every path with it before it imports torch."""
+    where = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(where):
+        raise EvalError(f"{path}: no such checkpoint or model directory")
+    try:
+        find_module_dir(where)
+        return "checkpoint"
+    except FileNotFoundError as e:
+        not_a_checkpoint = e
+    if not any(os.path.isfile(os.path.join(where, f)) for f in ("config.json", "adapter_config.json")):
+        if isinstance(not_a_checkpoint, RunDirectoryError):  # MODEL is positional, not --checkpoint
+            raise EvalError(str(not_a_checkpoint).removeprefix("--checkpoint: "))
+        raise EvalError(f"{path}: neither a checkpoint from agents.train nor a model directory "
+                        "(no config.json or adapter_config.json)")
+    return "hf"
 
 
 def _short_name(path: str) -> str:
@@ -409,17 +417,14 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not args.models and not args.curves:
         parser.error("give models to evaluate, --curves RUN, or both")
-    if args.threads and args.threads > 0:
-        torch.set_num_threads(args.threads)
-    from agents.core import no_transformers_bars
-
-    no_transformers_bars()
     try:
-        from agents.generate import check_device, check_precision, check_seed, use_device
+        from agents.generate import check_device, check_device_name, check_precision, check_seed, use_device
         from env.validation import directory_error
 
-        for error in (directory_error("--out", args.out), check_seed(args.seed),
-                      check_device(args.device) or check_precision(args.precision, args.device)):
+        # The flags and paths first, with the standard library alone (a wrong one is refused at once),
+        # then what needs torch: the seed's bound, the device's presence, its bf16.
+        for error in (directory_error("--out", args.out),
+                      check_device_name(args.device) or check_precision(args.precision, "cpu")):  # the names alone
             if error:
                 raise EvalError(error)
         if args.threads is not None and args.threads < 1:
@@ -432,14 +437,29 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
             raise EvalError(f"--max-examples: expected an integer >= 1, got {args.max_examples}")
         if args.names and len(args.names) != len(args.models):
             raise EvalError(f"--names: {len(args.names)} names for {len(args.models)} models")
+        names = [n or _short_name(os.path.abspath(os.path.expanduser(p)))
+                 for p, n in zip(args.models, args.names or [None] * len(args.models))]  # Model's names
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:  # their rows would be one
+            raise EvalError(f"--names: {twice!r} names two models" + ("" if args.names else
+                                                                     " (their paths end alike); give --names"))
+        for path in [*args.models, *([args.reference] if args.reference else [])]:
+            model_kind(path)
+        for run in args.curves or []:
+            find_trials(run)
+        for error in (check_seed(args.seed), check_device(args.device) or check_precision(args.precision, args.device)):
+            if error:
+                raise EvalError(error)
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        from agents.core import no_transformers_bars
+
+        no_transformers_bars()
         if args.models:
-            names = args.names or [None] * len(args.models)
             use_device(args.device)
             models = [Model(p, n).to(args.device) for p, n in zip(args.models, names)]
-            twice = next((m.name for i, m in enumerate(models) if m.name in [o.name for o in models[:i]]), None)
-            if twice is not None:  # their rows would be one
-                raise EvalError(f"--names: {twice!r} names two models" + ("" if args.names else
-                                                                         " (their paths end alike); give --names"))
             env_cfg = resolve_env_config(args.config, args.overrides, models)
             reference = Model(args.reference).to(args.device) if args.reference else None
             result = evaluate(models, env_cfg, split=args.split, greedy=args.greedy, num_samples=args.num_samples,

@@ -33,7 +33,9 @@ into its base weight, a plain model as above). `--lora adapter` writes the PEFT 
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DIR + "/base_model"), DIR)
 
 DIR must not exist or be empty, unless `--force` (files already there are
-overwritten, others are left alone). Errors are one line on stderr, exit 2.
+overwritten, others are left alone). Errors are one line on stderr, exit 2; a wrong flag, PATH
+or DIR is refused before torch or transformers are imported (`agents.generate`, imported here,
+imports them in the functions that need them).
 """
 from __future__ import annotations
 
@@ -172,10 +174,12 @@ def main(argv=None, prog: str = "python -m agents.export") -> int:
                              "PEFT adapter directory")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from agents.core import no_transformers_bars
-
-    no_transformers_bars()  # no "Writing model shards" bar above the summary
     try:
+        find_module_dir(args.checkpoint)  # wrong paths are refused before torch and transformers are imported
+        _check_out_dir(args.out, args.force)
+        from agents.core import no_transformers_bars
+
+        no_transformers_bars()  # no "Writing model shards" bar above the summary
         result = export_policy(args.checkpoint, args.out, force=args.force, lora=args.lora)
     except (FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -5,30 +5,37 @@
 
 PATH is a checkpoint directory written by `agents.train` (or the RLModule
 directory inside it). The task, tokenizer and lengths come from the checkpoint.
+
+The module imports the standard library only at its top, and numpy, torch, RLlib and transformers
+in the functions that need them: a wrong flag or PATH is refused in one line before they load, and
+`agents.export` and `agents.evaluate` import it as lightly.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import re
 import sys
 import weakref
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
-from agents.core import MAX_SEED, DropLogLines
-from agents.samplers import sample_rows, warp_logits
 from agents.saved_policy import PRECISIONS, find_module_dir
+
+if TYPE_CHECKING:  # the annotations' names; torch itself is imported where it is used
+    import torch
 
 MAX_N = 1000  # generations per prompt, all printed (evaluate samples more and writes them to files)
 
 
 def load_policy(checkpoint: str):
     """The RLModule stored in `checkpoint`, in eval mode, in float32."""
+    where = find_module_dir(checkpoint)  # a wrong path is refused before RLlib and torch are imported
+    import torch
     from ray.rllib.core.rl_module.rl_module import RLModule
 
-    where = find_module_dir(checkpoint)
+    from agents.core import DropLogLines
+
     quiet = DropLogLines("RLModuleConfig")  # RLlib builds every RLModule through it, and warns
     deprecation_log = logging.getLogger("ray._common.deprecation")
     deprecation_log.addFilter(quiet)
@@ -61,7 +68,6 @@ def reward_needs_meta(task) -> bool:
     return False
 
 
-@torch.no_grad()
 def generate(module, env_config: dict, prompts: list[str | None], *, greedy: bool = False, seed: int = 0,
              metas: list[dict] | None = None, score: bool = True, batch_size: int = 64,
              temperature: float = 1.0, top_p: float = 1.0, decoder: bool = True) -> list[dict]:
@@ -93,18 +99,23 @@ def generate(module, env_config: dict, prompts: list[str | None], *, greedy: boo
         raise ValueError(f"generate: temperature must be > 0 (use greedy=True for argmax), got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"generate: top_p must be in (0, 1], got {top_p}")
+    import torch
+
     out = []
-    for start in range(0, len(prompts), batch_size):
-        rows = range(start, min(start + batch_size, len(prompts)))
-        out.extend(_generate_rows(module, env_config, [prompts[i] for i in rows],
-                                  [metas[i] if metas else {} for i in rows], greedy, seed + start, score,
-                                  temperature, top_p, decoder))
+    with torch.no_grad():
+        for start in range(0, len(prompts), batch_size):
+            rows = range(start, min(start + batch_size, len(prompts)))
+            out.extend(_generate_rows(module, env_config, [prompts[i] for i in rows],
+                                      [metas[i] if metas else {} for i in rows], greedy, seed + start, score,
+                                      temperature, top_p, decoder))
     return out
 
 
 def policy_device(module) -> torch.device:
     """Where the policy's weights are (a serve replica may hold it on a GPU); the CPU for a policy
     that shows none (a wrapper that places its own inputs)."""
+    import torch
+
     parameters = getattr(module, "parameters", None)
     first = next(parameters(), None) if parameters is not None else None
     return first.device if first is not None else torch.device("cpu")
@@ -117,6 +128,10 @@ def draw_rows(logits: torch.Tensor, generators: list, temperature=1.0, top_p=1.0
     the tokens come back, where the draws used to copy every row's logits to the host. `temperature`
     and `top_p`: numbers, or (rows, 1) tensors on the logits' device. `torch.multinomial` row by
     row on the host took about 1 ms a row at 50,257 tokens on 2 cores (docs/results/generation.md)."""
+    import torch
+
+    from agents.samplers import sample_rows, warp_logits
+
     uniform = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
     probs = torch.softmax(warp_logits(logits, temperature, top_p), -1)
     return sample_rows(probs, uniform[:, None].to(logits.device)).tolist()
@@ -124,6 +139,8 @@ def draw_rows(logits: torch.Tensor, generators: list, temperature=1.0, top_p=1.0
 
 def _generate_rows(module, env_config, prompts, metas, greedy, seed, score, temperature=1.0,
                    top_p=1.0, decoder=True) -> list[dict]:
+    import torch
+
     from env.text_env import TokenGenerationEnv
 
     envs = [TokenGenerationEnv(env_config) for _ in prompts]
@@ -158,6 +175,9 @@ def _decoded_rows(module, envs, obs, gens, scored, greedy, temperature, top_p) -
     device, a host read per block of steps), then each row's tokens stepped through its env (the
     texts, rewards and EOS of training). Row i draws its k uniforms of a block from its own
     generator at once: the draws one call per token makes, the same tokens."""
+    import numpy as np
+    import torch
+
     from agents.modules.decoding import Decoder
 
     device = policy_device(module)
@@ -197,6 +217,8 @@ def _result(env, info: dict, reward, action: int) -> dict:
 
 def _stepped_rows(module, envs, obs, gens, scored, greedy, temperature, top_p) -> list[dict]:
     """The rows' results, one module call per token: each step's observations from the envs."""
+    import numpy as np
+    import torch
     from ray.rllib.core.columns import Columns
 
     device = policy_device(module)
@@ -226,24 +248,41 @@ def _stepped_rows(module, envs, obs, gens, scored, greedy, temperature, top_p) -
 
 
 def check_seed(seed: int) -> str | None:
-    """The --seed error line, None for a seed in [0, MAX_SEED]."""
+    """The --seed error line, None for a seed in [0, MAX_SEED] (agents.core, which imports torch)."""
+    from agents.core import MAX_SEED
+
     return None if 0 <= seed <= MAX_SEED else f"--seed: expected an integer in [0, {MAX_SEED}], got {seed}"
 
 
 def use_device(device: str) -> None:
     """Makes a CUDA `device` the current one (graph captures take the current device's stream)."""
+    import torch
+
     where = torch.device(device)
     if where.type == "cuda" and where.index is not None:
         torch.cuda.set_device(where)
 
 
+def check_device_name(device: str) -> str | None:
+    """The --device error line for a string that names no CPU or CUDA device (cpu or cuda, then :N
+    as torch writes an index), None otherwise: the standard library only, so that a command line
+    refuses it before it imports torch."""
+    if re.fullmatch(r"(cpu|cuda)(:(0|[1-9][0-9]*))?", device, re.ASCII) is None:
+        return f"--device: expected cpu or cuda[:N], got {device!r}"
+    return None
+
+
 def check_device(device: str) -> str | None:
-    """The --device error line, None for a device torch has here."""
+    """The --device error line, None for a device torch has here (torch is imported for any
+    device but the plain cpu)."""
+    bad = check_device_name(device)
+    if bad or device == "cpu":
+        return bad
+    import torch
+
     try:
         where = torch.device(device)
-    except RuntimeError:
-        return f"--device: expected cpu or cuda[:N], got {device!r}"
-    if where.type not in ("cpu", "cuda"):
+    except RuntimeError:  # an index torch cannot hold
         return f"--device: expected cpu or cuda[:N], got {device!r}"
     if where.type == "cuda" and not torch.cuda.is_available():
         return f"--device {device}: torch sees no CUDA device here"
@@ -253,13 +292,18 @@ def check_device(device: str) -> str | None:
 
 
 def check_precision(precision: str, device: str) -> str | None:
-    """The --precision error line, None for a precision the device has."""
+    """The --precision error line, None for a precision the device has (torch is imported for bf16
+    on a CUDA device only: the name alone, or a CPU's answer, needs the standard library alone)."""
     if precision not in PRECISIONS:
         return f"--precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}"
+    if precision != "bf16" or not str(device).startswith("cuda"):
+        return None
+    import torch
+
     from agents.models import gpu_has_bf16
 
     where = torch.device(device)
-    if precision == "bf16" and where.type == "cuda" and not gpu_has_bf16(where):  # emulated bf16 counts as none
+    if where.type == "cuda" and not gpu_has_bf16(where):  # emulated bf16 counts as none
         return f"--precision bf16: {torch.cuda.get_device_name(where)} has no bf16; use fp32"
     return None
 
@@ -269,6 +313,8 @@ def decode_in(module, precision: str):
     weights' and the KV cache's memory and, on a GPU, shortens each decode step; its texts can
     differ from fp32's where two tokens' logits are within bf16's rounding."""
     if precision == "bf16":
+        import torch
+
         module.to(torch.bfloat16)
         module.weights_changed()  # cached keys and values were fp32
     return module
@@ -305,7 +351,15 @@ def main(argv=None, prog: str = "python -m agents.generate") -> int:
     if not 1 <= args.n <= MAX_N:
         parser.error(f"-n: expected an integer in [1, {MAX_N}] (for larger samples: python -m agents.evaluate "
                      f"--num-samples), got {args.n}")
-    bad = check_seed(args.seed) or check_device(args.device) or check_precision(args.precision, args.device)
+    # The flags' names and the checkpoint's path first, with the standard library alone (a wrong one is
+    # refused at once), then what needs torch: the seed's bound, the device's presence, its bf16.
+    try:
+        bad = check_device_name(args.device) or check_precision(args.precision, "cpu")  # the names alone
+        if not bad:
+            find_module_dir(args.checkpoint)
+            bad = check_seed(args.seed) or check_device(args.device) or check_precision(args.precision, args.device)
+    except FileNotFoundError as e:
+        bad = str(e)
     if bad:
         print(f"error: {bad}", file=sys.stderr)
         return 2

@@ -254,6 +254,26 @@ def test_cli_bad_input_is_one_line(setup, tmp_path, capsys):
         f"error: --out: {tmp_path / 'afile'} is a file, so {tmp_path / 'afile' / 'sub'} cannot be a directory"
 
 
+def test_cli_refuses_a_wrong_model_run_or_flag_in_one_line_before_importing_torch(tmp_path):
+    """`python -m agents.evaluate` checks its flags and every MODEL and RUN path with the standard
+    library before it imports torch, transformers or RLlib."""
+    from tests.test_generate import assert_refused_lightly, run_directory
+
+    missing, out = tmp_path / "missing", tmp_path / "out"
+    run, checkpoint = run_directory(tmp_path)
+    cases = [
+        ([missing], f"error: {missing}: no such checkpoint or model directory"),
+        ([checkpoint, run],
+         f"error: {run} is a run directory, not a checkpoint; its newest checkpoint is {checkpoint}"),
+        ([checkpoint, "--reference", missing], f"error: {missing}: no such checkpoint or model directory"),
+        (["--curves", missing], f"error: --curves: {missing}: no such run directory"),
+        ([checkpoint, "--precision", "fp16"], "error: --precision: expected one of fp32, bf16, got 'fp16'"),
+        ([checkpoint, "--num-samples", "0"], "error: --num-samples: expected an integer >= 1, got 0"),
+    ]
+    assert_refused_lightly("agents.evaluate", [([*argv, "--out", out], expected) for argv, expected in cases])
+    assert not out.exists()
+
+
 def test_cli_writes_table_and_plot(setup, tmp_path, capsys):
     from agents.evaluate import main
 
