@@ -355,6 +355,61 @@ def remove_unnamed_checkpoints(trials) -> list[str]:
     return removed
 
 
+# The stop criteria a `--resume` goes on with where they differ from the run's first ones (train
+# longer, or less); [] otherwise. Set by `apply_resume_stop` before each run in this process.
+_RESUME_STOP: list = []
+
+
+def _meets(criteria: dict, result: dict | None) -> bool:
+    """Whether `result` (a trial's, nested) meets any of the stop `criteria` (keys as Tune's
+    flattened ones, "env_runners/episode_return_mean"), as `Trial.should_stop` judges them."""
+    from ray.tune.utils import flatten_dict
+
+    flat = flatten_dict(result or {}, delimiter="/")
+    return any(key in flat and flat[key] >= value for key, value in criteria.items())
+
+
+def goes_on(trial, stop: dict) -> bool:
+    """Whether a restored trial that ended goes on under the stop criteria `stop`: it ended by
+    meeting its own, has a checkpoint to go on from, and does not meet `stop`."""
+    from ray.tune.experiment import Trial
+
+    return (trial.status == Trial.TERMINATED and trial.checkpoint is not None
+            and _meets(trial.stopping_criterion, trial.last_result) and not _meets(stop, trial.last_result))
+
+
+def apply_resume_stop(stop: dict | None) -> None:
+    """`--resume` with stop criteria other than the run's first ones (`stop`: Tune's flattened
+    keys; None: the run's own): every trial, restored or made later by the search algorithm, takes
+    `stop`, and a trial that ended by meeting its criteria and does not meet these goes on from its
+    last checkpoint. A trial that ended otherwise (a scheduler stopped it: ASHA, PBT's ends) stays
+    ended, as does one with no checkpoint. Hooks `TuneController._restore_trials` and `.add_trial`
+    (once per process; driver side)."""
+    from ray.tune.execution.tune_controller import TuneController
+    from ray.tune.experiment import Trial
+
+    _RESUME_STOP[:] = [] if stop is None else [dict(stop)]
+    if getattr(TuneController._restore_trials, "applies_stop", False):
+        return
+    original_restore, original_add = TuneController._restore_trials, TuneController.add_trial
+
+    def restore_trials(self, experiment_state):
+        trials = original_restore(self, experiment_state)
+        for trial in trials if _RESUME_STOP else ():
+            if goes_on(trial, _RESUME_STOP[0]):
+                trial.set_status(Trial.PAUSED)  # resumed from its checkpoint, as an interrupted trial is
+        return trials
+
+    def add_trial(self, trial):
+        if _RESUME_STOP:
+            trial.stopping_criterion = dict(_RESUME_STOP[0])
+        return original_add(self, trial)
+
+    restore_trials.applies_stop, restore_trials.original = True, original_restore
+    add_trial.original = original_add
+    TuneController._restore_trials, TuneController.add_trial = restore_trials, add_trial
+
+
 SCHEDULER_FILE = "scheduler_state.json"  # a scheduler's own state (agents.pbt's ResumableASHA)
 
 

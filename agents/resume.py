@@ -14,7 +14,8 @@ RUN_CONFIG = "run_config.json"
 # of the summary, W&B and the dashboard, state saves; and where the experiment is (its storage
 # may have been moved or copied, e.g. to another machine, before the resume).
 APPLIED_ON_RESUME = ("generate.", "tune.metric", "tune.mode", "tune.wandb", "tune.dashboard",
-                     "checkpoint.state_every_s", "tune.storage_path")
+                     "checkpoint.state_every_s", "tune.storage_path", "stop.")
+RESUME_STOP = "stop.json"  # the stop criteria the run goes on with, where a --resume changed them
 
 
 def experiment_dir(cfg: dict) -> str:
@@ -132,6 +133,37 @@ def resume_differences(cfg: dict) -> list[str]:
     return [f"{key} ({then.get(key, '(unset)')!r} -> {now.get(key, '(unset)')!r})"
             for key in sorted(set(then) | set(now))
             if then.get(key) != now.get(key) and not key.startswith(APPLIED_ON_RESUME) and not excused(key)]
+
+
+def resume_stop(cfg: dict) -> tuple[dict, bool, str | None]:
+    """The stop criteria a `--resume` goes on with: the config's where they differ from the ones
+    the run started with (train longer, or less), else the ones it last went on with (a later plain
+    `--resume` keeps a change). Returns them, whether they differ from the run's first ones, and a
+    line saying what changed from the last ones (None where nothing did). Kept in `RESUME_STOP`
+    beside the run's config where they differ from its first ones."""
+    from agents.pbt import write_json
+
+    experiment = experiment_dir(cfg)
+    try:
+        with open(os.path.join(experiment, RUN_CONFIG), encoding="utf-8") as f:
+            first = _as_json(json.load(f)["stop"])
+    except (OSError, ValueError, KeyError, TypeError):  # a run saved before its config was: as given
+        return cfg["stop"], False, None
+    last = first
+    try:
+        with open(os.path.join(experiment, RESUME_STOP), encoding="utf-8") as f:
+            last = {**first, **json.load(f)}
+    except (OSError, ValueError, TypeError):
+        pass
+    now = _as_json(cfg["stop"])
+    now = last if now == first else now
+    if now != first:
+        write_json(os.path.join(experiment, RESUME_STOP), now, indent=1, sort_keys=True)
+    elif os.path.exists(os.path.join(experiment, RESUME_STOP)):
+        os.remove(os.path.join(experiment, RESUME_STOP))
+    changed = [f"stop.{k} {last.get(k)} -> {now.get(k)}" for k in sorted(set(last) | set(now)) if last.get(k) != now.get(k)]
+    line = f"--resume: the run goes on with other stop criteria: {', '.join(changed)}" if changed else None
+    return {**cfg["stop"], **now}, now != first, line
 
 
 def check_resume_config(cfg: dict) -> None:

@@ -211,7 +211,8 @@ def _run(cfg: dict, name: str, *, resume: bool, verbose: bool, quiet: bool):
     from agents.config import algorithm_config
     from agents.pbt import make_scheduler
     from agents.progress import make_progress_callback, metric_error
-    from agents.experiment_store import check_experiment_state, hook_experiment_saves, store_experiments_safely
+    from agents.experiment_store import (apply_resume_stop, check_experiment_state, hook_experiment_saves,
+                                         store_experiments_safely)
     from agents.workarounds import (drop_restored_trial_decisions, make_curve_logger, make_log_once_pruner,
                                     make_progress_csv_logger, make_wandb_callback, note_tune_interrupts,
                                     release_resolved_task_futures, replace_restored_callbacks)
@@ -235,7 +236,13 @@ def _run(cfg: dict, name: str, *, resume: bool, verbose: bool, quiet: bool):
         if local:  # a cluster this process started cannot grow: a trial that does not fit would wait forever
             check_trial_fits(cfg, ray.cluster_resources())
 
-    stop = {}
+    stop, stop_cfg, other_stop = {}, cfg["stop"], False
+    if resume:  # the run's stop criteria, or others given to this --resume (train longer)
+        from agents.resume import resume_stop
+
+        stop_cfg, other_stop, line = resume_stop(cfg)
+        if line and not quiet:
+            print(line, flush=True)
     stop_keys = {
         "training_iteration": "training_iteration",
         "time_total_s": "time_total_s",
@@ -243,12 +250,13 @@ def _run(cfg: dict, name: str, *, resume: bool, verbose: bool, quiet: bool):
         "episode_return_mean": "env_runners/episode_return_mean",
     }
     for key, result_key in stop_keys.items():
-        if cfg["stop"][key] is not None:
-            stop[result_key] = cfg["stop"][key]
+        if stop_cfg[key] is not None:
+            stop[result_key] = stop_cfg[key]
 
     release_resolved_task_futures()
     store_experiments_safely()
     hook_experiment_saves()
+    apply_resume_stop(stop if other_stop else None)
     note_tune_interrupts()
     progress = make_progress_callback(cfg["evaluation"]["interval"], quiet=quiet, metric=tune_cfg["metric"])
     callbacks = [progress, make_curve_logger(), make_progress_csv_logger(), make_log_once_pruner()]

@@ -545,9 +545,9 @@ def test_resume_refuses_a_config_that_differs_from_the_runs_own(tmp_path, capsys
     moved = tmp_path / "moved"  # the experiment's storage copied elsewhere, then resumed there
     save_run_config(cfg, str(moved / "r"))
     assert resume_differences(load(QUICKSTART, ["tune.name=r", f"tune.storage_path={moved}"])) == []
-    changed = ["training.lr=0.5", "stop.training_iteration=7"]
+    changed = ["training.lr=0.5", "training.num_epochs=3", "stop.training_iteration=7"]  # the stop may change
     assert resume_differences(load(QUICKSTART, sets + changed)) == [
-        "stop.training_iteration (500 -> 7)", "training.lr (0.001 -> 0.5)"]
+        "training.lr (0.001 -> 0.5)", "training.num_epochs (4 -> 3)"]
     # a run saved by an earlier version: it lacks a key added since and has one since dropped
     with open(os.path.join(experiment_dir(cfg), "run_config.json")) as f:
         older = json.load(f)
@@ -566,7 +566,7 @@ def test_resume_refuses_a_config_that_differs_from_the_runs_own(tmp_path, capsys
     argv = [QUICKSTART, "--resume", *sum((["--set", s] for s in sets + changed), [])]
     assert one_line_cli_error(capsys, main, *argv) == (
         "error: --resume: the run goes on with the config it started with, and this one differs: "
-        "stop.training_iteration (500 -> 7), training.lr (0.001 -> 0.5); give the run's own config "
+        "training.lr (0.001 -> 0.5), training.num_epochs (4 -> 3); give the run's own config "
         "(or a new tune.name for a new run)")
     # the same config, and no experiment state beside it: said before Ray starts
     same = [QUICKSTART, "--resume", *sum((["--set", s] for s in sets), [])]
@@ -647,3 +647,48 @@ def test_progress_prints_a_value_that_rounds_to_zero_as_zero():
 
     assert [three_places(v) for v in (-0.0002, 0.0, 0.0004, -0.0006, 0.1234, -1.5)] == [
         "0.000", "0.000", "0.000", "-0.001", "0.123", "-1.500"]
+
+
+def test_a_resume_with_other_stop_criteria_goes_on_with_them_and_a_later_plain_resume_keeps_them(tmp_path):
+    """Train longer: `--resume` with a later stop is taken (and said), kept beside the run's config,
+    and a later `--resume` with the run's own config goes on with it."""
+    from agents.resume import RESUME_STOP, experiment_dir, resume_stop, save_run_config
+
+    sets = ["tune.name=r", f"tune.storage_path={tmp_path}", "stop.training_iteration=3"]
+    save_run_config(load(QUICKSTART, sets), experiment_dir(load(QUICKSTART, sets)))
+    stop, other, line = resume_stop(load(QUICKSTART, sets))
+    assert (stop["training_iteration"], other, line) == (3, False, None)  # the run's own
+    stop, other, line = resume_stop(load(QUICKSTART, sets + ["stop.training_iteration=8", "stop.time_total_s=60"]))
+    assert stop["training_iteration"] == 8 and stop["time_total_s"] == 60 and other
+    assert line == ("--resume: the run goes on with other stop criteria: stop.time_total_s 540.0 -> 60.0, "
+                    "stop.training_iteration 3 -> 8")
+    assert os.path.isfile(os.path.join(tmp_path, "r", RESUME_STOP))
+    stop, other, line = resume_stop(load(QUICKSTART, sets))  # the run's own config: the last stop stands
+    assert (stop["training_iteration"], stop["time_total_s"], other, line) == (8, 60, True, None)
+    stop, other, line = resume_stop(load(QUICKSTART, sets + ["stop.training_iteration=12"]))
+    assert (stop["training_iteration"], stop["time_total_s"]) == (12, 540)  # the config's stop, whole
+    assert line == ("--resume: the run goes on with other stop criteria: stop.time_total_s 60.0 -> 540.0, "
+                    "stop.training_iteration 8 -> 12")
+
+
+def test_a_trial_that_ended_at_its_stop_goes_on_under_a_later_one_and_one_a_scheduler_ended_does_not():
+    from types import SimpleNamespace
+
+    from ray.tune.experiment import Trial
+
+    from agents.experiment_store import goes_on
+
+    def trial(iteration, status=Trial.TERMINATED, checkpoint="ck", criteria=None):
+        return SimpleNamespace(status=status, checkpoint=checkpoint, last_result={"training_iteration": iteration,
+                               "env_runners": {"episode_return_mean": 0.5}},
+                               stopping_criterion=criteria or {"training_iteration": 3})
+
+    later = {"training_iteration": 6}
+    assert goes_on(trial(3), later)  # ended at its stop
+    assert not goes_on(trial(1), later)  # ended before it: a scheduler stopped it (ASHA's first rung)
+    assert not goes_on(trial(3, checkpoint=None), later)  # nothing to go on from
+    assert not goes_on(trial(6), later)  # meets the new stop too
+    assert not goes_on(trial(2, status=Trial.PAUSED), later)  # not ended: resumed as it is anyway
+    reward = {"env_runners/episode_return_mean": 0.5}  # a nested result meets a flattened key
+    assert goes_on(trial(4, criteria=reward), {"env_runners/episode_return_mean": 0.9})
+    assert not goes_on(trial(4, criteria=reward), {"env_runners/episode_return_mean": 0.4})

@@ -274,14 +274,15 @@ def test_run_killed_after_a_checkpoint_and_resumed_matches_the_uninterrupted_run
     its last checkpoint: every iteration's reward and losses equal those of a run never killed
     (so the restored policy is the trained one), result.json, progress.csv and TensorBoard hold
     each iteration once, and the resumed W&B (offline) run logs no iteration the killed run's
-    files already hold."""
+    files already hold. Then the finished run is trained longer (`--resume` with a later
+    stop.training_iteration): its added iteration equals the uninterrupted longer run's."""
     common = [*[a for o in TINY for a in ("--set", o)], "--set", "stop.training_iteration=6",
               "--set", "checkpoint.frequency=2", "--set", "generate.num_samples=0", "--set", "tune.dashboard=false",
               "--set", f"tune.storage_path={tmp_path}", "--set", "tune.wandb=true",
               # the experiment state (what --resume starts from) saved often enough that the kill
               # after iteration 5 finds a checkpoint in it however fast the iterations run
               "--set", "checkpoint.state_every_s=0.2"]
-    whole = _cli([*common, "--set", "tune.name=whole"])
+    whole = _cli([*common, "--set", "tune.name=whole", "--set", "stop.training_iteration=7"])
     out = whole.communicate(timeout=900)[0]
     assert whole.returncode == 0, out[-3000:]
 
@@ -311,7 +312,7 @@ def test_run_killed_after_a_checkpoint_and_resumed_matches_the_uninterrupted_run
 
     _, _, expected = _result_curves(tmp_path / "whole")
     trial_dir, trial_id, got = _result_curves(tmp_path / "killed")
-    assert sorted(got) == sorted(expected) == list(range(1, 7))
+    assert sorted(got) == list(range(1, 7)) and sorted(expected) == list(range(1, 8))
     for i in range(1, 7):
         assert got[i] == expected[i], (i, got[i], expected[i])
     assert got[6] != got[5]  # the curve moves: equal rows are not a constant
@@ -332,6 +333,15 @@ def test_run_killed_after_a_checkpoint_and_resumed_matches_the_uninterrupted_run
     assert len(steps) == len(set(steps)) and set(steps) <= set(range(1, 7)), (killed_steps, resumed_steps)
     assert all(s > max(killed_steps, default=0) for s in resumed_steps), (killed_steps, resumed_steps)
     assert resumed_steps, "the resumed run logged nothing to W&B"
+
+    # train longer: the finished run goes on from its last checkpoint (iteration 6) to the new stop
+    longer = _cli([*common, "--set", "tune.name=killed", "--set", "stop.training_iteration=7", "--resume"])
+    out = longer.communicate(timeout=900)[0]
+    assert longer.returncode == 0, out[-3000:]
+    assert "--resume: the run goes on with other stop criteria: stop.training_iteration 6 -> 7" in out, out[-3000:]
+    assert re.findall(r"^iter +(\d+) ", out, re.M) == ["7"], out[-3000:]
+    _, _, got = _result_curves(tmp_path / "killed")
+    assert sorted(got) == list(range(1, 8)) and got[7] == expected[7], (got.get(7), expected[7])
 
 
 def test_saving_the_experiment_state_does_not_grow_the_driver():

@@ -209,7 +209,7 @@ PINNED = {
     "_foreach_norm", "_foreach_mul_", "_foreach_div", "_foreach_clamp_min_", "_foreach_sqrt_", "_foreach_lerp_",
     "_update", "_compute_off_policyness", "_worker_logs_enabled",
     "_scheduler_alg", "_storage", "_brackets", "_rungs", "_trial_info", "_trial_state", "_num_perturbations",
-    "_num_checkpoints", "_checkpoint_results",
+    "_num_checkpoints", "_checkpoint_results", "_restore_trials", "_setup_signal_catching",
 }
 THIRD_PARTY_PRIVATE_OK = {"_model"}  # bert_score's scorer (env/rewards/bertscore.py), not Ray's or transformers'
 
@@ -228,11 +228,22 @@ def test_no_unpinned_private_attribute_of_a_library_is_read():
 
     defined, used, imported_private = set(), {}, set()
     for path in _project_files():
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        # names bound to a library's class or module here: a private name assigned on one
+        # (`TuneController._x = ...`, a hook) is the library's, not the project's own
+        library = {(alias.asname or alias.name).split(".")[0] for node in ast.walk(tree)
+                   if isinstance(node, (ast.Import, ast.ImportFrom))
+                   and ((getattr(node, "module", None) or node.names[0].name).split(".")[0] not in ("agents", "env"))
+                   and not getattr(node, "level", 0) for alias in node.names}
+        for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 defined.add(node.name)
             elif isinstance(node, ast.Attribute):
-                if isinstance(node.ctx, ast.Store):
+                if (isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) and node.value.id in library
+                        and node.attr.startswith("_") and not node.attr.startswith("__")):
+                    used.setdefault(node.attr, f"{path.name}:{node.lineno}")
+                    imported_private.add(node.attr)
+                elif isinstance(node.ctx, ast.Store):
                     defined.add(node.attr)
                 elif node.attr.startswith("_") and not node.attr.startswith("__"):
                     used.setdefault(node.attr, f"{path.name}:{node.lineno}")
@@ -669,3 +680,35 @@ def test_checkpoint_component_names_spelled_out_by_the_saved_policy_lookup():
 
     assert MODULE_SUBDIR == os.path.join(COMPONENT_LEARNER_GROUP, COMPONENT_LEARNER, COMPONENT_RL_MODULE,
                                          DEFAULT_MODULE_ID)
+
+
+def test_tune_restores_trials_and_signals_where_the_resume_and_interrupt_hooks_expect():
+    # agents/experiment_store.py apply_resume_stop wraps TuneController._restore_trials(self,
+    # experiment_state) (the trials of the saved state, before _requeue_restored_trials queues each
+    # by its status: a PAUSED one is resumed from its checkpoint, a TERMINATED one skipped) and
+    # add_trial(self, trial) (restored trials and the search algorithm's new ones), and sets each
+    # trial's stopping_criterion, which Trial.should_stop reads.
+    from ray.tune.execution.tune_controller import TuneController
+    from ray.tune.experiment import Trial
+
+    from agents.experiment_store import apply_resume_stop
+
+    apply_resume_stop(None)
+    restore = getattr(TuneController._restore_trials, "original", TuneController._restore_trials)
+    add = getattr(TuneController.add_trial, "original", TuneController.add_trial)
+    assert params(restore) == ["self", "experiment_state"] and params(add) == ["self", "trial"]
+    resume = inspect.getsource(getattr(TuneController.resume, "original", TuneController.resume))
+    assert resume.index("self._restore_trials(") < resume.index("self._requeue_restored_trials(trials")
+    requeue = inspect.getsource(TuneController._requeue_restored_trials)
+    assert "elif trial.status == Trial.TERMINATED:" in requeue and "self.add_trial(trial_to_add)" in requeue
+    assert "self._search_alg.next_trial()" in inspect.getsource(TuneController._update_trial_queue)
+    assert "self.add_trial(trial)" in inspect.getsource(TuneController._update_trial_queue)
+    assert "self.stopping_criterion.items()" in inspect.getsource(Trial.should_stop)
+    # agents/workarounds.py note_tune_interrupts wraps ray.tune.tune._setup_signal_catching() (the
+    # event Ctrl-C sets), which tune.run calls once per run
+    import ray.tune.tune as tune_run
+
+    setup = getattr(tune_run._setup_signal_catching, "original", tune_run._setup_signal_catching)
+    assert params(setup) == [] and "experiment_interrupted_event.set()" in inspect.getsource(setup)
+    assert "experiment_interrupted_event = _setup_signal_catching()" in inspect.getsource(tune_run.run)
+
