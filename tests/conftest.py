@@ -157,3 +157,40 @@ def let_the_storage_copy_finish(driver_pid: int, experiment_dir) -> None:
     actors, so no iteration or checkpoint follows, and waits for the copy to finish."""
     suspend_trial_actors(driver_pid)
     wait_until_copied(experiment_dir)
+
+
+# The command lines (generate, evaluate, export, serve) refuse bad input before heavy imports.
+HEAVY = ("fastapi", "ray", "torch", "transformers")
+# `python -m MODULE ARGS...` as `python -c PROBE MODULE ARGS...`, then, at exit, which of HEAVY it imported
+PROBE = ("import atexit, runpy, sys; "
+         f"atexit.register(lambda: print(sorted(set({HEAVY!r}) & set(sys.modules)))); "
+         "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+
+
+def assert_refused_lightly(module: str, cases: list[tuple[list, str]]) -> None:
+    """Runs `python -m module *argv` for every case's argv at once (from the repository root,
+    offline), and checks that each exits 2 with its error line (the whole of stderr; after the usage
+    lines for an error of argparse's, "PROG: error: ...", given as its start), having imported none
+    of HEAVY."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", PROBE, module, *map(str, argv)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv, _ in cases]
+    for (argv, expected), proc in zip(cases, procs):
+        out, err = proc.communicate(timeout=120)
+        err = err.strip().splitlines()
+        assert proc.returncode == 2, (argv, err)
+        if expected.startswith("error:"):
+            assert err == [expected], (argv, err)
+        else:
+            assert err[-1].startswith(expected) and not any("Traceback" in line for line in err), (argv, err)
+        assert out.strip().splitlines()[-1:] == ["[]"], (argv, out)  # the HEAVY modules it imported
+
+
+def run_directory(tmp_path) -> tuple[str, str]:
+    """A run (trial) directory holding one checkpoint with a policy file, and that checkpoint."""
+    from agents.saved_policy import MODULE_SUBDIR
+
+    checkpoint = tmp_path / "run" / "checkpoint_000001"
+    (checkpoint / MODULE_SUBDIR).mkdir(parents=True)
+    (checkpoint / MODULE_SUBDIR / "module_state.pt").write_bytes(b"")
+    return str(tmp_path / "run"), str(checkpoint)

@@ -257,7 +257,7 @@ def test_cli_bad_input_is_one_line(setup, tmp_path, capsys):
 def test_cli_refuses_a_wrong_model_run_or_flag_in_one_line_before_importing_torch(tmp_path):
     """`python -m agents.evaluate` checks its flags and every MODEL and RUN path with the standard
     library before it imports torch, transformers or RLlib."""
-    from tests.test_generate import assert_refused_lightly, run_directory
+    from tests.conftest import assert_refused_lightly, run_directory
 
     missing, out = tmp_path / "missing", tmp_path / "out"
     run, checkpoint = run_directory(tmp_path)

@@ -3,7 +3,7 @@ line before torch or transformers are imported (`agents.export` imports `agents.
 imports them in the functions that need them). Exports themselves: tests/test_serve.py,
 tests/test_lora.py and tests/test_module.py."""
 from agents.saved_policy import MODULE_SUBDIR
-from tests.test_generate import assert_refused_lightly, run_directory
+from tests.conftest import assert_refused_lightly, run_directory
 
 
 def test_export_refuses_a_wrong_checkpoint_out_or_flag_in_one_line_before_importing_torch(tmp_path):
