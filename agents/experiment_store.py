@@ -158,9 +158,12 @@ def _place(partial: str, target: str, folder: str, order: int | None) -> bool:
 PLACING = "placing.journal"
 
 
-def _place_together(written: list[tuple[str, str]], folder: str, tag: str, order: int | None) -> bool:
+def _place_together(written: list[tuple[str, str]], folder: str, tag: str, order: int | None,
+                    journaled: list) -> bool:
     """Renames the files `written` ((partial, target), all in one folder) into place as one
-    (`PLACING`); `folder`, `order`: as `_place`'s."""
+    (`PLACING`); `folder`, `order`: as `_place`'s. `journaled` gets True once the journal is in
+    place: a rename that fails after it leaves the journal and the partial files it names for
+    `finish_placing` (deleting them would leave the folder's files of two saves)."""
     if len(written) == 1:  # one rename is atomic by itself
         return _place(*written[0], folder, order)
     journal = os.path.join(os.path.dirname(written[0][1]), PLACING)
@@ -169,6 +172,7 @@ def _place_together(written: list[tuple[str, str]], folder: str, tag: str, order
             return False
         _write(journal + tag, json.dumps([[os.path.basename(p), os.path.basename(t)] for p, t in written]).encode())
         os.replace(journal + tag, journal)
+        journaled.append(True)
         for partial, target in written:
             os.replace(partial, target)
         os.remove(journal)
@@ -242,16 +246,19 @@ def upload_whole_files(local_path: str, fs_path: str, exclude=None, order: int |
         finally:
             if os.path.exists(partial):
                 os.remove(partial)
-    written = []  # the top folder's files, written beside their targets, then put in place as one
+    if len(read) < len(states) and any(rel.startswith("experiment_state-") for rel, _, _ in states) and not any(
+            rel.startswith("experiment_state-") for rel, _, _ in read):
+        return placed  # the experiment's state left out (written meanwhile): none of the top folder's files
+    written, journaled = [], []  # the top folder's files, written beside their targets, then put in place as one
     try:
         for rel, target, data in read:
             os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
             _write(target + tag, data)
             written.append((target + tag, target))
-        if written and _place_together(written, fs_path, tag, order):
+        if written and _place_together(written, fs_path, tag, order, journaled):
             placed += [rel for rel, _, _ in read]
     finally:
-        for partial, _ in written:
+        for partial, _ in written if not journaled else ():
             if os.path.exists(partial):
                 os.remove(partial)
     return placed
@@ -378,30 +385,39 @@ def goes_on(trial, stop: dict) -> bool:
             and _meets(trial.stopping_criterion, trial.last_result) and not _meets(stop, trial.last_result))
 
 
-def apply_resume_stop(stop: dict | None) -> None:
+def apply_resume_stop(stop: dict | None, say=None) -> None:
     """`--resume` with stop criteria other than the run's first ones (`stop`: Tune's flattened
     keys; None: the run's own): every trial, restored or made later by the search algorithm, takes
     `stop`, and a trial that ended by meeting its criteria and does not meet these goes on from its
     last checkpoint. A trial that ended otherwise (a scheduler stopped it: ASHA, PBT's ends) stays
-    ended, as does one with no checkpoint. Hooks `TuneController._restore_trials` and `.add_trial`
-    (once per process; driver side)."""
+    ended, as does one with no checkpoint. `say(line)`: how many go on. Hooks
+    `TuneController._restore_trials` and `.add_trial` (once per process; driver side)."""
     from ray.tune.execution.tune_controller import TuneController
     from ray.tune.experiment import Trial
 
-    _RESUME_STOP[:] = [] if stop is None else [dict(stop)]
+    _RESUME_STOP[:] = [] if stop is None else [dict(stop), say]
     if getattr(TuneController._restore_trials, "applies_stop", False):
         return
     original_restore, original_add = TuneController._restore_trials, TuneController.add_trial
 
     def restore_trials(self, experiment_state):
         trials = original_restore(self, experiment_state)
-        for trial in trials if _RESUME_STOP else ():
-            if goes_on(trial, _RESUME_STOP[0]):
-                trial.set_status(Trial.PAUSED)  # resumed from its checkpoint, as an interrupted trial is
+        if not _RESUME_STOP:
+            return trials
+        stop, say = _RESUME_STOP
+        ended = [trial for trial in trials if trial.status == Trial.TERMINATED]
+        going = [trial for trial in ended if goes_on(trial, stop)]
+        for trial in going:
+            trial.set_status(Trial.PAUSED)  # resumed from its checkpoint, as an interrupted trial is
+        if say and ended:
+            others = "" if len(going) == len(ended) else (" (the others ended before their own stop, by a scheduler, "
+                                                          "meet the new one, or have no checkpoint)")
+            say(f"--resume: {len(going)} of {len(ended)} ended trials go on to the new stop criteria{others}")
         return trials
 
     def add_trial(self, trial):
-        if _RESUME_STOP:
+        # an ended trial keeps the criteria it ended by (a later resume judges it by them)
+        if _RESUME_STOP and trial.status != Trial.TERMINATED:
             trial.stopping_criterion = dict(_RESUME_STOP[0])
         return original_add(self, trial)
 

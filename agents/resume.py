@@ -1,9 +1,9 @@
 """What `--resume` continues: the experiment's own config. Tune restores a run with the
-settings it started with (its search space, stop criteria, schedulers), whatever the YAML given
-to `--resume` says; so a fresh run saves its validated config beside the experiment
-(`run_config.json`), and `--resume` refuses, in one line before Ray starts, a config that
-differs from it anywhere but in what the resuming process itself applies, or where the
-experiment is stored (APPLIED_ON_RESUME)."""
+settings it started with (its search space, schedulers), whatever the YAML given to `--resume`
+says; so a fresh run saves its validated config beside the experiment (`run_config.json`), and
+`--resume` refuses, in one line before Ray starts, a config that differs from it anywhere but in
+what the resuming process itself applies, where the experiment is stored, or its stop criteria
+(APPLIED_ON_RESUME): other stop criteria train the run longer (`resume_stop`)."""
 from __future__ import annotations
 
 import json
@@ -33,6 +33,8 @@ def save_run_config(cfg: dict, experiment: str) -> None:
     from agents.pbt import write_json
 
     os.makedirs(experiment, exist_ok=True)
+    if os.path.exists(os.path.join(experiment, RESUME_STOP)):  # a finished run's of the same name
+        os.remove(os.path.join(experiment, RESUME_STOP))
     write_json(os.path.join(experiment, RUN_CONFIG), _as_json(cfg), indent=1, sort_keys=True)
     write_json(os.path.join(experiment, VERSIONS), code_versions(), indent=1, sort_keys=True)
 
@@ -135,20 +137,17 @@ def resume_differences(cfg: dict) -> list[str]:
             if then.get(key) != now.get(key) and not key.startswith(APPLIED_ON_RESUME) and not excused(key)]
 
 
-def resume_stop(cfg: dict) -> tuple[dict, bool, str | None]:
-    """The stop criteria a `--resume` goes on with: the config's where they differ from the ones
-    the run started with (train longer, or less), else the ones it last went on with (a later plain
-    `--resume` keeps a change). Returns them, whether they differ from the run's first ones, and a
-    line saying what changed from the last ones (None where nothing did). Kept in `RESUME_STOP`
-    beside the run's config where they differ from its first ones."""
-    from agents.pbt import write_json
-
+def _stops(cfg: dict) -> tuple[dict, dict, dict] | None:
+    """The run's first stop criteria, the ones it last went on with, and the ones a `--resume`
+    with `cfg` goes on with: the config's where they differ from the first ones (train longer, or
+    less), else the last ones (a later plain `--resume` keeps a change). None: the run saved no
+    config (then as given)."""
     experiment = experiment_dir(cfg)
     try:
         with open(os.path.join(experiment, RUN_CONFIG), encoding="utf-8") as f:
             first = _as_json(json.load(f)["stop"])
-    except (OSError, ValueError, KeyError, TypeError):  # a run saved before its config was: as given
-        return cfg["stop"], False, None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
     last = first
     try:
         with open(os.path.join(experiment, RESUME_STOP), encoding="utf-8") as f:
@@ -156,11 +155,27 @@ def resume_stop(cfg: dict) -> tuple[dict, bool, str | None]:
     except (OSError, ValueError, TypeError):
         pass
     now = _as_json(cfg["stop"])
-    now = last if now == first else now
-    if now != first:
-        write_json(os.path.join(experiment, RESUME_STOP), now, indent=1, sort_keys=True)
-    elif os.path.exists(os.path.join(experiment, RESUME_STOP)):
-        os.remove(os.path.join(experiment, RESUME_STOP))
+    return first, last, (last if now == first else now)
+
+
+def resume_stop(cfg: dict) -> tuple[dict, bool, str | None]:
+    """The stop criteria a `--resume` goes on with (`_stops`), whether they differ from the run's
+    first ones, and a line saying what changed from the last ones (None where nothing did). Kept
+    in `RESUME_STOP` beside the run's config where they differ from its first ones."""
+    from agents.pbt import write_json
+
+    stops = _stops(cfg)
+    if stops is None:
+        return cfg["stop"], False, None
+    first, last, now = stops
+    path = os.path.join(experiment_dir(cfg), RESUME_STOP)
+    try:
+        if now != first:
+            write_json(path, now, indent=1, sort_keys=True)
+        elif os.path.exists(path):
+            os.remove(path)
+    except OSError as e:
+        raise ValueError(f"--resume: cannot write {path} ({e.strerror or e})") from None
     changed = [f"stop.{k} {last.get(k)} -> {now.get(k)}" for k in sorted(set(last) | set(now)) if last.get(k) != now.get(k)]
     line = f"--resume: the run goes on with other stop criteria: {', '.join(changed)}" if changed else None
     return {**cfg["stop"], **now}, now != first, line
@@ -178,6 +193,11 @@ def check_resume_config(cfg: dict) -> None:
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         raise ValueError(f"--resume: the run goes on with the config it started with, and this one differs: "
                          f"{', '.join(changed[:3])}{more}; give the run's own config (or a new tune.name for a new run)")
+    stops = _stops(cfg)
+    if stops and stops[2] != stops[0] and cfg["tune"]["scheduler"] == "asha":
+        raise ValueError("--resume: an ASHA run (tune.scheduler: asha) goes on with its own stop criteria (its "
+                         "rungs end at its first stop.training_iteration); give the run's own stop, or start a new "
+                         "run from a checkpoint")
     # said before Ray starts (a killed copy's unfinished renames may place one: agents.train's resume)
     if newest_experiment_state(experiment_dir(cfg)) is None and not os.path.isfile(
             os.path.join(experiment_dir(cfg), PLACING)):
@@ -203,11 +223,13 @@ def check_fresh_run(cfg: dict) -> None:
     one: it would take over the experiment (its saved config and state), and the interrupted run
     could not resume."""
     from agents.driver_lock import check_no_live_driver
+    from agents.experiment_store import PLACING
 
     experiment = experiment_dir(cfg) if cfg["tune"]["name"] else None
     if experiment:
         check_no_live_driver(experiment)
-    if experiment and unfinished_trials(experiment):
+    # a killed copy's unfinished renames (`PLACING`) may hold its state: interrupted too
+    if experiment and (unfinished_trials(experiment) or os.path.isfile(os.path.join(experiment, PLACING))):
         raise ValueError(f"tune.name: {experiment} holds an interrupted run; go on with it with --resume, or give "
                          "a new tune.name (or remove that directory) to start another")
 

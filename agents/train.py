@@ -240,6 +240,8 @@ def _run(cfg: dict, name: str, *, resume: bool, verbose: bool, quiet: bool):
     if resume:  # the run's stop criteria, or others given to this --resume (train longer)
         from agents.resume import resume_stop
 
+        # first: it finishes a killed copy's renames of the top folder's files (stop.json among them)
+        check_experiment_state(os.path.join(storage, name))
         stop_cfg, other_stop, line = resume_stop(cfg)
         if line and not quiet:
             print(line, flush=True)
@@ -256,7 +258,7 @@ def _run(cfg: dict, name: str, *, resume: bool, verbose: bool, quiet: bool):
     release_resolved_task_futures()
     store_experiments_safely()
     hook_experiment_saves()
-    apply_resume_stop(stop if other_stop else None)
+    apply_resume_stop(stop if other_stop else None, say=None if quiet else lambda line: print(line, flush=True))
     note_tune_interrupts()
     progress = make_progress_callback(cfg["evaluation"]["interval"], quiet=quiet, metric=tune_cfg["metric"])
     callbacks = [progress, make_curve_logger(), make_progress_csv_logger(), make_log_once_pruner()]
@@ -281,7 +283,6 @@ def _run(cfg: dict, name: str, *, resume: bool, verbose: bool, quiet: bool):
     param_space = algorithm_config(cfg)
     trainable = param_space.algo_class  # LMPPO, A3C or LMDQN: Tune gets the class, not a registered name
     if resume:
-        check_experiment_state(experiment)  # first: it finishes a killed copy's renames
         if not tune.Tuner.can_restore(experiment):
             raise ValueError(f"--resume: no experiment to resume at {experiment}")
         drop_restored_trial_decisions()

@@ -669,6 +669,30 @@ def test_a_resume_with_other_stop_criteria_goes_on_with_them_and_a_later_plain_r
     assert (stop["training_iteration"], stop["time_total_s"]) == (12, 540)  # the config's stop, whole
     assert line == ("--resume: the run goes on with other stop criteria: stop.time_total_s 60.0 -> 540.0, "
                     "stop.training_iteration 8 -> 12")
+    # a fresh run under the finished run's name starts from its own stop, not the old run's last one
+    save_run_config(load(QUICKSTART, sets), experiment_dir(load(QUICKSTART, sets)))
+    assert not os.path.exists(os.path.join(tmp_path, "r", RESUME_STOP))
+    stop, other, line = resume_stop(load(QUICKSTART, sets))
+    assert (stop["training_iteration"], other, line) == (3, False, None)
+
+
+def test_an_asha_run_refuses_other_stop_criteria_and_a_pending_copy_counts_as_an_interrupted_run(tmp_path):
+    """ASHA's rungs end at the run's first stop.training_iteration (its max_t): training such a run
+    longer is refused in one line, before Ray starts. An experiment whose only state waits in a
+    killed copy's journal is an interrupted run: a fresh run under its name is refused."""
+    from agents.experiment_store import PLACING
+    from agents.resume import check_fresh_run, check_resume_config, experiment_dir, save_run_config
+
+    sets = ["tune.name=r", f"tune.storage_path={tmp_path}", "tune.scheduler=asha", "stop.training_iteration=4",
+            "tune.grace_period=1",
+            "sampler={grid_search: [{name: none}, {name: top_k, k: 1}]}"]
+    save_run_config(load(QUICKSTART, sets), experiment_dir(load(QUICKSTART, sets)))
+    with pytest.raises(ValueError, match=r"^--resume: an ASHA run \(tune.scheduler: asha\) goes on with its own stop"):
+        check_resume_config(load(QUICKSTART, sets + ["stop.training_iteration=8"]))
+    (tmp_path / "r" / PLACING).write_text("[]")
+    check_resume_config(load(QUICKSTART, sets))  # its own stop, and a state the journal may place: goes on
+    with pytest.raises(ValueError, match=r"^tune.name: .* holds an interrupted run; go on with it with --resume"):
+        check_fresh_run(load(QUICKSTART, sets))
 
 
 def test_a_trial_that_ended_at_its_stop_goes_on_under_a_later_one_and_one_a_scheduler_ended_does_not():

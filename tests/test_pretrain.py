@@ -286,10 +286,11 @@ def test_an_interrupted_warm_start_resumes_exactly_and_a_fresh_run_does_not_take
     with pytest.raises(ValueError, match=r"^--resume: .* differs: training.eval_batches$"):  # another held-out set
         pretrain(config(corpus, tmp_path / "cut", **knobs, eval_batches=2), log=lambda line: None, resume=True)
     lines = []  # how often it logs and saves may change: the weights do not
+    (tmp_path / "cut" / f"{CHECKPOINT}.partial-123-456").write_bytes(b"a checkpoint a killed run was writing")
     pretrain(config(corpus, tmp_path / "cut", **knobs | dict(log_every=2, checkpoint_every=4)), log=lines.append,
              resume=True)
     assert lines[0].startswith("resumed at step 6/12") and lines[1].startswith("step     8/12")
-    assert not os.path.exists(tmp_path / "cut" / CHECKPOINT)
+    assert not [f for f in os.listdir(tmp_path / "cut") if f.startswith(CHECKPOINT)]  # nor a partial one
     whole, resumed = (AutoModelForCausalLM.from_pretrained(tmp_path / d) for d in ("whole", "cut"))
     for (name, a), b in zip(whole.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), name

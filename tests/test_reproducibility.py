@@ -339,6 +339,7 @@ def test_run_killed_after_a_checkpoint_and_resumed_matches_the_uninterrupted_run
     out = longer.communicate(timeout=900)[0]
     assert longer.returncode == 0, out[-3000:]
     assert "--resume: the run goes on with other stop criteria: stop.training_iteration 6 -> 7" in out, out[-3000:]
+    assert "--resume: 1 of 1 ended trials go on to the new stop criteria\n" in out, out[-3000:]
     assert re.findall(r"^iter +(\d+) ", out, re.M) == ["7"], out[-3000:]
     _, _, got = _result_curves(tmp_path / "killed")
     assert sorted(got) == list(range(1, 8)) and got[7] == expected[7], (got.get(7), expected[7])

@@ -237,6 +237,45 @@ def test_a_resume_finishes_the_renames_a_killed_copy_left_in_its_own_folder_only
     assert sorted(os.listdir(experiment)) == ["experiment_state-2026.json", "searcher-state-2026.pkl"]
 
 
+def test_a_rename_that_fails_among_the_top_folders_leaves_them_for_the_resume_to_finish(tmp_path, monkeypatch):
+    """An error (not a kill) renaming the top folder's files after their journal is in place leaves
+    the journal and the files still to rename, and the check before a resume finishes them: the
+    folder never holds the files of two saves. A copy whose experiment state was left out (written
+    meanwhile) places none of the top folder's files."""
+    import agents.experiment_store as store
+
+    staging, storage = tmp_path / "staging", tmp_path / "storage"
+    staging.mkdir()
+    storage.mkdir()
+    for name in ("basic-variant-state-1.json", "experiment_state-1.json", "tuner.pkl"):
+        (staging / name).write_text('{"new": 1}')
+        (storage / name).write_text('{"old": 1}')
+    replace, renames = os.replace, []
+
+    def failing_replace(src, dst):
+        renames.append(os.path.basename(dst))
+        if len(renames) == 3:  # the journal, one file, then an error
+            raise OSError(5, "Input/output error")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError):
+        store.upload_whole_files(str(staging), str(storage))
+    monkeypatch.setattr(os, "replace", replace)
+    assert renames[0] == store.PLACING and (storage / store.PLACING).exists()
+    store.check_experiment_state(str(storage))
+    assert sorted(os.listdir(storage)) == ["basic-variant-state-1.json", "experiment_state-1.json", "tuner.pkl"]
+    assert all((storage / name).read_text() == '{"new": 1}' for name in os.listdir(storage))
+
+    for name in os.listdir(staging):
+        (staging / name).write_text('{"newer": 1}')
+    real_read = store._read_whole
+    monkeypatch.setattr(store, "_read_whole", lambda source, rel: None if rel.startswith("experiment_state-")
+                        else real_read(source, rel))
+    assert store.upload_whole_files(str(staging), str(storage)) == []
+    assert all((storage / name).read_text() == '{"new": 1}' for name in os.listdir(storage))
+
+
 def test_a_copy_leaves_out_what_tune_is_still_writing(tmp_path):
     """The driver saves its state and appends results while the copy of the previous save runs:
     a state that does not parse yet keeps the storage's previous one, a result line being
