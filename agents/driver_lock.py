@@ -4,6 +4,7 @@ in a second terminal) is refused in one line while the first is alive (`check_no
 private name of Ray's."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -83,6 +84,29 @@ def check_no_live_driver(experiment: str) -> None:
                          f"experiment, stale after {STALE_S:.0f}s)")
 
 
+@contextlib.contextmanager
+def _one_at_a_time(experiment: str):
+    """Holds an exclusive lock on the experiment's folder (`flock`) for the block, where the
+    filesystem has one: on this machine, of the drivers taking over a dead driver's file at once,
+    one takes it and the others then find it live. Without one (some network filesystems), the
+    block runs unlocked."""
+    try:
+        import fcntl
+
+        fd = os.open(experiment, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # and the lock with it
+
+
 class DrivingExperiment:
     """`with DrivingExperiment(experiment):` holds the experiment's driver file for the block,
     rewriting it every HEARTBEAT_S seconds from a thread; refuses an experiment a live driver holds."""
@@ -112,8 +136,9 @@ class DrivingExperiment:
         try:
             self._write(exclusive=True)
         except FileExistsError:  # a live driver's (refused), or a dead one's (taken over)
-            check_no_live_driver(self.experiment)
-            self._write()
+            with _one_at_a_time(self.experiment):  # two taking over a dead one's at once: one gets it
+                check_no_live_driver(self.experiment)
+                self._write()
         self._thread = threading.Thread(target=self._beat, name="experiment-driver-heartbeat", daemon=True)
         self._thread.start()
         return self

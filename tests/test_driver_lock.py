@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import QUICKSTART, ROOT
+from tests.conftest import QUICKSTART, ROOT, one_line_cli_error
 from tests.test_reproducibility import TINY
 
 
@@ -92,6 +92,38 @@ def test_a_stopped_driver_on_this_machine_still_holds_its_experiment(tmp_path):
         zombie.wait()
 
 
+# takes over the experiment argv[1] as a driver, its check for a live driver slowed down (two
+# drivers judging the same dead one's file at once), says whether it holds it, and keeps it a while
+TAKE_OVER = r"""
+import sys, time
+import agents.driver_lock as lock
+
+check = lock.check_no_live_driver
+
+def slow_check(experiment):
+    check(experiment)
+    time.sleep(1.0)
+
+lock.check_no_live_driver = slow_check
+try:
+    with lock.DrivingExperiment(sys.argv[1]):
+        print("held", flush=True)
+        time.sleep(3.0)
+except ValueError as e:
+    print("refused", e, flush=True)
+"""
+
+
+def test_of_two_drivers_taking_over_a_dead_ones_file_at_once_one_holds_it(tmp_path):
+    experiment = tmp_path / "run"
+    experiment.mkdir()
+    _driver_file(str(experiment), 4_000_000, host="another-node", age=600.0)  # dead: silent for 10 min
+    drivers = [subprocess.Popen([sys.executable, "-c", TAKE_OVER, str(experiment)], cwd=ROOT, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    said = sorted(d.communicate(timeout=120)[0].strip() for d in drivers)
+    assert said[0] == "held" and said[1].startswith("refused the run 'run' is being trained now by process "), said
+
+
 def test_the_driver_file_is_held_and_rewritten_while_the_run_goes_and_removed_after(tmp_path, monkeypatch):
     import agents.driver_lock as lock
 
@@ -116,7 +148,7 @@ def _cli(*args):
 
 
 @pytest.mark.slow
-def test_a_second_driver_on_a_live_resumed_run_is_refused_and_the_run_goes_on(tmp_path):
+def test_a_second_driver_on_a_live_resumed_run_is_refused_and_the_run_goes_on(tmp_path, capsys):
     """The live run is a resumed one (Tune's resume copies the experiment's files into the new
     driver's staging folder, and its copies put them back: a lock file among them came back with a
     frozen heartbeat, and the live run looked dead a minute later). Its heartbeat only advances,
@@ -141,13 +173,11 @@ def test_a_second_driver_on_a_live_resumed_run_is_refused_and_the_run_goes_on(tm
             beats.append(driver["heartbeat"])
             time.sleep(0.5)
         assert beats == sorted(beats) and beats[-1] - beats[0] >= 5, beats
-        for extra in (["--resume"], []):  # another --resume; the same command again
-            second = subprocess.run([sys.executable, "-m", "agents.train", QUICKSTART, *common, *extra], cwd=ROOT,
-                                    env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
-                                    timeout=300)
-            assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
-            err = second.stderr.strip().splitlines()
-            assert len(err) == 1 and f"is being trained now by process {live.pid} " in err[0], second.stderr
+        from agents.train import main
+
+        for extra in (["--resume"], []):  # another --resume; the same command again (this process)
+            err = one_line_cli_error(capsys, main, QUICKSTART, *common, *extra)
+            assert f"is being trained now by process {live.pid} " in err, err
         os.killpg(live.pid, signal.SIGINT)  # Ctrl-C: the live run stops as an interrupted one
         lines += live.stdout.readlines()
         assert live.wait(timeout=600) == 130, "".join(lines)[-3000:]
