@@ -67,7 +67,6 @@ def on_device(x, device):
     return None if x is None or device is None else x.to(device)
 
 
-MAX_SEED = 2**31 - 1  # the largest seed a user gives (generate, evaluate, serve); row i samples from seed + i
 
 
 class DropLogLines(logging.Filter):

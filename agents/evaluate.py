@@ -422,8 +422,8 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
         from env.validation import directory_error
 
         # The flags and paths first, with the standard library alone (a wrong one is refused at once),
-        # then what needs torch: the seed's bound, the device's presence, its bf16.
-        for error in (directory_error("--out", args.out),
+        # then what needs torch: the device's presence, its bf16.
+        for error in (directory_error("--out", args.out), check_seed(args.seed),
                       check_device_name(args.device) or check_precision(args.precision, "cpu")):  # the names alone
             if error:
                 raise EvalError(error)
@@ -431,6 +431,8 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
             raise EvalError(f"--threads: expected an integer >= 1, got {args.threads}")
         if args.metric and not args.curves:
             raise EvalError("--metric: chooses what --curves plots; give --curves RUN")
+        if args.overrides and not args.config:
+            resolve_env_config(None, args.overrides, [])  # refused: a checkpoint's settings are its own
         if args.num_samples < 1:
             raise EvalError(f"--num-samples: expected an integer >= 1, got {args.num_samples}")
         if args.max_examples is not None and args.max_examples < 1:
@@ -443,13 +445,18 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
         if twice is not None:  # their rows would be one
             raise EvalError(f"--names: {twice!r} names two models" + ("" if args.names else
                                                                      " (their paths end alike); give --names"))
-        for path in [*args.models, *([args.reference] if args.reference else [])]:
+        for path in args.models:
             model_kind(path)
+        if args.reference:
+            try:
+                model_kind(args.reference)
+            except EvalError as e:
+                raise EvalError(f"--reference: {e}") from None
         for run in args.curves or []:
             find_trials(run)
-        for error in (check_seed(args.seed), check_device(args.device) or check_precision(args.precision, args.device)):
-            if error:
-                raise EvalError(error)
+        error = check_device(args.device) or check_precision(args.precision, args.device)
+        if error:
+            raise EvalError(error)
         if args.threads:
             import torch
 
@@ -458,9 +465,11 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
 
         no_transformers_bars()
         if args.models:
+            # --config (and its --set) checked before the models load
+            env_cfg = resolve_env_config(args.config, args.overrides, []) if args.config else None
             use_device(args.device)
             models = [Model(p, n).to(args.device) for p, n in zip(args.models, names)]
-            env_cfg = resolve_env_config(args.config, args.overrides, models)
+            env_cfg = env_cfg or resolve_env_config(None, [], models)
             reference = Model(args.reference).to(args.device) if args.reference else None
             result = evaluate(models, env_cfg, split=args.split, greedy=args.greedy, num_samples=args.num_samples,
                               max_examples=args.max_examples, reference=reference, seed=args.seed,

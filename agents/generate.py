@@ -248,8 +248,8 @@ def _stepped_rows(module, envs, obs, gens, scored, greedy, temperature, top_p) -
 
 
 def check_seed(seed: int) -> str | None:
-    """The --seed error line, None for a seed in [0, MAX_SEED] (agents.core, which imports torch)."""
-    from agents.core import MAX_SEED
+    """The --seed error line, None for a seed in [0, MAX_SEED]."""
+    from agents.saved_policy import MAX_SEED
 
     return None if 0 <= seed <= MAX_SEED else f"--seed: expected an integer in [0, {MAX_SEED}], got {seed}"
 
@@ -351,13 +351,13 @@ def main(argv=None, prog: str = "python -m agents.generate") -> int:
     if not 1 <= args.n <= MAX_N:
         parser.error(f"-n: expected an integer in [1, {MAX_N}] (for larger samples: python -m agents.evaluate "
                      f"--num-samples), got {args.n}")
-    # The flags' names and the checkpoint's path first, with the standard library alone (a wrong one is
-    # refused at once), then what needs torch: the seed's bound, the device's presence, its bf16.
+    # The flags and the checkpoint's path first, with the standard library alone (a wrong one is
+    # refused at once), then what needs torch: the device's presence, its bf16.
     try:
-        bad = check_device_name(args.device) or check_precision(args.precision, "cpu")  # the names alone
+        bad = check_device_name(args.device) or check_precision(args.precision, "cpu") or check_seed(args.seed)
         if not bad:
             find_module_dir(args.checkpoint)
-            bad = check_seed(args.seed) or check_device(args.device) or check_precision(args.precision, args.device)
+            bad = check_device(args.device) or check_precision(args.precision, args.device)
     except FileNotFoundError as e:
         bad = str(e)
     if bad:

@@ -1,6 +1,6 @@
-"""Where a checkpoint keeps its policy, and the precisions a loaded policy decodes in: what the
-command lines (`agents.serve`, `agents.generate`, `agents.export`, `agents.evaluate`) check of a
-`--checkpoint` before anything is loaded. The standard library only, so a wrong path is refused
+"""Where a checkpoint keeps its policy, the precisions a loaded policy decodes in and the seeds it
+takes: what the command lines (`agents.serve`, `agents.generate`, `agents.export`, `agents.evaluate`)
+check of a `--checkpoint`, `--precision` and `--seed` before anything is loaded. The standard library only, so a wrong path is refused
 before torch, RLlib or Ray are imported.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 # and RLlib; tests/test_rllib_contract.py checks the two agree).
 MODULE_SUBDIR = os.path.join("learner_group", "learner", "rl_module", "default_policy")
 PRECISIONS = ("fp32", "bf16")  # a loaded policy's weights while it decodes (generate, serve)
+MAX_SEED = 2**31 - 1  # the largest seed a user gives (generate, evaluate, serve); row i samples from seed + i
 
 
 def find_module_dir(path: str) -> str:

@@ -265,7 +265,11 @@ def test_cli_refuses_a_wrong_model_run_or_flag_in_one_line_before_importing_torc
         ([missing], f"error: {missing}: no such checkpoint or model directory"),
         ([checkpoint, run],
          f"error: {run} is a run directory, not a checkpoint; its newest checkpoint is {checkpoint}"),
-        ([checkpoint, "--reference", missing], f"error: {missing}: no such checkpoint or model directory"),
+        ([checkpoint, "--reference", missing], f"error: --reference: {missing}: no such checkpoint or model directory"),
+        ([checkpoint, "--seed", "-1"], "error: --seed: expected an integer in [0, 2147483647], got -1"),
+        ([checkpoint, "--set", "env.max_new_tokens=4"], "error: --set: changes --config's values, and no --config "
+         "was given (a checkpoint's task and lengths are its own; give an RL YAML with --config to change them): "
+         "env.max_new_tokens=4"),
         (["--curves", missing], f"error: --curves: {missing}: no such run directory"),
         ([checkpoint, "--precision", "fp16"], "error: --precision: expected one of fp32, bf16, got 'fp16'"),
         ([checkpoint, "--num-samples", "0"], "error: --num-samples: expected an integer >= 1, got 0"),

@@ -15,6 +15,7 @@ def test_generate_refuses_a_wrong_checkpoint_or_flag_in_one_line_before_importin
         (["--checkpoint", checkpoint, "--precision", "fp16"],
          "error: --precision: expected one of fp32, bf16, got 'fp16'"),
         (["--checkpoint", checkpoint, "--device", "tpu"], "error: --device: expected cpu or cuda[:N], got 'tpu'"),
+        (["--checkpoint", checkpoint, "--seed", "-1"], "error: --seed: expected an integer in [0, 2147483647], got -1"),
         (["--checkpoint", checkpoint, "-n", "-1"],
          "python -m agents.generate: error: -n: expected an integer in [1, 1000]"),
     ]

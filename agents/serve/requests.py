@@ -73,7 +73,7 @@ from typing import Annotated, ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from agents.core import MAX_SEED
+from agents.saved_policy import MAX_SEED
 
 MAX_PROMPT_CHARS = 10_000
 MAX_REFERENCES = 64
