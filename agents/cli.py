@@ -74,5 +74,12 @@ def main(argv=None) -> int:
     return module.main(rest, prog=f"{PROG} {name}")
 
 
+def run() -> None:
+    """The `tokenmdp` command (pyproject.toml's entry point)."""
+    from agents import exit_with
+
+    exit_with(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

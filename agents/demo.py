@@ -110,4 +110,6 @@ def main(argv=None, prog: str = "python -m agents.demo") -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from agents import exit_with
+
+    exit_with(main())

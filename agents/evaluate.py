@@ -487,4 +487,6 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from agents import exit_with
+
+    exit_with(main())

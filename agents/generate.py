@@ -398,4 +398,6 @@ def main(argv=None, prog: str = "python -m agents.generate") -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from agents import exit_with
+
+    exit_with(main())
