@@ -67,15 +67,10 @@ def test_ppo_with_two_remote_env_runners_resumes_exactly(ray_local, tmp_path):
 
     cfg = load(QUICKSTART, [*TINY, "env_runners.num_env_runners=2", "env_runners.num_cpus_per_env_runner=0.5"])
     uninterrupted = train(cfg, 5, checkpoint_at=2, path=tmp_path / "ckpt")
-    assert train(cfg, 3) == uninterrupted[:3]  # the runs themselves are reproducible
     again = resumed(cfg, tmp_path / "ckpt", 3)
     assert again == uninterrupted[2:]
-    algo = algorithm_config(cfg).build_algo()
-    try:
-        algo.train()
-        assert sorted(algo.get_state()[REMOTE_RUNNERS]) == [1, 2]
-    finally:
-        algo.stop()
+    with open(tmp_path / "ckpt" / "algorithm_state.pkl", "rb") as f:
+        assert sorted(pickle.load(f)[REMOTE_RUNNERS]) == [1, 2]  # each remote runner's own state
 
 
 @pytest.mark.slow
