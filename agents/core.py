@@ -67,8 +67,6 @@ def on_device(x, device):
     return None if x is None or device is None else x.to(device)
 
 
-
-
 class DropLogLines(logging.Filter):
     """A logging filter dropping the records whose message holds `fragment`: a library's notice a
     user of the CLIs can do nothing about (RLlib's deprecation of the config its own RLModules

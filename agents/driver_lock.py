@@ -84,11 +84,15 @@ def check_no_live_driver(experiment: str) -> None:
                          f"experiment, stale after {STALE_S:.0f}s)")
 
 
+TAKEOVER_WAIT_S = 10.0  # how long a driver waits for another one taking over the experiment
+
+
 @contextlib.contextmanager
 def _one_at_a_time(experiment: str):
     """Holds an exclusive lock on the experiment's folder (`flock`) for the block, where the
     filesystem has one: on this machine, of the drivers taking over a dead driver's file at once,
-    one takes it and the others then find it live. Without one (some network filesystems), the
+    one takes it and the others then find it live. One still held after TAKEOVER_WAIT_S (a driver
+    stopped in the block) is refused in one line. Without one (some network filesystems), the
     block runs unlocked."""
     try:
         import fcntl
@@ -98,10 +102,18 @@ def _one_at_a_time(experiment: str):
         yield
         return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            pass
+        deadline = time.monotonic() + TAKEOVER_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ValueError(f"the run {os.path.basename(experiment)!r} is being taken over by another "
+                                     "driver now: try again in a moment") from None
+                time.sleep(0.05)
+            except OSError:  # no locks on this filesystem
+                break
         yield
     finally:
         os.close(fd)  # and the lock with it

@@ -246,9 +246,11 @@ def upload_whole_files(local_path: str, fs_path: str, exclude=None, order: int |
         finally:
             if os.path.exists(partial):
                 os.remove(partial)
-    if len(read) < len(states) and any(rel.startswith("experiment_state-") for rel, _, _ in states) and not any(
-            rel.startswith("experiment_state-") for rel, _, _ in read):
-        return placed  # the experiment's state left out (written meanwhile): none of the top folder's files
+    newest = max((rel for rel, _, _ in states if rel.startswith("experiment_state-")), default=None)
+    if newest is not None and newest not in {rel for rel, _, _ in read}:
+        # the newest experiment state left out (written meanwhile; an older run's, which a resume
+        # copied down, may be read): none of the top folder's files
+        return placed
     written, journaled = [], []  # the top folder's files, written beside their targets, then put in place as one
     try:
         for rel, target, data in read:
@@ -409,7 +411,7 @@ def apply_resume_stop(stop: dict | None, say=None) -> None:
         going = [trial for trial in ended if goes_on(trial, stop)]
         for trial in going:
             trial.set_status(Trial.PAUSED)  # resumed from its checkpoint, as an interrupted trial is
-        if say and ended:
+        if say and any(trial.stopping_criterion != stop for trial in ended):  # said where they differ
             others = "" if len(going) == len(ended) else (" (the others ended before their own stop, by a scheduler, "
                                                           "meet the new one, or have no checkpoint)")
             say(f"--resume: {len(going)} of {len(ended)} ended trials go on to the new stop criteria{others}")

@@ -141,7 +141,7 @@ def _stops(cfg: dict) -> tuple[dict, dict, dict] | None:
     """The run's first stop criteria, the ones it last went on with, and the ones a `--resume`
     with `cfg` goes on with: the config's where they differ from the first ones (train longer, or
     less), else the last ones (a later plain `--resume` keeps a change). None: the run saved no
-    config (then as given)."""
+    config (made by an older version: the config's are taken as they are)."""
     experiment = experiment_dir(cfg)
     try:
         with open(os.path.join(experiment, RUN_CONFIG), encoding="utf-8") as f:
@@ -165,7 +165,9 @@ def resume_stop(cfg: dict) -> tuple[dict, bool, str | None]:
     from agents.pbt import write_json
 
     stops = _stops(cfg)
-    if stops is None:
+    if stops is None:  # nothing to compare with: each trial takes the config's (the same ones change nothing)
+        return cfg["stop"], True, None
+    if cfg["tune"]["scheduler"] == "asha":  # its own stop, always (check_resume_config)
         return cfg["stop"], False, None
     first, last, now = stops
     path = os.path.join(experiment_dir(cfg), RESUME_STOP)
@@ -194,7 +196,7 @@ def check_resume_config(cfg: dict) -> None:
         raise ValueError(f"--resume: the run goes on with the config it started with, and this one differs: "
                          f"{', '.join(changed[:3])}{more}; give the run's own config (or a new tune.name for a new run)")
     stops = _stops(cfg)
-    if stops and stops[2] != stops[0] and cfg["tune"]["scheduler"] == "asha":
+    if stops and _as_json(cfg["stop"]) != stops[0] and cfg["tune"]["scheduler"] == "asha":
         raise ValueError("--resume: an ASHA run (tune.scheduler: asha) goes on with its own stop criteria (its "
                          "rungs end at its first stop.training_iteration); give the run's own stop, or start a new "
                          "run from a checkpoint")

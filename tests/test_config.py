@@ -655,6 +655,8 @@ def test_a_resume_with_other_stop_criteria_goes_on_with_them_and_a_later_plain_r
     from agents.resume import RESUME_STOP, experiment_dir, resume_stop, save_run_config
 
     sets = ["tune.name=r", f"tune.storage_path={tmp_path}", "stop.training_iteration=3"]
+    # a run that saved no config (an older version's): each trial takes the config's stop criteria
+    assert resume_stop(load(QUICKSTART, sets))[1:] == (True, None)
     save_run_config(load(QUICKSTART, sets), experiment_dir(load(QUICKSTART, sets)))
     stop, other, line = resume_stop(load(QUICKSTART, sets))
     assert (stop["training_iteration"], other, line) == (3, False, None)  # the run's own
@@ -681,7 +683,7 @@ def test_an_asha_run_refuses_other_stop_criteria_and_a_pending_copy_counts_as_an
     longer is refused in one line, before Ray starts. An experiment whose only state waits in a
     killed copy's journal is an interrupted run: a fresh run under its name is refused."""
     from agents.experiment_store import PLACING
-    from agents.resume import check_fresh_run, check_resume_config, experiment_dir, save_run_config
+    from agents.resume import check_fresh_run, check_resume_config, experiment_dir, resume_stop, save_run_config
 
     sets = ["tune.name=r", f"tune.storage_path={tmp_path}", "tune.scheduler=asha", "stop.training_iteration=4",
             "tune.grace_period=1",
@@ -689,8 +691,10 @@ def test_an_asha_run_refuses_other_stop_criteria_and_a_pending_copy_counts_as_an
     save_run_config(load(QUICKSTART, sets), experiment_dir(load(QUICKSTART, sets)))
     with pytest.raises(ValueError, match=r"^--resume: an ASHA run \(tune.scheduler: asha\) goes on with its own stop"):
         check_resume_config(load(QUICKSTART, sets + ["stop.training_iteration=8"]))
+    (tmp_path / "r" / "stop.json").write_text('{"training_iteration": 8}')  # left by an earlier version
+    assert resume_stop(load(QUICKSTART, sets))[:2] == (load(QUICKSTART, sets)["stop"], False)  # its own
     (tmp_path / "r" / PLACING).write_text("[]")
-    check_resume_config(load(QUICKSTART, sets))  # its own stop, and a state the journal may place: goes on
+    check_resume_config(load(QUICKSTART, sets))  # its own config, and a state the journal may place: goes on
     with pytest.raises(ValueError, match=r"^tune.name: .* holds an interrupted run; go on with it with --resume"):
         check_fresh_run(load(QUICKSTART, sets))
 

@@ -124,6 +124,26 @@ def test_of_two_drivers_taking_over_a_dead_ones_file_at_once_one_holds_it(tmp_pa
     assert said[0] == "held" and said[1].startswith("refused the run 'run' is being trained now by process "), said
 
 
+def test_a_driver_stopped_while_taking_over_does_not_hang_the_next_one(tmp_path, monkeypatch):
+    import fcntl
+
+    import agents.driver_lock as lock
+
+    experiment = tmp_path / "run"
+    _driver_file(str(experiment), 4_000_000, host="another-node", age=600.0)  # dead
+    monkeypatch.setattr(lock, "TAKEOVER_WAIT_S", 0.3)
+    held = os.open(experiment, os.O_RDONLY)  # as a driver stopped inside its takeover
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(ValueError, match=r"^the run 'run' is being taken over by another driver now"):
+            lock.DrivingExperiment(str(experiment)).__enter__()
+    finally:
+        os.close(held)
+    with lock.DrivingExperiment(str(experiment)):  # once it lets go: taken over
+        with open(experiment / lock.DRIVER_FILE) as f:
+            assert json.load(f)["pid"] == os.getpid()
+
+
 def test_the_driver_file_is_held_and_rewritten_while_the_run_goes_and_removed_after(tmp_path, monkeypatch):
     import agents.driver_lock as lock
 

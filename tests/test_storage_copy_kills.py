@@ -269,8 +269,9 @@ def test_a_rename_that_fails_among_the_top_folders_leaves_them_for_the_resume_to
 
     for name in os.listdir(staging):
         (staging / name).write_text('{"newer": 1}')
+    (staging / "experiment_state-0.json").write_text('{"older": 1}')  # a resumed run's: copied down by Tune
     real_read = store._read_whole
-    monkeypatch.setattr(store, "_read_whole", lambda source, rel: None if rel.startswith("experiment_state-")
+    monkeypatch.setattr(store, "_read_whole", lambda source, rel: None if rel == "experiment_state-1.json"
                         else real_read(source, rel))
     assert store.upload_whole_files(str(staging), str(storage)) == []
     assert all((storage / name).read_text() == '{"new": 1}' for name in os.listdir(storage))
