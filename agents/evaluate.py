@@ -461,10 +461,10 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-        from agents.core import no_transformers_bars
-
-        no_transformers_bars()
         if args.models:
+            from agents.core import no_transformers_bars  # torch and transformers: for the models alone
+
+            no_transformers_bars()
             # --config (and its --set) checked before the models load
             env_cfg = resolve_env_config(args.config, args.overrides, []) if args.config else None
             use_device(args.device)

@@ -179,6 +179,12 @@ def _place_together(written: list[tuple[str, str]], folder: str, tag: str, order
     return True
 
 
+def placing_pending(experiment: str) -> bool:
+    """Whether a killed copy's renames wait in the experiment's journal (`PLACING`): its state may
+    be there alone."""
+    return os.path.isfile(os.path.join(experiment, PLACING))
+
+
 def finish_placing(experiment: str) -> list[str]:
     """Finishes the renames of a copy killed while it put the top folder's files in place (its
     journal names them; each file renamed already is gone from its partial name). Returns the

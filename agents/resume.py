@@ -187,7 +187,7 @@ def check_resume_config(cfg: dict) -> None:
     """Refuses a `--resume` of a run a live driver is training, or whose config differs from the
     run's own, naming the keys."""
     from agents.driver_lock import check_no_live_driver
-    from agents.experiment_store import PLACING, newest_experiment_state
+    from agents.experiment_store import newest_experiment_state, placing_pending
 
     check_no_live_driver(experiment_dir(cfg))
     changed = resume_differences(cfg)
@@ -201,8 +201,7 @@ def check_resume_config(cfg: dict) -> None:
                          "rungs end at its first stop.training_iteration); give the run's own stop, or start a new "
                          "run from a checkpoint")
     # said before Ray starts (a killed copy's unfinished renames may place one: agents.train's resume)
-    if newest_experiment_state(experiment_dir(cfg)) is None and not os.path.isfile(
-            os.path.join(experiment_dir(cfg), PLACING)):
+    if newest_experiment_state(experiment_dir(cfg)) is None and not placing_pending(experiment_dir(cfg)):
         raise ValueError(f"--resume: no experiment to resume at {experiment_dir(cfg)}")
 
 
@@ -225,13 +224,13 @@ def check_fresh_run(cfg: dict) -> None:
     one: it would take over the experiment (its saved config and state), and the interrupted run
     could not resume."""
     from agents.driver_lock import check_no_live_driver
-    from agents.experiment_store import PLACING
+    from agents.experiment_store import placing_pending
 
     experiment = experiment_dir(cfg) if cfg["tune"]["name"] else None
     if experiment:
         check_no_live_driver(experiment)
-    # a killed copy's unfinished renames (`PLACING`) may hold its state: interrupted too
-    if experiment and (unfinished_trials(experiment) or os.path.isfile(os.path.join(experiment, PLACING))):
+    # a killed copy's unfinished renames may hold its state: interrupted too
+    if experiment and (unfinished_trials(experiment) or placing_pending(experiment)):
         raise ValueError(f"tune.name: {experiment} holds an interrupted run; go on with it with --resume, or give "
                          "a new tune.name (or remove that directory) to start another")
 

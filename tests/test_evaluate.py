@@ -4,6 +4,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch
 from agents.evaluate import (EvalError, Model, distinct_n, evaluate, main, plot_curves, terciles,
                              write_results)
 from env.tasks.review_corpus import review_corpus, vocabulary
-from tests.conftest import ROOT, one_line_cli_error, run_module, write_jsonl
+from tests.conftest import PROBE, ROOT, one_line_cli_error, run_module, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +278,16 @@ def test_cli_refuses_a_wrong_model_run_or_flag_in_one_line_before_importing_torc
     ]
     assert_refused_lightly("agents.evaluate", [([*argv, "--out", out], expected) for argv, expected in cases])
     assert not out.exists()
+
+
+def test_curves_alone_plot_without_torch(tmp_path):
+    """`--curves RUN` alone reads JSON and draws: it imports neither torch, transformers nor Ray."""
+    write_trial(tmp_path / "run" / "trial", [0.5, 0.6], [0.0, 1.0])
+    proc = subprocess.run([sys.executable, "-c", PROBE, "agents.evaluate", "--curves", str(tmp_path / "run"),
+                           "--out", str(tmp_path / "plots")], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [f"wrote {tmp_path / 'plots' / 'curve_episode_return_mean.png'}", "[]"]
 
 
 def test_cli_writes_table_and_plot(setup, tmp_path, capsys):
