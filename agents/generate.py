@@ -95,8 +95,11 @@ def generate(module, env_config: dict, prompts: list[str | None], *, greedy: boo
     `temperature`, then only the nucleus of mass `top_p` of what is left is kept. The defaults
     (1.0, 1.0) leave the policy's distribution as trained.
     """
-    if not temperature > 0:
-        raise ValueError(f"generate: temperature must be > 0 (use greedy=True for argmax), got {temperature}")
+    from agents.samplers import MIN_TEMPERATURE
+
+    if not temperature >= MIN_TEMPERATURE:
+        raise ValueError(f"generate: temperature must be >= {MIN_TEMPERATURE:g} (use greedy=True for argmax), "
+                         f"got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"generate: top_p must be in (0, 1], got {top_p}")
     import torch

@@ -239,6 +239,12 @@ def sampler_value_error(name: str, param: str, value) -> str | None:
     return None
 
 
+# A positive temperature below this is argmax where a request may give it (the completions routes),
+# and refused by `agents.generate.generate`: float32 logits divided by less could overflow (or, as a
+# row's float32 temperature, round to 0) and sample one token over and over.
+MIN_TEMPERATURE = 1e-5
+
+
 def warp_logits(logits: torch.Tensor, temperature=1.0, top_p=1.0) -> torch.Tensor:
     """`logits` (masked entries at `MASKED`) divided by `temperature`, cut to the nucleus of mass
     `top_p`: numbers, or (rows, 1) tensors of per-row values (a row at 1.0 and 1.0 is left as it is)."""

@@ -122,6 +122,14 @@ def test_a_decoder_keeps_the_graphs_of_its_last_sampling_settings_only():
         assert generate(module, env_config, [None] * 4, seed=1, temperature=0.5, decoder=False) == first[0]
 
 
+def test_generate_refuses_a_temperature_too_small_to_divide_by():
+    module = build_module()
+    env_config = dict(module.model_config["env"])
+    for bad in (0.0, 1e-40, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"^generate: temperature must be >= 1e-05 \(use greedy=True for argmax\)"):
+            generate(module, env_config, [None], seed=1, temperature=bad)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_decodes_on_cuda_replay_their_graphs_and_equal_the_eager_ones():
     """On a GPU `generate` replays the decoder's captured blocks: sampled and greedy results equal

@@ -283,6 +283,9 @@ def test_completions_answer_in_the_openai_format_with_usage_from_the_tokenizer(c
     # temperature 0 is /generate's greedy; a vanishing top_p keeps only the most likely token too
     greedy = call(client, "/generate", {"prompt": "3 7", "greedy": True})[1]["generations"][0]["text"]
     assert call(client, "/v1/completions", {"prompt": "3 7", "temperature": 0})[1]["choices"][0]["text"] == greedy
+    for tiny in (1e-6, 1e-40, 5e-324):  # too small to divide float32 logits by (it was one token over and over)
+        reply = call(client, "/v1/completions", {"prompt": "3 7", "temperature": tiny, "n": 2, "seed": 4})[1]
+        assert [c["text"] for c in reply["choices"]] == [greedy, greedy], tiny
     narrow = call(client, "/v1/completions", {"prompt": "3 7", "top_p": 1e-9, "n": 2, "seed": 4})[1]
     assert [c["text"] for c in narrow["choices"]] == [greedy, greedy]
     hot = call(client, "/v1/completions", {"prompt": "3 7", "temperature": 2.0, "n": 4, "seed": 4})[1]

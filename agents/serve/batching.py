@@ -333,10 +333,9 @@ class Batcher:
         """Queues the job's completions for rows; raises Busy when they would leave more than
         `max_queue` completions waiting for a row."""
         with self.cv:
-            waiting = len(self.waiting) + len(job.completions) - len(self._free_rows())
-            if waiting > self.max_queue:
+            if len(self.waiting) + len(job.completions) - len(self._free_rows()) > self.max_queue:
                 self.stats["refused"] += 1
-                raise Busy(f"server busy: {len(self.waiting)} completions are waiting for one of the "
+                raise Busy(f"server busy: {self._queued()} completions are waiting for one of the "
                            f"{self.rows} rows (--max-queue {self.max_queue}); retry later")
             self.waiting.extend((job, i) for i in range(len(job.completions)))
             if self._thread is None:
@@ -350,7 +349,7 @@ class Batcher:
         engine = getattr(getattr(self.module, "kv_cache", None), "engine", None)
         with self.cv:
             return {"rows": self.rows, "active": sum(s is not None for s in self.slots),
-                    "waiting": len(self.waiting), "max_queue": self.max_queue, **self.stats,
+                    "waiting": self._queued(), "max_queue": self.max_queue, **self.stats,
                     "graphs_captured": getattr(engine, "captures", 0)}
 
     def close(self) -> None:
@@ -364,6 +363,10 @@ class Batcher:
 
     def _free_rows(self) -> list[int]:
         return [i for i, s in enumerate(self.slots) if s is None]
+
+    def _queued(self) -> int:
+        """Completions waiting for a row (the ones free rows take at the next block are not)."""
+        return max(0, len(self.waiting) - len(self._free_rows()))
 
     def _run(self) -> None:
         while True:

@@ -22,6 +22,7 @@ from agents.serve.batching import Batcher, Completion, Job
 from agents.serve.options import BATCH_BLOCK, BATCH_ROWS, MAX_QUEUE
 from agents.serve.requests import (MAX_SEED, ROUTES, BadRequest, ChatRequest, CompletionRequest,
                                    GenerateRequest)
+from agents.samplers import MIN_TEMPERATURE
 from env.text_env import env_setting
 from env.tokenization import unknown_words
 
@@ -162,7 +163,7 @@ class Policy:
             "stream": req.stream,
             "stream_options": req.stream_options,
         }
-        greedy = req.temperature == 0
+        greedy = req.temperature < MIN_TEMPERATURE  # 0, or too small to divide float32 logits by: argmax
         sampler = tuple(req.sampler.items()) if req.sampler and req.sampler["name"] != "none" else ()
         checked["completions"] = [
             Completion(p, checked["seed"] + k, checked["max_tokens"], greedy=greedy,

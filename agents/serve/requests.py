@@ -33,7 +33,7 @@ so OpenAI clients work against it (`OpenAI(base_url="http://127.0.0.1:8000/v1", 
                the policy's trained sampler, not instead of it: the policy's logits, with the
                configured sampler's mask already applied, are divided by `temperature`, then cut to
                the nucleus of mass `top_p`. The defaults sample exactly as /generate does;
-               temperature 0 is argmax (as /generate's greedy).
+               temperature 0 (or any below 1e-5) is argmax (as /generate's greedy).
   n            integer in [1, --max-samples]; n times the number of prompts is at most --max-samples
   seed         integer in [0, 2**31 - 1] (default random): the same seed and request give the same text
   model        string, echoed in the reply (default: the checkpoint directory's name)
