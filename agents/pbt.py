@@ -198,6 +198,15 @@ def write_json(path: str, state: dict, **dump_options) -> None:
     write_whole(path, lambda f: f.write(json.dumps(state, **dump_options).encode("utf-8")))
 
 
+def _json_value(value):
+    """A result's value JSON has no type for: numpy's (and torch's) numbers and arrays as lists,
+    anything else as its text."""
+    try:
+        return value.tolist()
+    except AttributeError:
+        return str(value)
+
+
 def make_pbt(cfg: dict, *, keep_running: bool = False):
     """Tune's PopulationBasedTraining over `tune.hyperparam_mutations`, every
     `tune.perturbation_interval` training iterations. A trial that gets there is ranked against
@@ -263,17 +272,22 @@ def keep_running_pbt_class():
             self.keep_running = keep_running
 
         def save(self, checkpoint_path: str) -> None:
-            """Each trial's last score, last PBT checkpoint (the one an exploiting trial clones) and
-            last perturbation, which Tune does not save: a resumed run ranked its trials afresh."""
+            """Each trial's last score, last PBT checkpoint (the one an exploiting trial clones) with
+            the result it was saved at, and last perturbation, which Tune does not save: a resumed
+            run ranked its trials afresh, and a trial cloning a checkpoint saved before the resume
+            got no result with it (its restore failed)."""
             from ray.train import Checkpoint
 
             write_json(checkpoint_path, {
                 "trials": {trial.trial_id: {
                     "last_score": None if s.last_score is None else float(s.last_score),
                     "last_checkpoint": s.last_checkpoint.path if isinstance(s.last_checkpoint, Checkpoint) else None,
+                    # the clone's iteration, time and steps go on from it (the trial's config: its own)
+                    "last_result": {k: v for k, v in (s.last_result or {}).items() if k != "config"} or None,
                     "last_perturbation_time": s.last_perturbation_time, "last_train_time": s.last_train_time,
                 } for trial, s in self._trial_state.items()},
-                "perturbations": self._num_perturbations, "checkpoints": self._num_checkpoints})
+                "perturbations": self._num_perturbations, "checkpoints": self._num_checkpoints},
+                default=_json_value)
 
         def restore(self, checkpoint_path: str) -> None:
             from ray.train import Checkpoint
@@ -283,8 +297,9 @@ def keep_running_pbt_class():
             for trial, s in self._trial_state.items():  # the trials --resume added again
                 saved = state["trials"].get(trial.trial_id)
                 if saved:
-                    path = saved["last_checkpoint"]  # (one deleted since cannot be cloned: none)
-                    s.last_score = saved["last_score"]
+                    # one deleted since, or saved without its result (an older state), cannot be cloned: none
+                    path = saved["last_checkpoint"] if saved.get("last_result") else None
+                    s.last_score, s.last_result = saved["last_score"], saved.get("last_result")
                     s.last_checkpoint = Checkpoint(path) if path and os.path.isdir(path) else None
                     s.last_perturbation_time, s.last_train_time = (saved["last_perturbation_time"],
                                                                   saved["last_train_time"])

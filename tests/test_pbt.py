@@ -6,6 +6,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 
 from agents.config import ConfigError, PBT_MUTABLE, algorithm_config, load, pbt_mutations
@@ -255,7 +256,7 @@ def test_asha_keys_with_the_fifo_scheduler_are_refused_in_one_line(key):
 def test_a_pbt_run_killed_mid_way_resumes_and_finishes_every_trial(tmp_path):
     """The shrunk PBT example killed (SIGKILL, driver and Ray) after its trials passed a
     perturbation, then `--resume`d: the run finishes, each trial reaches the stop iteration, and
-    the resumed trials go on from their checkpoints (not from iteration 1)."""
+    the resumed trials go on from their checkpoints (not from iteration 1); then trained longer."""
     import re
     import signal
     import subprocess
@@ -300,12 +301,22 @@ def test_a_pbt_run_killed_mid_way_resumes_and_finishes_every_trial(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     after = [int(i) for i in re.findall(r"iter +(\d+) ", out.stdout)]
     assert after and min(after) > 1, after  # went on from checkpoints
-    finals = []
-    for trial_dir in glob.glob(str(tmp_path / "pbt" / "LMPPO_*")):
-        with open(os.path.join(trial_dir, "result.json")) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        finals.append(rows[-1]["training_iteration"])
-    assert finals == [STOP, STOP], finals
+
+    def finals():
+        last = []
+        for trial_dir in glob.glob(str(tmp_path / "pbt" / "LMPPO_*")):
+            with open(os.path.join(trial_dir, "result.json")) as f:
+                last.append([json.loads(line) for line in f if line.strip()][-1]["training_iteration"])
+        return last
+
+    assert finals() == [STOP, STOP]
+    # Train longer: both trials go on; the first new result of each is a perturbation, and a weak
+    # trial that gets there first clones the strong one's checkpoint saved before this resume (its
+    # restore failed when PBT's state came back without the result the checkpoint was saved at).
+    out = run("agents.train", *args, "--resume", "--set", f"stop.training_iteration={STOP + 2}", timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "--resume: 2 of 2 ended trials go on to the new stop criteria" in out.stdout
+    assert finals() == [STOP + 2, STOP + 2]
 
 
 def test_pbts_trial_states_saved_and_restored_by_trial_id(tmp_path):
@@ -329,6 +340,9 @@ def test_pbts_trial_states_saved_and_restored_by_trial_id(tmp_path):
     for trial_id, score, checkpoint, at in (("a", 0.9, kept, 6), ("b", 0.2, gone, 4)):
         state = before._trial_state[FakeTrial(trial_id)] = _PBTTrialState(FakeTrial(trial_id))
         state.last_score, state.last_checkpoint, state.last_perturbation_time = score, Checkpoint(str(checkpoint)), at
+        # the result the checkpoint was saved at, as Tune's results hold it (numpy numbers, the trial's config)
+        state.last_result = {"training_iteration": at, "time_total_s": np.float64(at * 1.5),
+                             "env_runners": {"episode_return_mean": np.float32(score)}, "config": {"lr": object()}}
     before._num_perturbations, before._num_checkpoints = 3, 5
     before.save(str(tmp_path / "scheduler_state.json"))
     after = make_scheduler(cfg)  # a new driver's, its trials added again as new objects
@@ -339,3 +353,19 @@ def test_pbts_trial_states_saved_and_restored_by_trial_id(tmp_path):
     assert (got["a"].last_score, got["a"].last_perturbation_time, got["a"].last_checkpoint.path) == (0.9, 6, str(kept))
     assert (got["b"].last_score, got["b"].last_perturbation_time, got["b"].last_checkpoint) == (0.2, 4, None)
     assert (after._num_perturbations, after._num_checkpoints) == (3, 5)
+    # A trial cloning "a" after the resume restores its checkpoint with this result (Tune's PBT gives
+    # it as the checkpoint's metrics: without it the clone's restore failed on None), so the clone's
+    # iterations go on from a's.
+    assert got["a"].last_result == {"training_iteration": 6, "time_total_s": 9.0,
+                                    "env_runners": {"episode_return_mean": pytest.approx(0.9)}}
+    # A state saved without the results (an older one): its checkpoints are not cloned until each
+    # trial's next perturbation saves another.
+    with open(tmp_path / "scheduler_state.json") as f:
+        older = json.load(f)
+    for saved in older["trials"].values():
+        del saved["last_result"]
+    with open(tmp_path / "scheduler_state.json", "w") as f:
+        json.dump(older, f)
+    after.restore(str(tmp_path / "scheduler_state.json"))
+    assert [s.last_checkpoint for s in after._trial_state.values()] == [None, None]
+    assert [s.last_score for s in after._trial_state.values()] == [0.9, 0.2]
