@@ -295,6 +295,11 @@ def keep_running_pbt_class():
             with open(checkpoint_path, encoding="utf-8") as f:
                 state = json.load(f)
             for trial, s in self._trial_state.items():  # the trials --resume added again
+                # a clone of a checkpoint saved before an earlier resume, by a version that kept no
+                # result with it, failed on reading none: the checkpoint's state has its iteration
+                cloned = getattr(trial, "latest_checkpoint_result", None)
+                if cloned is not None and cloned.metrics is None:
+                    cloned.metrics = {}
                 saved = state["trials"].get(trial.trial_id)
                 if saved:
                     # one deleted since, or saved without its result (an older state), cannot be cloned: none

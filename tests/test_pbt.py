@@ -5,6 +5,7 @@ import glob
 import json
 import math
 import os
+import types
 
 import numpy as np
 import pytest
@@ -330,8 +331,9 @@ def test_pbts_trial_states_saved_and_restored_by_trial_id(tmp_path):
     from agents.pbt import make_scheduler
 
     class FakeTrial:  # what PBT's per-trial state reads of a Trial
-        def __init__(self, trial_id):
+        def __init__(self, trial_id, latest_checkpoint_result=None):
             self.trial_id, self.experiment_tag = trial_id, trial_id
+            self.latest_checkpoint_result = latest_checkpoint_result
 
     cfg = load(PBT_YAML)
     before = make_scheduler(cfg)
@@ -346,9 +348,14 @@ def test_pbts_trial_states_saved_and_restored_by_trial_id(tmp_path):
     before._num_perturbations, before._num_checkpoints = 3, 5
     before.save(str(tmp_path / "scheduler_state.json"))
     after = make_scheduler(cfg)  # a new driver's, its trials added again as new objects
-    for trial_id in ("a", "b"):
-        after._trial_state[FakeTrial(trial_id)] = _PBTTrialState(FakeTrial(trial_id))
+    # b cloned a checkpoint saved before an earlier resume by a version that kept no result with
+    # it: its restore read none and failed. It gets an empty one (the iteration is in the
+    # checkpoint's own state), and goes on.
+    cloned = types.SimpleNamespace(metrics=None)
+    for trial_id, checkpoint_result in (("a", None), ("b", cloned)):
+        after._trial_state[FakeTrial(trial_id, checkpoint_result)] = _PBTTrialState(FakeTrial(trial_id))
     after.restore(str(tmp_path / "scheduler_state.json"))
+    assert cloned.metrics == {}
     got = {t.trial_id: s for t, s in after._trial_state.items()}
     assert (got["a"].last_score, got["a"].last_perturbation_time, got["a"].last_checkpoint.path) == (0.9, 6, str(kept))
     assert (got["b"].last_score, got["b"].last_perturbation_time, got["b"].last_checkpoint) == (0.2, 4, None)

@@ -497,6 +497,16 @@ def test_tune_storage_sync_up_command_replaced_and_checkpoint_deletion_deferred(
     assert "self.run_metadata.checkpoint_manager" in inspect.getsource(Trial.latest_checkpoint_result.fget)
 
 
+def test_a_restored_algorithm_takes_its_iteration_from_its_checkpoint():
+    # agents/pbt.py KeepRunningPBT.restore gives a clone restored with no metrics empty ones:
+    # Trainable.restore reads the iteration from them, then the Algorithm's own state sets it
+    from ray.rllib.algorithms.algorithm import Algorithm
+    from ray.tune.trainable import Trainable
+
+    assert "checkpoint_metrics.get(TRAINING_ITERATION, 0)" in inspect.getsource(Trainable.restore)
+    assert "self._iteration = state[TRAINING_ITERATION]" in inspect.getsource(Algorithm.set_state)
+
+
 def test_tune_controller_saves_and_resumes_where_the_scheduler_hooks_expect():
     # agents/experiment_store.py hook_experiment_saves wraps TuneController.save_to_dir(self) (the
     # experiment's, search algorithm's and callbacks' files into _storage.experiment_driver_staging_path)
