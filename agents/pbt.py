@@ -283,7 +283,8 @@ def keep_running_pbt_class():
                     "last_score": None if s.last_score is None else float(s.last_score),
                     "last_checkpoint": s.last_checkpoint.path if isinstance(s.last_checkpoint, Checkpoint) else None,
                     # the clone's iteration, time and steps go on from it (the trial's config: its own)
-                    "last_result": {k: v for k, v in (s.last_result or {}).items() if k != "config"} or None,
+                    "last_result": {k: v for k, v in (s.last_result or {}).items()
+                                    if k != "config" and not k.startswith("config/")} or None,
                     "last_perturbation_time": s.last_perturbation_time, "last_train_time": s.last_train_time,
                 } for trial, s in self._trial_state.items()},
                 "perturbations": self._num_perturbations, "checkpoints": self._num_checkpoints},

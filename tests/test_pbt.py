@@ -344,7 +344,8 @@ def test_pbts_trial_states_saved_and_restored_by_trial_id(tmp_path):
         state.last_score, state.last_checkpoint, state.last_perturbation_time = score, Checkpoint(str(checkpoint)), at
         # the result the checkpoint was saved at, as Tune's results hold it (numpy numbers, the trial's config)
         state.last_result = {"training_iteration": at, "time_total_s": np.float64(at * 1.5),
-                             "env_runners": {"episode_return_mean": np.float32(score)}, "config": {"lr": object()}}
+                             "env_runners": {"episode_return_mean": np.float32(score)}, "config": {"lr": object()},
+                             "config/lr": 1e-3}  # (Tune flattens the config into a result too)
     before._num_perturbations, before._num_checkpoints = 3, 5
     before.save(str(tmp_path / "scheduler_state.json"))
     after = make_scheduler(cfg)  # a new driver's, its trials added again as new objects
