@@ -278,17 +278,24 @@ def keep_running_pbt_class():
             got no result with it (its restore failed)."""
             from ray.train import Checkpoint
 
+            for s in self._trial_state.values():
+                # a save PBT scheduled (a top trial's, cloned by no one yet): kept once it is done, as
+                # a clone takes it; one still under way is none (its trial's next perturbation saves again)
+                resolve = getattr(s.last_checkpoint, "resolve", None)
+                done = resolve(block=False) if resolve is not None else None
+                if done is not None and done.checkpoint is not None:
+                    s.last_checkpoint, s.last_result = done.checkpoint, done.metrics
             write_json(checkpoint_path, {
                 "trials": {trial.trial_id: {
                     "last_score": None if s.last_score is None else float(s.last_score),
                     "last_checkpoint": s.last_checkpoint.path if isinstance(s.last_checkpoint, Checkpoint) else None,
                     # the clone's iteration, time and steps go on from it (the trial's config: its own)
                     "last_result": {k: v for k, v in (s.last_result or {}).items()
-                                    if k != "config" and not k.startswith("config/")} or None,
+                                    if k != "config" and not str(k).startswith("config/")} or None,
                     "last_perturbation_time": s.last_perturbation_time, "last_train_time": s.last_train_time,
                 } for trial, s in self._trial_state.items()},
                 "perturbations": self._num_perturbations, "checkpoints": self._num_checkpoints},
-                default=_json_value)
+                default=_json_value, skipkeys=True)  # (a result key JSON cannot hold is left out)
 
         def restore(self, checkpoint_path: str) -> None:
             from ray.train import Checkpoint

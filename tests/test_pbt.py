@@ -324,7 +324,7 @@ def test_pbts_trial_states_saved_and_restored_by_trial_id(tmp_path):
     """KeepRunningPBT's save and restore (what agents.experiment_store calls at each save of the
     experiment's state and after --resume added the trials again): each trial's last score, last
     perturbation and the checkpoint an exploiting trial clones come back to the new driver's trial
-    objects (matched by id); a checkpoint deleted since comes back as none."""
+    objects (matched by id); a checkpoint deleted since, or a save still under way, comes back as none."""
     from ray.train import Checkpoint
     from ray.tune.schedulers.pbt import _PBTTrialState
 
@@ -346,6 +346,24 @@ def test_pbts_trial_states_saved_and_restored_by_trial_id(tmp_path):
         state.last_result = {"training_iteration": at, "time_total_s": np.float64(at * 1.5),
                              "env_runners": {"episode_return_mean": np.float32(score)}, "config": {"lr": object()},
                              "config/lr": 1e-3}  # (Tune flattens the config into a result too)
+    # c's checkpoint is a save PBT scheduled (a top trial's, not cloned yet): kept once it is done,
+    # with the save's result; d's save is still under way: none
+    class Save:  # what PBT holds for a scheduled save (a future of the save's checkpoint and result)
+        def __init__(self, done):
+            self.done = done
+
+        def resolve(self, block=True):
+            assert not block  # a save of the experiment's state waits for none
+            return self.done
+
+    saved_c = tmp_path / "checkpoint_000003"
+    saved_c.mkdir()
+    for trial_id, checkpoint in (("c", Save(types.SimpleNamespace(checkpoint=Checkpoint(str(saved_c)),
+                                                                   metrics={"training_iteration": 8}))),
+                                 ("d", Save(None))):
+        state = before._trial_state[FakeTrial(trial_id)] = _PBTTrialState(FakeTrial(trial_id))
+        state.last_score, state.last_checkpoint, state.last_perturbation_time = 0.5, checkpoint, 8
+        state.last_result = {"training_iteration": 8, (1, 2): "a key JSON cannot hold"}
     before._num_perturbations, before._num_checkpoints = 3, 5
     before.save(str(tmp_path / "scheduler_state.json"))
     after = make_scheduler(cfg)  # a new driver's, its trials added again as new objects
@@ -353,7 +371,7 @@ def test_pbts_trial_states_saved_and_restored_by_trial_id(tmp_path):
     # it: its restore read none and failed. It gets an empty one (the iteration is in the
     # checkpoint's own state), and goes on.
     cloned = types.SimpleNamespace(metrics=None)
-    for trial_id, checkpoint_result in (("a", None), ("b", cloned)):
+    for trial_id, checkpoint_result in (("a", None), ("b", cloned), ("c", None), ("d", None)):
         after._trial_state[FakeTrial(trial_id, checkpoint_result)] = _PBTTrialState(FakeTrial(trial_id))
     after.restore(str(tmp_path / "scheduler_state.json"))
     assert cloned.metrics == {}
@@ -361,6 +379,8 @@ def test_pbts_trial_states_saved_and_restored_by_trial_id(tmp_path):
     assert (got["a"].last_score, got["a"].last_perturbation_time, got["a"].last_checkpoint.path) == (0.9, 6, str(kept))
     assert (got["b"].last_score, got["b"].last_perturbation_time, got["b"].last_checkpoint) == (0.2, 4, None)
     assert (after._num_perturbations, after._num_checkpoints) == (3, 5)
+    assert (got["c"].last_checkpoint.path, got["c"].last_result) == (str(saved_c), {"training_iteration": 8})
+    assert got["d"].last_checkpoint is None
     # A trial cloning "a" after the resume restores its checkpoint with this result (Tune's PBT gives
     # it as the checkpoint's metrics: without it the clone's restore failed on None), so the clone's
     # iterations go on from a's.
@@ -375,5 +395,5 @@ def test_pbts_trial_states_saved_and_restored_by_trial_id(tmp_path):
     with open(tmp_path / "scheduler_state.json", "w") as f:
         json.dump(older, f)
     after.restore(str(tmp_path / "scheduler_state.json"))
-    assert [s.last_checkpoint for s in after._trial_state.values()] == [None, None]
-    assert [s.last_score for s in after._trial_state.values()] == [0.9, 0.2]
+    assert [s.last_checkpoint for s in after._trial_state.values()] == [None] * 4
+    assert [s.last_score for s in after._trial_state.values()] == [0.9, 0.2, 0.5, 0.5]

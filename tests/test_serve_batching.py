@@ -166,7 +166,8 @@ def test_a_full_queue_refuses_at_once_and_every_accepted_request_is_answered():
                     batcher.submit(Job([Completion("3", 2, 4)])), batcher.submit(Job([Completion("3", 3, 4)]))]
         # the 2 rows take the first job's completions at the next block: the other 2 wait
         assert batcher.load()["waiting"] == 2
-        with pytest.raises(Busy, match=r"^server busy: 2 completions are waiting for one of the 2 rows \(--max-queue 2\); "):
+        with pytest.raises(Busy, match=r"^server busy: 2 completions are waiting for one of the 2 rows, and this request's 1 would pass "
+                                   r"--max-queue 2; retry later$"):
             batcher.submit(Job([Completion("3", 4, 4)]))
     assert [len(j.wait(timeout=60)) for j in accepted] == [2, 1, 1]
     load = batcher.load()

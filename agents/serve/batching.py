@@ -335,8 +335,8 @@ class Batcher:
         with self.cv:
             if len(self.waiting) + len(job.completions) - len(self._free_rows()) > self.max_queue:
                 self.stats["refused"] += 1
-                raise Busy(f"server busy: {self._queued()} completions are waiting for one of the "
-                           f"{self.rows} rows (--max-queue {self.max_queue}); retry later")
+                raise Busy(f"server busy: {self._queued()} completions are waiting for one of the {self.rows} rows, "
+                           f"and this request's {len(job.completions)} would pass --max-queue {self.max_queue}; retry later")
             self.waiting.extend((job, i) for i in range(len(job.completions)))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="batcher", daemon=True)

@@ -18,11 +18,11 @@ import threading
 
 from ray import serve
 
+from agents.samplers import MIN_TEMPERATURE
 from agents.serve.batching import Batcher, Completion, Job
 from agents.serve.options import BATCH_BLOCK, BATCH_ROWS, MAX_QUEUE
 from agents.serve.requests import (MAX_SEED, ROUTES, BadRequest, ChatRequest, CompletionRequest,
                                    GenerateRequest)
-from agents.samplers import MIN_TEMPERATURE
 from env.text_env import env_setting
 from env.tokenization import unknown_words
 
