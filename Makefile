@@ -23,7 +23,7 @@ install: $(VENV)/.installed
 quickstart: install
 	$(VENV)/bin/tokenmdp train tune_configs/quickstart.yaml
 
-# Offline: review corpus -> warm start -> PPO with VADER reward -> evaluation (CPU, about 2 minutes)
+# Offline: review corpus -> warm start -> PPO with VADER reward -> evaluation (CPU, a little over a minute)
 sentiment-demo: install
 	$(VENV)/bin/tokenmdp demo
 
