@@ -74,6 +74,15 @@ def code_versions() -> dict:
     return versions
 
 
+def unsaved_state_note(cfg: dict) -> str | None:
+    """The --resume line for a run whose checkpoints leave out state it trains on (None for one
+    that resumes whole): DQN's replay buffer without `dqn.checkpoint_buffer`."""
+    if cfg["algorithm"] == "dqn" and not cfg["dqn"]["checkpoint_buffer"]:
+        return ("--resume: DQN's replay buffer starts empty (dqn.checkpoint_buffer: false saves none), so the "
+                "resumed run does not go on exactly as the interrupted one would have")
+    return None
+
+
 def version_changes(cfg: dict) -> list[str]:
     """What code differs from the code that started the run being resumed, as "name then -> now"
     ([] where nothing does, or the run saved no versions)."""

@@ -343,11 +343,13 @@ def main(argv=None, prog: str = "python -m agents.train") -> int:
         return _fail("--resume: set tune.name in the config (or --set tune.name=...) to name the run to resume")
     try:
         check_storage(cfg["tune"]["storage_path"], cfg["tune"]["name"])  # before --resume looks there
-        from agents.resume import check_fresh_run, check_resume_config, version_changes
+        from agents.resume import check_fresh_run, check_resume_config, unsaved_state_note, version_changes
 
         check_resume_config(cfg) if args.resume else check_fresh_run(cfg)
         if args.resume and (changes := version_changes(cfg)):
             print(f"--resume: the run goes on with other code than it started with: {'; '.join(changes)}", flush=True)
+        if args.resume and (note := unsaved_state_note(cfg)):
+            print(note, flush=True)
         check_custom_resources(cfg)
         preflight(cfg)
     except (ValueError, OSError, TypeError) as e:

@@ -720,3 +720,12 @@ def test_a_trial_that_ended_at_its_stop_goes_on_under_a_later_one_and_one_a_sche
     reward = {"env_runners/episode_return_mean": 0.5}  # a nested result meets a flattened key
     assert goes_on(trial(4, criteria=reward), {"env_runners/episode_return_mean": 0.9})
     assert not goes_on(trial(4, criteria=reward), {"env_runners/episode_return_mean": 0.4})
+
+
+def test_a_dqn_resume_without_its_replay_buffer_says_so():
+    from agents.resume import unsaved_state_note
+
+    dqn = os.path.join(ROOT, "tune_configs", "dqn_synthetic.yaml")
+    assert unsaved_state_note(load(dqn)).startswith("--resume: DQN's replay buffer starts empty (dqn.checkpoint_buffer")
+    assert unsaved_state_note(load(dqn, ["dqn.checkpoint_buffer=true"])) is None
+    assert unsaved_state_note(load(QUICKSTART)) is None

@@ -46,6 +46,8 @@ from agents.algorithms.token_learner import policy_shift_metrics
 
 SAMPLE_TAG = "a3c_sample"
 POLL_S = 0.05  # how long one training_step waits for some EnvRunner to return
+# algorithm state key: the batches the remote EnvRunners were sampling when the state was taken
+IN_FLIGHT = "a3c_in_flight_batches"
 
 
 def _sample(env_runner):
@@ -104,6 +106,26 @@ class A3C(TokenAlgorithm):
     def setup(self, config):
         super().setup(config)
         self.updates_by_env_runner = {}  # EnvRunner id (None: local) -> gradient steps on its batches
+        self._fetched = []  # batches a get_state fetched, learned at the next training_step
+
+    def get_state(self, components=None, *, not_components=None, **kwargs):
+        """RLlib's state (and the remote EnvRunners' rollout states, taken after the sample each
+        has in flight), and the batches of those samples: a restored run learns from them first,
+        as this one does, where they were lost (the runners' states come after them)."""
+        from agents.core import state_requested
+
+        state = super().get_state(components, not_components=not_components, **kwargs)
+        group = getattr(self, "env_runner_group", None)
+        if group is not None and group.num_remote_workers() and state_requested(IN_FLIGHT, components,
+                                                                                not_components):
+            self._fetched += group.fetch_ready_async_reqs(tags=SAMPLE_TAG, timeout_seconds=None)
+            state[IN_FLIGHT] = list(self._fetched)
+        return state
+
+    def set_state(self, state) -> None:
+        super().set_state(state)
+        if IN_FLIGHT in state:
+            self._fetched = list(state[IN_FLIGHT])
 
     def training_step(self) -> None:
         group = self.env_runner_group
@@ -115,7 +137,8 @@ class A3C(TokenAlgorithm):
         # be a barrier), learn on each batch and send that EnvRunner the new weights, then re-arm
         # every idle EnvRunner. Re-arming after the weight sync makes each EnvRunner's next batch
         # come from the weights its last batch produced (an actor runs its calls in order).
-        self._learn(group.fetch_ready_async_reqs(tags=SAMPLE_TAG, timeout_seconds=POLL_S))
+        fetched, self._fetched = self._fetched, []
+        self._learn(fetched + list(group.fetch_ready_async_reqs(tags=SAMPLE_TAG, timeout_seconds=POLL_S)))
         group.foreach_env_runner_async(_sample, tag=SAMPLE_TAG)
 
     def _learn(self, ready) -> None:
