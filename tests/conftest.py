@@ -91,12 +91,13 @@ def served_in_process(policy):
 
 
 def suspend_trial_actors(driver_pid: int) -> None:
-    """SIGSTOP the run's trial actors (Ray workers titled ray::LMPPO...)."""
+    """SIGSTOP the run's Ray workers (titled ray::LMPPO, ray::LMDQN, ray::A3C, ... for the trial
+    actors of every algorithm, and their EnvRunners and learners): no iteration or checkpoint follows."""
     import psutil
 
     for proc in psutil.Process(driver_pid).children(recursive=True):
         try:
-            if "LMPPO" in " ".join(proc.cmdline()):
+            if proc.cmdline()[:1] and proc.cmdline()[0].startswith("ray::"):
                 proc.suspend()
         except psutil.Error:
             pass
