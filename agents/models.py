@@ -302,6 +302,8 @@ def add_lora(lm: PreTrainedModel, lora: dict, *, seed: int = 0) -> PreTrainedMod
     try:
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():  # the same adapters in every process
             warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")  # GPT-2's Conv1D: PEFT sets it
+            # tied embeddings in modules_to_save train as two copies, exported as two (without_adapters)
+            warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True` and a tied layer")
             torch.manual_seed(seed)
             lm.add_adapter(LoraConfig(r=int(lora["r"]), lora_alpha=float(lora["alpha"]),
                                       lora_dropout=float(lora["dropout"]), bias="none",
