@@ -276,15 +276,18 @@ def keep_running_pbt_class():
             the result it was saved at, and last perturbation, which Tune does not save: a resumed
             run ranked its trials afresh, and a trial cloning a checkpoint saved before the resume
             got no result with it (its restore failed)."""
+            import ray
             from ray.train import Checkpoint
 
             for s in self._trial_state.values():
-                # a save PBT scheduled (a top trial's, cloned by no one yet): kept once it is done, as
-                # a clone takes it; one still under way is none (its trial's next perturbation saves again)
-                resolve = getattr(s.last_checkpoint, "resolve", None)
-                done = resolve(block=False) if resolve is not None else None
-                if done is not None and done.checkpoint is not None:
-                    s.last_checkpoint, s.last_result = done.checkpoint, done.metrics
+                # a save PBT scheduled (a top trial's, cloned by no one yet): once it is done, kept as a
+                # clone takes it, or none where it failed (said once); one under way is saved as none
+                # (its trial's next perturbation saves again)
+                future = getattr(s.last_checkpoint, "future", None)
+                if future is not None and ray.wait([future], timeout=0)[0]:
+                    done = s.last_checkpoint.resolve(block=False)
+                    s.last_checkpoint, s.last_result = ((done.checkpoint, done.metrics) if done is not None
+                                                        and done.checkpoint is not None else (None, s.last_result))
             write_json(checkpoint_path, {
                 "trials": {trial.trial_id: {
                     "last_score": None if s.last_score is None else float(s.last_score),

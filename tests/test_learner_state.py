@@ -106,3 +106,11 @@ def test_a3c_with_a_remote_env_runner_resumes_exactly(ray_local, tmp_path):
     assert [runner for runner, _ in in_flight] == [1] and in_flight[0][1][0]  # runner 1's batch of episodes
     again = resumed(cfg, tmp_path / "ckpt", 3)
     assert again == uninterrupted[2:]
+    # restored where that runner is gone (A2C: no remote runners), its batch is learned all the same
+    fewer = algorithm_config(ppo_cfg(*A2C)).build_algo()
+    try:
+        fewer.restore_from_path(str(tmp_path / "ckpt"))
+        fewer.train()
+        assert fewer.updates_by_env_runner[1] == 1 and fewer.updates_by_env_runner[None] >= 1
+    finally:
+        fewer.stop()

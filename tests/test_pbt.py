@@ -320,11 +320,14 @@ def test_a_pbt_run_killed_mid_way_resumes_and_finishes_every_trial(tmp_path):
     assert finals() == [STOP + 2, STOP + 2]
 
 
-def test_pbts_trial_states_saved_and_restored_by_trial_id(tmp_path):
+def test_pbts_trial_states_saved_and_restored_by_trial_id(ray_local, tmp_path):
     """KeepRunningPBT's save and restore (what agents.experiment_store calls at each save of the
     experiment's state and after --resume added the trials again): each trial's last score, last
     perturbation and the checkpoint an exploiting trial clones come back to the new driver's trial
     objects (matched by id); a checkpoint deleted since, or a save still under way, comes back as none."""
+    import time
+
+    import ray
     from ray.train import Checkpoint
     from ray.tune.schedulers.pbt import _PBTTrialState
 
@@ -347,31 +350,51 @@ def test_pbts_trial_states_saved_and_restored_by_trial_id(tmp_path):
                              "env_runners": {"episode_return_mean": np.float32(score)}, "config": {"lr": object()},
                              "config/lr": 1e-3}  # (Tune flattens the config into a result too)
     # c's checkpoint is a save PBT scheduled (a top trial's, not cloned yet): kept once it is done,
-    # with the save's result; d's save is still under way: none
-    class Save:  # what PBT holds for a scheduled save (a future of the save's checkpoint and result)
-        def __init__(self, done):
-            self.done = done
+    # with the save's result; d's save is still under way, e's failed: none (e's said once)
+    class Save:  # what PBT holds for a scheduled save: a future of the save's checkpoint and result
+        def __init__(self, future):
+            self.future, self.resolved = future, 0
 
-        def resolve(self, block=True):
+        def resolve(self, block=True):  # as Tune's: None for a save not done, or one that failed
             assert not block  # a save of the experiment's state waits for none
-            return self.done
+            self.resolved += 1
+            try:
+                return ray.get(self.future, timeout=1e-9)
+            except Exception:
+                return None
+
+    @ray.remote(num_cpus=0)
+    def save_under_way():
+        time.sleep(60)
+
+    @ray.remote(num_cpus=0)
+    def failed_save():
+        raise RuntimeError("the trial died while it saved")
 
     saved_c = tmp_path / "checkpoint_000003"
     saved_c.mkdir()
-    for trial_id, checkpoint in (("c", Save(types.SimpleNamespace(checkpoint=Checkpoint(str(saved_c)),
-                                                                   metrics={"training_iteration": 8}))),
-                                 ("d", Save(None))):
+    failed = Save(failed_save.remote())
+    ray.wait([failed.future])
+    saves = {"c": Save(ray.put(types.SimpleNamespace(checkpoint=Checkpoint(str(saved_c)),
+                                                     metrics={"training_iteration": 8}))),
+             "d": Save(save_under_way.remote()), "e": failed}
+    for trial_id, checkpoint in saves.items():
         state = before._trial_state[FakeTrial(trial_id)] = _PBTTrialState(FakeTrial(trial_id))
         state.last_score, state.last_checkpoint, state.last_perturbation_time = 0.5, checkpoint, 8
         state.last_result = {"training_iteration": 8, (1, 2): "a key JSON cannot hold"}
     before._num_perturbations, before._num_checkpoints = 3, 5
-    before.save(str(tmp_path / "scheduler_state.json"))
+    try:
+        for _ in range(2):  # each save of the experiment's state
+            before.save(str(tmp_path / "scheduler_state.json"))
+    finally:
+        ray.cancel(saves["d"].future, force=True)
+    assert failed.resolved == 1 and saves["d"].resolved == 0
     after = make_scheduler(cfg)  # a new driver's, its trials added again as new objects
     # b cloned a checkpoint saved before an earlier resume by a version that kept no result with
     # it: its restore read none and failed. It gets an empty one (the iteration is in the
     # checkpoint's own state), and goes on.
     cloned = types.SimpleNamespace(metrics=None)
-    for trial_id, checkpoint_result in (("a", None), ("b", cloned), ("c", None), ("d", None)):
+    for trial_id, checkpoint_result in (("a", None), ("b", cloned), ("c", None), ("d", None), ("e", None)):
         after._trial_state[FakeTrial(trial_id, checkpoint_result)] = _PBTTrialState(FakeTrial(trial_id))
     after.restore(str(tmp_path / "scheduler_state.json"))
     assert cloned.metrics == {}
@@ -380,7 +403,7 @@ def test_pbts_trial_states_saved_and_restored_by_trial_id(tmp_path):
     assert (got["b"].last_score, got["b"].last_perturbation_time, got["b"].last_checkpoint) == (0.2, 4, None)
     assert (after._num_perturbations, after._num_checkpoints) == (3, 5)
     assert (got["c"].last_checkpoint.path, got["c"].last_result) == (str(saved_c), {"training_iteration": 8})
-    assert got["d"].last_checkpoint is None
+    assert got["d"].last_checkpoint is None and got["e"].last_checkpoint is None
     # A trial cloning "a" after the resume restores its checkpoint with this result (Tune's PBT gives
     # it as the checkpoint's metrics: without it the clone's restore failed on None), so the clone's
     # iterations go on from a's.
@@ -395,5 +418,5 @@ def test_pbts_trial_states_saved_and_restored_by_trial_id(tmp_path):
     with open(tmp_path / "scheduler_state.json", "w") as f:
         json.dump(older, f)
     after.restore(str(tmp_path / "scheduler_state.json"))
-    assert [s.last_checkpoint for s in after._trial_state.values()] == [None] * 4
-    assert [s.last_score for s in after._trial_state.values()] == [0.9, 0.2, 0.5, 0.5]
+    assert [s.last_checkpoint for s in after._trial_state.values()] == [None] * 5
+    assert [s.last_score for s in after._trial_state.values()] == [0.9, 0.2, 0.5, 0.5, 0.5]

@@ -497,6 +497,18 @@ def test_tune_storage_sync_up_command_replaced_and_checkpoint_deletion_deferred(
     assert "self.run_metadata.checkpoint_manager" in inspect.getsource(Trial.latest_checkpoint_result.fget)
 
 
+def test_pbts_scheduled_save_is_a_future_with_a_resolve_that_does_not_wait():
+    # agents/pbt.py KeepRunningPBT.save reads a scheduled save's `future` (ray.wait, timeout 0) and
+    # `resolve(block=False)`: None for one that failed (Tune logs it), else (checkpoint, metrics)
+    from ray.train._internal.session import _FutureTrainingResult
+    from ray.tune.schedulers.pbt import PopulationBasedTraining
+
+    assert "self.future = future" in inspect.getsource(_FutureTrainingResult.__init__)
+    resolve = inspect.getsource(_FutureTrainingResult.resolve)
+    assert "timeout = 1e-9" in resolve and "ray.get(self.future, timeout=timeout)" in resolve
+    assert "_FutureTrainingResult" in inspect.getsource(PopulationBasedTraining._checkpoint_or_exploit)
+
+
 def test_a_restored_algorithm_takes_its_iteration_from_its_checkpoint():
     # agents/pbt.py KeepRunningPBT.restore gives a clone restored with no metrics empty ones:
     # Trainable.restore reads the iteration from them, then the Algorithm's own state sets it

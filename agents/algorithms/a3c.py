@@ -124,20 +124,19 @@ class A3C(TokenAlgorithm):
 
     def set_state(self, state) -> None:
         super().set_state(state)
-        if IN_FLIGHT in state:
-            self._fetched = list(state[IN_FLIGHT])
+        self._fetched = list(state.get(IN_FLIGHT, ()))  # (a runner gone since: its batch is learned all the same)
 
     def training_step(self) -> None:
         group = self.env_runner_group
+        fetched, self._fetched = self._fetched, []
         if group.num_remote_workers() == 0:  # A2C: sample here, then learn
-            self._learn([(None, _sample(self.env_runner))])
+            self._learn([*fetched, (None, _sample(self.env_runner))])
             self.env_runner_group.sync_weights(from_worker_or_learner_group=self.learner_group, inference_only=True)
             return
         # Collect the EnvRunners that finished (a short wait, not "until all are back": that would
         # be a barrier), learn on each batch and send that EnvRunner the new weights, then re-arm
         # every idle EnvRunner. Re-arming after the weight sync makes each EnvRunner's next batch
         # come from the weights its last batch produced (an actor runs its calls in order).
-        fetched, self._fetched = self._fetched, []
         self._learn(fetched + list(group.fetch_ready_async_reqs(tags=SAMPLE_TAG, timeout_seconds=POLL_S)))
         group.foreach_env_runner_async(_sample, tag=SAMPLE_TAG)
 
@@ -156,7 +155,8 @@ class A3C(TokenAlgorithm):
             self.metrics.aggregate(results, key=LEARNER_RESULTS)
             self.metrics.log_value("num_async_updates", 1, reduce="sum")  # per iteration (a "sum" clears on reduce)
             self.updates_by_env_runner[runner_id] = self.updates_by_env_runner.get(runner_id, 0) + 1
-            if runner_id is not None:  # new weights to the EnvRunner that sent this batch, no waiting
+            # new weights to the EnvRunner that sent this batch, no waiting (a restored batch's may be gone)
+            if runner_id is not None and runner_id in self.env_runner_group.healthy_worker_ids():
                 self.env_runner_group.sync_weights(
                     from_worker_or_learner_group=self.learner_group, to_worker_indices=[runner_id],
                     inference_only=True, timeout_seconds=0)
