@@ -38,7 +38,7 @@ import threading
 import time
 
 from agents.driver_lock import DRIVER_FILE
-from agents.whole_files import PARTIAL_NAME, partial_path
+from agents.whole_files import PARTIAL_NAME, partial_path, remove_partial_files
 
 def newest_experiment_state(experiment: str) -> str | None:
     """The experiment's newest saved state file, as Tune picks it (by name: the run's start time)."""
@@ -53,13 +53,8 @@ def check_experiment_state(experiment: str) -> None:
     whose copy wrote the files in place, killed during it): Tune would start the run afresh under
     the old name or wait forever for a trial that never starts. First it finishes the renames of a
     copy killed while it put the top folder's files in place (`finish_placing`)."""
-    import glob
-
     finish_placing(experiment)
-    # what a copy killed midway left beside its target (the target itself is whole: old or new)
-    for path in glob.glob(os.path.join(glob.escape(experiment), "**", "*"), recursive=True, include_hidden=True):
-        if PARTIAL_NAME.search(os.path.basename(path)) and os.path.isfile(path):
-            os.remove(path)
+    remove_partial_files(experiment, recursive=True)  # what a copy killed midway left beside its targets
     newest = newest_experiment_state(experiment)
     if newest is None:
         return

@@ -42,7 +42,7 @@ import torch
 
 from agents.config import read_yaml
 from agents.schema import check_section, check_sections_known
-from agents.whole_files import PARTIAL_NAME, write_whole
+from agents.whole_files import remove_partial_files, write_whole
 from env.validation import ConfigError, Field as F, directory_error, first_line
 from env.tasks.data import DATA_OPTIONS, DataError, DataSpec, load_rows
 
@@ -396,9 +396,7 @@ def pretrain(cfg: dict, log=print, resume: bool = False) -> dict:
     order, cursor = torch.randperm(len(train_ex), generator=gen).tolist(), 0
     tokens, seen, start, losses = 0, 0, time.perf_counter(), []
     out = os.path.abspath(os.path.expanduser(cfg["output_dir"]))
-    for name in os.listdir(out) if os.path.isdir(out) else ():  # a checkpoint a killed run was writing
-        if name.startswith(CHECKPOINT) and PARTIAL_NAME.search(name):
-            os.remove(os.path.join(out, name))
+    remove_partial_files(out)  # a checkpoint a killed run was writing
     if saved:
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])

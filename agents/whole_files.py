@@ -1,7 +1,7 @@
 """Files written whole: each is written beside its target under a partial name and renamed over it
 (`os.replace`, atomic), so a process killed at any moment leaves the file as it was or as it is
-now, never cut short. A killed writer's partial file is left behind; `PARTIAL_NAME` tells it
-(`agents.experiment_store.check_experiment_state` removes those of an experiment). The standard
+now, never cut short. A killed writer's partial file is left behind; `remove_partial_files` removes
+them (an experiment's before a resume, a warm start's output before it goes on). The standard
 library only."""
 from __future__ import annotations
 
@@ -17,6 +17,17 @@ def partial_path(path: str) -> str:
     """Where this thread writes `path` before renaming it into place (a name of its own per
     process and thread: two writers of one file never share a partial file)."""
     return f"{path}{PARTIAL}{os.getpid()}-{threading.get_ident()}"
+
+
+def remove_partial_files(folder: str, *, recursive: bool = False) -> None:
+    """Removes the partial files killed writers left in `folder` (and its subfolders: `recursive`);
+    each one's target is whole, as it was before or as it is now."""
+    for parent, dirs, files in os.walk(folder):
+        for name in files:
+            if PARTIAL_NAME.search(name):
+                os.remove(os.path.join(parent, name))
+        if not recursive:
+            break
 
 
 def write_whole(path: str, write, *, exclusive: bool = False) -> None:
