@@ -1,7 +1,9 @@
 """One driver per experiment: while a run is being trained, a second `agents.train` on the same
 experiment (`--resume`, or the same command again) is refused in one line and the live run goes on
 unharmed (it goes on until its Ctrl-C, as an interrupted run), a resumed run as much as a new one;
-a driver that died leaves nothing that blocks a resume."""
+a driver that died leaves nothing that blocks a resume, and a run killed before its first
+checkpoint restarts with each iteration logged once."""
+import glob
 import json
 import os
 import re
@@ -172,13 +174,19 @@ def test_a_second_driver_on_a_live_resumed_run_is_refused_and_the_run_goes_on(tm
     """The live run is a resumed one (Tune's resume copies the experiment's files into the new
     driver's staging folder, and its copies put them back: a lock file among them came back with a
     frozen heartbeat, and the live run looked dead a minute later). Its heartbeat only advances,
-    and a second `--resume`, or the same command again, is refused in one line naming it."""
-    from tests.conftest import kill_after_iteration
+    and a second `--resume`, or the same command again, is refused in one line naming it.
+    The run was killed before its first checkpoint (checkpoint.frequency 0): the resume restarts
+    the trial from iteration 1, and TensorBoard (whose events from the killed driver lie in a file
+    of their own beside the new one's), result.json and progress.csv each show every iteration
+    once, up to the last one the live run printed before its Ctrl-C."""
+    from tests.conftest import kill_after_iteration, logged_iterations
 
     common = [*[a for o in TINY for a in ("--set", o)], "--set", "stop.training_iteration=2000",
-              "--set", "checkpoint.frequency=2", "--set", "generate.num_samples=0", "--set", "tune.dashboard=false",
-              "--set", f"tune.storage_path={tmp_path}", "--set", "tune.name=live", "--set", "checkpoint.state_every_s=0.2"]
-    kill_after_iteration(_cli(*common), 2, tmp_path / "live")
+              "--set", "checkpoint.frequency=0", "--set", "checkpoint.at_end=false", "--set", "generate.num_samples=0",
+              "--set", "tune.dashboard=false", "--set", f"tune.storage_path={tmp_path}", "--set", "tune.name=live",
+              "--set", "checkpoint.state_every_s=0.2"]
+    killed = kill_after_iteration(_cli(*common), 3, tmp_path / "live")
+    assert re.match(r"iter +3 ", killed[-1]), "".join(killed)[-3000:]
     live, lines = _cli(*common, "--resume"), []
     try:
         for line in live.stdout:
@@ -208,6 +216,10 @@ def test_a_second_driver_on_a_live_resumed_run_is_refused_and_the_run_goes_on(tm
     out = "".join(lines)
     iterations = [int(i) for i in re.findall(r"^iter +(\d+) ", out, re.M)]
     assert iterations == list(range(iterations[0], iterations[0] + len(iterations))), out[-3000:]
-    assert iterations[0] in (1, 3) and iterations[-1] < 2000, out[-3000:]  # from its checkpoint at 2, if it had one
+    assert iterations[0] == 1 and iterations[-1] < 2000, out[-3000:]  # no checkpoint: from the start
     assert "interrupted before its stop criteria" in out and "Traceback" not in out, out[-3000:]
     assert not os.path.exists(tmp_path / "live" / "driver.lock")
+    (trial_dir,) = [d for d in glob.glob(str(tmp_path / "live" / "LMPPO_*")) if os.path.isdir(d)]
+    assert len(glob.glob(os.path.join(trial_dir, "events.out.tfevents.*"))) >= 2  # the killed driver's too
+    for where, its in logged_iterations(trial_dir).items():
+        assert its == iterations, (where, its, iterations)

@@ -17,7 +17,7 @@ import pytest
 
 from agents.config import algorithm_config, load, read_yaml, validate
 from agents.progress import _metric
-from tests.conftest import QUICKSTART, ROOT, kill_after_iteration, let_the_storage_copy_finish, logged_iterations
+from tests.conftest import QUICKSTART, ROOT, let_the_storage_copy_finish, logged_iterations
 
 TINY = ["training.train_batch_size=256", "training.minibatch_size=128", "training.num_epochs=2",
         "env_runners.num_envs_per_env_runner=8", "env.max_new_tokens=10"]
@@ -238,27 +238,6 @@ def _cli(args, **kwargs):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     return subprocess.Popen([sys.executable, "-m", "agents.train", QUICKSTART, *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, **kwargs)
-
-
-@pytest.mark.slow
-def test_a_run_killed_before_its_first_checkpoint_restarts_with_each_iteration_logged_once(tmp_path):
-    """No checkpoint yet (checkpoint.frequency 0): `--resume` in a new driver restarts the trial
-    from iteration 1, and TensorBoard (whose events from the killed driver lie in a file of their
-    own beside the new one's), result.json and progress.csv each show iterations 1-5 once."""
-    common = [*[a for o in TINY for a in ("--set", o)], "--set", "stop.training_iteration=5",
-              "--set", "checkpoint.frequency=0", "--set", "checkpoint.at_end=false", "--set", "generate.num_samples=0",
-              "--set", "tune.dashboard=false", "--set", f"tune.storage_path={tmp_path}", "--set", "tune.name=run",
-              "--set", "checkpoint.state_every_s=0.2"]
-    lines = kill_after_iteration(_cli(common), 3, tmp_path / "run")
-    assert re.match(r"iter +3 ", lines[-1]), "".join(lines)[-3000:]
-    resumed_run = _cli([*common, "--resume"])
-    out = resumed_run.communicate(timeout=900)[0]
-    assert resumed_run.returncode == 0, out[-3000:]
-    assert [int(i) for i in re.findall(r"^iter +(\d+) ", out, re.M)] == [1, 2, 3, 4, 5], out[-3000:]
-    (trial_dir,) = [d for d in glob.glob(str(tmp_path / "run" / "LMPPO_*")) if os.path.isdir(d)]
-    assert len(glob.glob(os.path.join(trial_dir, "events.out.tfevents.*"))) >= 2  # the killed driver's too
-    for where, its in logged_iterations(trial_dir).items():
-        assert its == [1, 2, 3, 4, 5], (where, its)
 
 
 def _result_curves(experiment_dir) -> dict[int, dict]:
