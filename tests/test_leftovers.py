@@ -104,8 +104,18 @@ def three_runs_beside_a_server(tmp_path_factory):
     from agents.serve.launch import ServeProcess, untrained_checkpoint
 
     tmp = tmp_path_factory.mktemp("leftovers")
-    server = ServeProcess(untrained_checkpoint(QUICKSTART, str(tmp / "tiny")), "--num-replicas", "1",
-                          "--num-cpus", "0.5", "--max-samples", "4", cwd=ROOT)
+    checkpoint = untrained_checkpoint(QUICKSTART, str(tmp / "tiny"))
+    started = {}
+
+    def serve():  # the server starts as the runs do (all four Ray instances come up at once)
+        try:
+            started["server"] = ServeProcess(checkpoint, "--num-replicas", "1", "--num-cpus", "0.5",
+                                             "--max-samples", "4", cwd=ROOT)
+        except Exception as e:
+            started["error"] = e
+
+    starting = threading.Thread(target=serve)
+    starting.start()
     try:
         runs = {"end": _train(tmp / "end", "stop.training_iteration=3"),
                 "sigint": _train(tmp / "sigint", "stop.training_iteration=50"),
@@ -118,8 +128,11 @@ def three_runs_beside_a_server(tmp_path_factory):
         threads = [threading.Thread(target=watch, args=(stop,)) for stop in runs]
         for t in threads:
             t.start()
-        for t in threads:
+        for t in [starting, *threads]:
             t.join()
+        if "error" in started:
+            raise started["error"]
+        server = started["server"]
         request = urllib.request.Request(server.base + "/v1/completions", method="POST",
                                          data=json.dumps({"prompt": "3 7 12", "max_tokens": 5}).encode(),
                                          headers={"Content-Type": "application/json"})
@@ -127,7 +140,9 @@ def three_runs_beside_a_server(tmp_path_factory):
             answered = reply.status == 200 and bool(json.loads(reply.read())["choices"])
         yield {"runs": seen, "server_answered": answered, "server_running": server.proc.poll() is None, "tmp": tmp}
     finally:
-        server.stop()
+        starting.join()
+        if "server" in started:
+            started["server"].stop()
 
 
 @pytest.mark.slow
