@@ -6,11 +6,10 @@ import pytest
 
 from agents.config import algorithm_config, load
 from tests.conftest import QUICKSTART
-from tests.conftest import run_module as run
 
 
 @pytest.mark.slow
-def test_quickstart_reaches_its_bar_and_generates_increasing_numbers(tmp_path):
+def test_quickstart_reaches_its_bar_and_generates_increasing_numbers(tmp_path, capsys):
     """The README's quickstart through the installed command (`tokenmdp train`): reward >= 0.88 in its
     time budget (seed 0 passes it after about 25 s of training, 2026-11-25), one line per
     iteration, a checkpoint and TensorBoard files, samples at the end, and a checkpoint that
@@ -34,10 +33,12 @@ def test_quickstart_reaches_its_bar_and_generates_increasing_numbers(tmp_path):
     ckpt = re.search(r"checkpoint: (\S+)", out.stdout).group(1)
     assert os.path.isdir(ckpt)
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.dirname(ckpt)))  # TensorBoard
-    gen = run("agents.generate", "--checkpoint", ckpt, "-n", "5", "--greedy", timeout=120)
-    assert gen.returncode == 0, gen.stderr[-3000:]
-    lines = [l for l in gen.stdout.splitlines() if l.startswith("[reward")]
-    assert len(lines) == 5, gen.stdout[-2000:]
+    from agents.generate import main as generate
+
+    assert generate(["--checkpoint", ckpt, "-n", "5", "--greedy"]) == 0
+    printed = capsys.readouterr().out
+    lines = [l for l in printed.splitlines() if l.startswith("[reward")]
+    assert len(lines) == 5, printed[-2000:]
     for line in lines:
         reward = float(line.split("]")[0].split()[1])
         numbers = [int(n) for n in line.split("||")[1].split()]
