@@ -273,6 +273,11 @@ def terciles(scores: list[float]) -> tuple[list[int], list[str]]:
 
 # -- the evaluation -----------------------------------------------------------------------------
 
+# Greedy decoding gives each prompt one generation: copies of it would count as n and dilute distinct-n.
+GREEDY_SAMPLES = ("--num-samples: greedy decoding gives one generation per prompt (the same each time), so {} "
+                  "would only repeat it; give --num-samples 1 or sample (drop --greedy)")
+
+
 def evaluate(models: list[Model], env_config: dict, *, split: str = "test", greedy: bool = False,
              num_samples: int = 1, max_examples: int | None = None, reference: Model | None = None,
              seed: int = 0, precision: str = "fp32", log=print) -> dict:
@@ -285,6 +290,8 @@ def evaluate(models: list[Model], env_config: dict, *, split: str = "test", gree
 
     if not models:
         raise EvalError("models: none given")
+    if greedy and num_samples > 1:
+        raise EvalError(GREEDY_SAMPLES.format(num_samples))
     for device in dict.fromkeys(str(next(m.lm.parameters()).device) for m in models):  # each GPU the models are on
         if error := check_precision(precision, device):
             raise EvalError(error.removeprefix("--"))
@@ -435,6 +442,8 @@ def main(argv=None, prog: str = "python -m agents.evaluate") -> int:
             resolve_env_config(None, args.overrides, [])  # refused: a checkpoint's settings are its own
         if args.num_samples < 1:
             raise EvalError(f"--num-samples: expected an integer >= 1, got {args.num_samples}")
+        if args.greedy and args.num_samples > 1:
+            raise EvalError(GREEDY_SAMPLES.format(args.num_samples))
         if args.max_examples is not None and args.max_examples < 1:
             raise EvalError(f"--max-examples: expected an integer >= 1, got {args.max_examples}")
         if args.names and len(args.names) != len(args.models):

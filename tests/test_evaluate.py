@@ -275,6 +275,10 @@ def test_cli_refuses_a_wrong_model_run_or_flag_in_one_line_before_importing_torc
         (["--curves", missing], f"error: --curves: {missing}: no such run directory"),
         ([checkpoint, "--precision", "fp16"], "error: --precision: expected one of fp32, bf16, got 'fp16'"),
         ([checkpoint, "--num-samples", "0"], "error: --num-samples: expected an integer >= 1, got 0"),
+        # greedy copies of one generation would count in n and divide distinct-n by the copies
+        ([checkpoint, "--greedy", "--num-samples", "3"], "error: --num-samples: greedy decoding gives one "
+         "generation per prompt (the same each time), so 3 would only repeat it; give --num-samples 1 or sample "
+         "(drop --greedy)"),
     ]
     assert_refused_lightly("agents.evaluate", [([*argv, "--out", out], expected) for argv, expected in cases])
     assert not out.exists()
