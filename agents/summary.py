@@ -12,7 +12,9 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float, resumed: 
     from agents.generate import generate, load_policy
 
     metric, mode = cfg["tune"]["metric"], cfg["tune"]["mode"]
-    print(f"\nSummary ({len(grid)} trial{'s' if len(grid) != 1 else ''}, {wall:.0f}s wall): {experiment}")
+    # `wall`: the seconds Tune's fit took in this process (Ray's start and the samples below are not in it)
+    took = f"{wall:.0f}s of training" + (" since the resume" if resumed else "")
+    print(f"\nSummary ({len(grid)} trial{'s' if len(grid) != 1 else ''}, {took}): {experiment}")
     failed = 0
     for result in grid:
         trial_id = (result.metrics or {}).get("trial_id", "?")
@@ -35,12 +37,16 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float, resumed: 
                   f"best {best_eval:.3f} (iteration {it})")
         if result.checkpoint and len(grid) == 1:
             print(f"  checkpoint: {result.checkpoint.path}")
+    best, which = None, ""
     if len(grid) > 1:
-        sweep_table(cfg, grid, progress, experiment)
-    try:
-        best = grid.get_best_result(metric=metric, mode=mode, filter_nan_and_inf=True)
-    except RuntimeError:
-        best = None
+        _, top = sweep_table(cfg, grid, progress, experiment)
+        if top is not None:  # the table's best setting: its trial with the best reward and a checkpoint
+            best, which = top, f"trial {top.metrics['trial_id']} (the best setting above), "
+    if best is None:
+        try:
+            best = grid.get_best_result(metric=metric, mode=mode, filter_nan_and_inf=True)
+        except RuntimeError:
+            best = None
     n = cfg["generate"]["num_samples"]
     if best is not None and best.checkpoint and n:
         from agents.core import no_transformers_bars
@@ -49,7 +55,7 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float, resumed: 
         module = load_policy(best.checkpoint.path)
         seed = cfg["seed"] if isinstance(cfg["seed"], int) else 0  # a searched seed: any fixed one
         samples = generate(module, module.model_config["env"], [None] * n, seed=seed)
-        print(f"  samples from {os.path.basename(best.checkpoint.path)} (sampling):")
+        print(f"  samples from {which}{os.path.basename(best.checkpoint.path)} (sampling):")
         for s in samples:
             print(f"    [reward {s['reward']:.3f}] {s['generation']}")
         print(f"  more: python -m agents.generate --checkpoint {best.checkpoint.path}")
@@ -80,7 +86,37 @@ def _searched_training_keys(cfg: dict) -> list[tuple[str, str]]:
     return keys
 
 
-def _trial_row(cfg: dict, result, progress) -> dict:
+def _leaves(node, path: tuple = ()):
+    if isinstance(node, dict) and node:
+        for key, value in node.items():
+            yield from _leaves(value, (*path, str(key)))
+    else:
+        yield path, repr(node)
+
+
+# config paths shown by columns of their own (sampler, masking, params, algorithm) or grouped over (seeds)
+_SHOWN = (("_model_config", "sampler"), ("guided_algorithm",))
+
+
+def other_searched(cfg: dict, results: list) -> dict[str, tuple]:
+    """Column name -> config path of each value the trials differ in that no other column shows (a
+    searched value of another section, e.g. guide.beta or dqn.*, wherever the algorithm puts it):
+    read from the trials' own configs, so that trials differing in it are not taken for seeds."""
+    flats = [dict(_leaves(r.config or {})) for r in results]
+    known = [tuple(repr((r.config or {}).get(key if sec == "training" else f"ref_{key}")) for r in results)
+             for sec, key in _searched_training_keys(cfg)]
+    found: dict[tuple, tuple] = {}
+    for path in sorted(set().union(*flats)) if flats else ():
+        values = tuple(f.get(path) for f in flats)
+        if (len(set(values)) > 1 and "seed" not in path[-1] and not any(path[:len(p)] == p for p in _SHOWN)
+                and values not in known and values not in found.values()):
+            found[path] = values
+    names = [p[-1] for p in found]
+    return {(".".join(p[1:] if p[0] == "_model_config" else p) if names.count(p[-1]) > 1 or p[0] == "_model_config"
+             else p[-1]): p for p in found}
+
+
+def _trial_row(cfg: dict, result, progress, others: dict | None = None) -> dict:
     config = result.config or {}
     sampler = (config.get("_model_config") or {}).get("sampler") or {"name": "none"}
     from agents.schema import SAMPLER_PARAMS
@@ -97,6 +133,11 @@ def _trial_row(cfg: dict, result, progress) -> dict:
         row = {"algorithm": config["guided_algorithm"], **row}
     for sec, key in _searched_training_keys(cfg):  # reward.kl_* are the config class's ref_kl_*
         row[key] = config.get(key if sec == "training" else f"ref_{key}")
+    for name, path in (others or {}).items():
+        value = config
+        for part in path:
+            value = value.get(part) if isinstance(value, dict) else None
+        row[name] = value
     trial_id = row["trial"]
     last = progress.last.get(trial_id)
     masks = progress.mask.get(trial_id)
@@ -111,20 +152,24 @@ def _trial_row(cfg: dict, result, progress) -> dict:
     return row
 
 
-def sweep_table(cfg: dict, grid, progress, experiment: str) -> str:
-    """Writes every trial to summary.csv and prints the best setting per (sampler, masking).
+def sweep_table(cfg: dict, grid, progress, experiment: str) -> tuple:
+    """Writes every trial to summary.csv and prints the best setting per (sampler, masking); returns
+    the CSV's path and the result of the best setting's trial with the best reward and a checkpoint
+    (None if none has one).
 
     Trials that differ only in their seed form one setting: its rewards are
     averaged over seeds, and the spread of the final reward across seeds is shown.
     """
-    rows = [_trial_row(cfg, r, progress) for r in grid]
+    results = list(grid)
+    others = other_searched(cfg, results)
+    rows = [_trial_row(cfg, r, progress, others) for r in results]
     path = os.path.join(experiment, "summary.csv")
     os.makedirs(experiment, exist_ok=True)
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    searched = [k for _, k in _searched_training_keys(cfg)]
+    searched = [k for _, k in _searched_training_keys(cfg)] + list(others)
     settings: dict[tuple, list] = {}
     for row in rows:
         if row["best_reward"] is not None:
@@ -153,7 +198,14 @@ def sweep_table(cfg: dict, grid, progress, experiment: str) -> str:
     for r in table:
         print("    " + "  ".join(c.ljust(w) for c, w in zip(r, widths)))
     print(f"  all trials: {path}")
-    return path
+    top = None
+    if best:
+        group = max(best.values(), key=lambda b: b[0])[2]
+        with_checkpoint = [r for r in group if r["checkpoint"]]
+        if with_checkpoint:
+            trial = max(with_checkpoint, key=lambda r: r["best_reward"])["trial"]
+            top = next(r for r in results if (r.metrics or {}).get("trial_id") == trial)
+    return path, top
 
 
 def _fmt(value) -> str:

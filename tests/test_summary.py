@@ -64,3 +64,38 @@ def test_a_resumed_runs_summary_covers_the_iterations_before_the_resume(tmp_path
     with open(tmp_path / "run" / "summary.csv") as f:
         rows = f.read()
     assert ",0.5,0.9," in rows and ",0.6,0.6," in rows, rows  # final and best reward per trial
+
+
+def test_a_sweep_over_another_sections_value_keeps_its_settings_apart_and_samples_the_best_one(tmp_path, capsys):
+    """guide.beta searched with two seeds each: the table has one row per beta (not one row of four
+    "seeds"), summary.csv has the beta of each trial, and the samples come from the best setting's
+    best trial, not from the trial with the best last reward."""
+    import csv
+
+    from agents.config import load
+    from agents.progress import make_progress_callback
+    from agents.summary import sweep_table
+
+    # (beta, seed) -> rewards by iteration: beta 0.9 is better on average over its seeds, but the
+    # single best last reward is beta 0.0's seed 1
+    runs = {(0.0, 0): [0.1, 0.2], (0.0, 1): [0.1, 0.8], (0.9, 0): [0.5, 0.7], (0.9, 1): [0.6, 0.7]}
+    progress, grid = make_progress_callback(quiet=True), []
+    for n, ((beta, seed), rewards) in enumerate(runs.items()):
+        trial = types.SimpleNamespace(trial_id=f"g_0000{n}")
+        for i, r in enumerate(rewards, 1):
+            progress.on_trial_result(0, [trial], trial, {"training_iteration": i,
+                                                         "env_runners": {"episode_return_mean": r}})
+        config = {"seed": seed, "lr": 1e-3, "_model_config": {"seed": seed, "guide": {"beta": beta, "mix": 0.5}}}
+        grid.append(types.SimpleNamespace(metrics={"trial_id": trial.trial_id}, error=None, path=None, config=config,
+                                          checkpoint=types.SimpleNamespace(path=str(tmp_path / f"ck{n}"))))
+    cfg = load(QUICKSTART, ["generate.num_samples=0"])
+    path, top = sweep_table(cfg, grid, progress, str(tmp_path / "run"))
+    out = capsys.readouterr().out
+    header, row = (line.split() for line in out.split("best setting per sampler")[1].splitlines()[1:3])
+    assert header[:5] == ["sampler", "masking", "params", "guide.beta", "seeds"], out
+    # (no params: that column is blank) beta 0.9 over its 2 seeds: best 0.7 (0.5 for beta 0), final 0.7, spread 0
+    assert row == ["none", "-", "0.9", "2", "0.7", "0.7", "0", "-"], out
+    with open(path, newline="") as f:
+        assert [(r["trial"], r["guide.beta"]) for r in csv.DictReader(f)] == [
+            ("g_00000", "0.0"), ("g_00001", "0.0"), ("g_00002", "0.9"), ("g_00003", "0.9")]
+    assert top.metrics["trial_id"] == "g_00002"  # beta 0.9's best reward (0.7; seed 1's ties it later)
