@@ -99,11 +99,13 @@ class MetricNotReported(ValueError):
     """tune.metric names no value of the results: raised out of the run at the first full result."""
 
 
-def make_progress_callback(eval_interval: int = 0, quiet: bool = False, metric: str | None = None):
+def make_progress_callback(eval_interval: int = 0, quiet: bool = False, metric: str | None = None,
+                           trials: int = 1):
     from ray.tune import Callback
 
     class ProgressPrinter(Callback):
-        """One line per training iteration; remembers each trial's first and last reward. The
+        """One line per training iteration (prefixed with the trial's id where the experiment has
+        several: `trials`, or more made); remembers each trial's first and last reward. The
         first full result that lacks `metric` (tune.metric) stops the run with a one-line error."""
 
         def __init__(self):
@@ -133,7 +135,7 @@ def make_progress_callback(eval_interval: int = 0, quiet: bool = False, metric: 
                 if value is not None:
                     fields.append(f"{label} {three_places(value)}")
             fields.append(f"{result.get('time_total_s', 0):.0f}s")
-            prefix = f"[{trial.trial_id}] " if len(trials) > 1 else ""
+            prefix = f"[{trial.trial_id}] " if max(len(trials), many) > 1 else ""
             if not quiet:
                 print(prefix + "  ".join(fields), flush=True)
 
@@ -177,4 +179,5 @@ def make_progress_callback(eval_interval: int = 0, quiet: bool = False, metric: 
             for row in sorted(rows, key=lambda r: r["training_iteration"]):
                 self.remember(trial_id, row)
 
+    many = trials  # a sweep run one trial at a time has one trial made when its first reports
     return ProgressPrinter()

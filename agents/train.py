@@ -208,7 +208,7 @@ def _run(cfg: dict, name: str, *, resume: bool, verbose: bool, quiet: bool):
     import ray
     from ray import tune
 
-    from agents.config import algorithm_config
+    from agents.config import algorithm_config, population
     from agents.pbt import make_scheduler
     from agents.progress import make_progress_callback, metric_error
     from agents.experiment_store import (apply_resume_stop, check_experiment_state, hook_experiment_saves,
@@ -260,7 +260,8 @@ def _run(cfg: dict, name: str, *, resume: bool, verbose: bool, quiet: bool):
     hook_experiment_saves()
     apply_resume_stop(stop if other_stop else None, say=None if quiet else lambda line: print(line, flush=True))
     note_tune_interrupts()
-    progress = make_progress_callback(cfg["evaluation"]["interval"], quiet=quiet, metric=tune_cfg["metric"])
+    progress = make_progress_callback(cfg["evaluation"]["interval"], quiet=quiet, metric=tune_cfg["metric"],
+                                      trials=population(cfg))
     callbacks = [progress, make_curve_logger(), make_progress_csv_logger(), make_log_once_pruner()]
     if tune_cfg["wandb"] or os.environ.get("WANDB_PROJECT"):
         callbacks.append(make_wandb_callback(cfg, name))

@@ -99,3 +99,15 @@ def test_a_sweep_over_another_sections_value_keeps_its_settings_apart_and_sample
         assert [(r["trial"], r["guide.beta"]) for r in csv.DictReader(f)] == [
             ("g_00000", "0.0"), ("g_00001", "0.0"), ("g_00002", "0.9"), ("g_00003", "0.9")]
     assert top.metrics["trial_id"] == "g_00002"  # beta 0.9's best reward (0.7; seed 1's ties it later)
+
+
+def test_a_sweeps_progress_lines_name_the_trial_from_the_first_one_on(capsys):
+    """A sweep run one trial at a time has one trial made when the first reports: its lines carry
+    the trial's id all the same (as its later trials' do); a single run's lines carry none."""
+    from agents.progress import make_progress_callback
+
+    trial = types.SimpleNamespace(trial_id="s_00000")
+    result = {"training_iteration": 1, "env_runners": {"episode_return_mean": 0.5}, "time_total_s": 3.0}
+    for planned, prefix in ((2, "[s_00000] iter    1 "), (1, "iter    1 ")):
+        make_progress_callback(trials=planned).on_trial_result(0, [trial], trial, result)
+        assert capsys.readouterr().out.startswith(prefix)

@@ -96,8 +96,8 @@ def test_a_sweep_killed_before_its_second_trial_was_made_resumes_both_and_asha_k
     assert set(rows) == {"none", "top_k"} and all(r["status"] == "ok" for r in rows.values()), rows
     assert int(rows["none"]["iterations"]) == 4, rows
     assert int(rows["top_k"]["iterations"]) == 1, rows  # stopped at the first rung, as without the kill
-    # the good trial's lines (the only trial then: no prefix) go on from its checkpoint
-    resumed = [int(i) for i in re.findall(r"^iter +(\d+) ", out.stdout, re.M)]
+    # the good trial's lines (the first in grid order) go on from its checkpoint
+    resumed = [int(i) for i in re.findall(r"^\[\S+_00000\] iter +(\d+) ", out.stdout, re.M)]
     assert resumed and min(resumed) >= 2, out.stdout[-3000:]
 
 
