@@ -15,9 +15,8 @@ checkpoint. The table has one row per model: every metric of the task (its rewar
 and each term of a summed reward), the perplexity of the generations (after their
 prompts; for an encoder-decoder reference, given them as source) under a reference LM
 (`--reference`, default the first model; always with fp32 weights, whatever `--precision` the
-models decode in), distinct-1
-and distinct-2 (unique n-grams / all n-grams of the model's generations, words
-split on whitespace), and the mean length in words. A second table breaks the task
+models decode in), distinct-1 and distinct-2 (unique n-grams / all n-grams of the model's
+generations, words split on whitespace), and the mean length in words. A second table breaks the task
 metrics down by prompt difficulty: for sentiment tasks the prompt's own VADER
 compound score in terciles (as in RLGF), for other tasks the prompt's length in words.
 Both tables are printed and written to DIR as `evaluation.csv` and `evaluation.md`;
@@ -273,9 +272,9 @@ def terciles(scores: list[float]) -> tuple[list[int], list[str]]:
 
 # -- the evaluation -----------------------------------------------------------------------------
 
-# Greedy decoding gives each prompt one generation: copies of it would count as n and dilute distinct-n.
-GREEDY_SAMPLES = ("--num-samples: greedy decoding gives one generation per prompt (the same each time), so {} "
-                  "would only repeat it; give --num-samples 1 or sample (drop --greedy)")
+GREEDY_SAMPLES = (  # greedy copies of one generation would count in n and divide distinct-n
+    "--num-samples: greedy decoding gives one generation per prompt (the same each time), so {} would only "
+    "repeat it; give --num-samples 1 or sample (drop --greedy)")
 
 
 def evaluate(models: list[Model], env_config: dict, *, split: str = "test", greedy: bool = False,
