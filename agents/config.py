@@ -179,6 +179,13 @@ def rollout_precision(cfg: dict) -> str:
     return cfg["env_runners"]["precision"]
 
 
+# Every episode a result covers enters its means (episode_return_mean, episode_len_mean): RLlib's
+# new stack keeps only the last `metrics_num_episodes_for_smoothing` (default 100) episodes of each
+# EnvRunner per result and drops the others (no smoothing across results), so an iteration of about
+# 270 quickstart episodes reported the mean of its last 100.
+EPISODES_PER_RESULT = 10_000_000
+
+
 def algorithm_config(cfg: dict):
     """The RLlib AlgorithmConfig for a validated config (search spaces as Tune objects): the
     generic sections here, the algorithm's own part from its spec (agents/algorithms/)."""
@@ -232,6 +239,7 @@ def algorithm_config(cfg: dict):
         .rl_module(rl_module_spec=RLModuleSpec(module_class=spec.module_class(env_cfg["encoder_decoder"])),
                    model_config=model_config)
         .debugging(seed=c["seed"])
+        .reporting(metrics_num_episodes_for_smoothing=EPISODES_PER_RESULT)
     )
     # RLlib's lr schedule: [[env steps, lr], ...], linear in between, the last value after.
     lr = t["lr"] if t["lr_decay_steps"] is None else [[0, t["lr"]], [t["lr_decay_steps"], t["lr_end"]]]

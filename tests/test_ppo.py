@@ -86,6 +86,25 @@ def test_resumed_trial_progress_csv_keeps_each_iteration_once_when_storage_copy_
     assert [float(r["episode_reward"]) for r in rows[2:]] == [0.5 + i for i in range(3, 9)]  # the new rows
 
 
+def test_an_iterations_reward_is_the_mean_of_every_episode_it_finished(ray_local):
+    """More than 100 episodes in an iteration (RLlib's default smoothing window): the reward the
+    progress line, the summary and stop.episode_return_mean read is the mean over all of them."""
+    returns = []
+    config = algorithm_config(load(QUICKSTART, ["training.train_batch_size=640", "training.minibatch_size=640",
+                                                "training.num_epochs=1", "env.max_new_tokens=3",
+                                                "env_runners.num_envs_per_env_runner=8"]))
+    config.callbacks(on_episode_end=lambda *, episode, **_: returns.append(float(sum(episode.get_rewards()))))
+    algo = config.build_algo()
+    try:
+        for _ in range(2):
+            returns.clear()
+            result = algo.train()["env_runners"]
+            assert len(returns) > 150, len(returns)
+            assert result["episode_return_mean"] == pytest.approx(np.mean(returns), abs=1e-9)
+    finally:
+        algo.stop()
+
+
 def test_learner_adam_is_fused_and_takes_the_same_steps_as_torchs_per_tensor_adam(ray_local):
     """The PPO-family learners step Adam as one fused kernel (the multi-tensor loop under fp16's
     loss scaler); the parameters after several steps equal those of torch's default Adam."""
