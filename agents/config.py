@@ -179,13 +179,6 @@ def rollout_precision(cfg: dict) -> str:
     return cfg["env_runners"]["precision"]
 
 
-# Every episode a result covers enters its means (episode_return_mean, episode_len_mean): RLlib's
-# new stack keeps only the last `metrics_num_episodes_for_smoothing` (default 100) episodes of each
-# EnvRunner per result and drops the others (no smoothing across results), so an iteration of about
-# 270 quickstart episodes reported the mean of its last 100.
-EPISODES_PER_RESULT = 10_000_000
-
-
 def algorithm_config(cfg: dict):
     """The RLlib AlgorithmConfig for a validated config (search spaces as Tune objects): the
     generic sections here, the algorithm's own part from its spec (agents/algorithms/)."""
@@ -193,6 +186,7 @@ def algorithm_config(cfg: dict):
     from ray.tune.registry import register_env
 
     from agents.algorithms.base import module_seed
+    from agents.core import EPISODES_PER_RESULT
     from agents.env_runner import CARRY_EPISODES, COMPILE_STEP, DECODE_BLOCK, TOKEN_ENV, FastTokenEnvRunner, StockTokenEnvRunner, make_token_env
     from agents.weight_sync import COLOCATED
 

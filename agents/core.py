@@ -25,6 +25,13 @@ SAMPLER_STATE = "sampler_state"  # per-step sampler state (mirostat's mu) used w
 MASK_SIZE = "mask_size"  # number of kept tokens per row, from the training forward pass
 GUIDE_ROLE = "guide_role"  # per-step column: POLICY, GUIDE or DEVIATION
 
+# The window of every per-episode mean an EnvRunner logs (RLlib's metrics_num_episodes_for_smoothing):
+# each result's means cover every episode it finished. RLlib's new stack keeps only the last
+# `window` (default 100) of each EnvRunner's episodes per result and drops the others (windows do
+# not reach back into earlier results), so an iteration of about 270 quickstart episodes reported
+# the mean of its last 100.
+EPISODES_PER_RESULT = 10_000_000
+
 # State keys beyond RLlib's: an EnvRunner's rollout state (agents/env_runner.py), and in an
 # algorithm's checkpoint the remote EnvRunners' and every learner's generators (agents/algorithms/
 # base.py RemoteRunnerStates).

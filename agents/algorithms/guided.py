@@ -36,7 +36,7 @@ from agents.algorithms.base import candidates, module_seed, plain
 from agents.algorithms.guided_advantages import GuidedAdvantageEstimation, MaskGuideSteps
 from agents.algorithms.ppo import LMPPO, LMPPOConfig, LMPPOTorchLearner, PPOSpec
 from agents.algorithms.sequence_batching import AddSequenceIds
-from agents.core import GUIDE_ROLE
+from agents.core import EPISODES_PER_RESULT, GUIDE_ROLE
 from agents.guides import POLICY
 from env.validation import ConfigError, Field, is_search_space
 
@@ -115,9 +115,10 @@ def log_policy_return(*, episode, metrics_logger, **kwargs) -> None:
     roles = np.asarray(episode.get_extra_model_outputs(GUIDE_ROLE)) if GUIDE_ROLE in episode.extra_model_outputs \
         else np.zeros(1)
     guided = bool((roles != POLICY).any())
-    metrics_logger.log_value("guided_episode_fraction", float(guided), reduce="mean", window=100)
+    metrics_logger.log_value("guided_episode_fraction", float(guided), reduce="mean", window=EPISODES_PER_RESULT)
     if not guided:
-        metrics_logger.log_value("policy_return_mean", float(episode.get_return()), reduce="mean", window=100)
+        metrics_logger.log_value("policy_return_mean", float(episode.get_return()), reduce="mean",
+                                 window=EPISODES_PER_RESULT)
 
 
 class GuidedPPO(LMPPO):
