@@ -187,6 +187,7 @@ def algorithm_config(cfg: dict):
 
     from agents.algorithms.base import module_seed
     from agents.core import EPISODES_PER_RESULT
+    from agents.saved_policy import BASE_FILES, base_record
     from agents.env_runner import CARRY_EPISODES, COMPILE_STEP, DECODE_BLOCK, TOKEN_ENV, FastTokenEnvRunner, StockTokenEnvRunner, make_token_env
     from agents.weight_sync import COLOCATED
 
@@ -201,6 +202,8 @@ def algorithm_config(cfg: dict):
                     "reference_model": _plain(cfg["reward"]["kl_coef"]) > 0, "sampler": c["sampler"],
                     "train_precision": c["training"]["precision"], "rollout_precision": rollout_precision(cfg),
                     "gradient_checkpointing": c["training"]["gradient_checkpointing"],
+                    # the local model and tokenizer directories a checkpoint is rebuilt with, as they are now
+                    BASE_FILES: base_record(c["model"]["name_or_path"], env_cfg.get("tokenizer")),
                     **spec.module_config(cfg, c)}
     runner_env_cfg = spec.env_config(cfg, c, env_cfg)
     register_env(TOKEN_ENV, make_token_env)  # RLlib builds one row, or the vector env through its entry point

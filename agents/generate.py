@@ -20,7 +20,7 @@ import sys
 import weakref
 from typing import TYPE_CHECKING
 
-from agents.saved_policy import PRECISIONS, find_module_dir
+from agents.saved_policy import PRECISIONS, check_base, find_module_dir
 
 if TYPE_CHECKING:  # the annotations' names; torch itself is imported where it is used
     import torch
@@ -36,6 +36,7 @@ def load_policy(checkpoint: str):
 
     from agents.core import DropLogLines
 
+    check_base(stored_model_config(where))  # its model's and tokenizer's directories as they were
     quiet = DropLogLines("RLModuleConfig")  # RLlib builds every RLModule through it, and warns
     deprecation_log = logging.getLogger("ray._common.deprecation")
     deprecation_log.addFilter(quiet)
@@ -51,6 +52,18 @@ def load_policy(checkpoint: str):
         module.float()  # a bf16/fp16 learner's stored weights, computed in float32 when generating
         module.precision = "fp32"
     return module
+
+
+def stored_model_config(where: str) -> dict:
+    """The module's config as its checkpoint stores it ({} where it cannot be read: loading then
+    says why)."""
+    import pickle
+
+    try:
+        with open(os.path.join(where, "class_and_ctor_args.pkl"), "rb") as f:
+            return dict(pickle.load(f)["ctor_args_and_kwargs"][1].get("model_config") or {})
+    except Exception:
+        return {}
 
 
 def reward_needs_meta(task) -> bool:

@@ -42,3 +42,57 @@ def checkpoints_under(path: str) -> list[str]:
             found.add(root[:-len(os.sep + MODULE_SUBDIR)])
             dirs.clear()
     return sorted(found, key=lambda d: (os.path.getmtime(d), d))
+
+
+# A checkpoint's policy is rebuilt from its model.name_or_path (the architecture's config) and reads
+# its tokens through the env's tokenizer: where those are local directories, their files are
+# fingerprinted into the module's config when a run starts, and a checkpoint whose directories
+# are gone or changed (a warm start written again with another vocabulary) is refused in one line
+# rather than decoding its token ids through another tokenizer.
+BASE_FILES = "base_files"
+_TOKEN_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt",
+                "special_tokens_map.json", "added_tokens.json", "spiece.model", "sentencepiece.bpe.model")
+
+
+def base_fingerprint(path: str) -> str:
+    """A hash of the directory's config and tokenizer files (not its weights; config.json without
+    the transformers version that wrote it)."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256()
+    for name in sorted(n for n in os.listdir(path) if n in _TOKEN_FILES and os.path.isfile(os.path.join(path, n))):
+        with open(os.path.join(path, name), "rb") as f:
+            data = f.read()
+        if name == "config.json":
+            try:
+                config = json.loads(data)
+                config.pop("transformers_version", None)
+                data = json.dumps(config, sort_keys=True).encode()
+            except ValueError:
+                pass
+        digest.update(name.encode() + b"\0" + data + b"\0")
+    return digest.hexdigest()
+
+
+def base_record(*paths) -> dict[str, str]:
+    """{directory: fingerprint} of the local directories among `paths` (hub names and None skipped)."""
+    return {p: base_fingerprint(p) for p in dict.fromkeys(paths) if isinstance(p, str) and os.path.isdir(p)}
+
+
+def check_base(model_config: dict) -> None:
+    """Refuses (ValueError, one line) a policy whose recorded base directories are gone or changed;
+    for a checkpoint from before the record, one whose local model directory is gone."""
+    recorded = model_config.get(BASE_FILES)
+    if recorded is None:
+        name = (model_config.get("model") or {}).get("name_or_path")
+        recorded = {name: None} if isinstance(name, str) and os.path.isabs(name) else {}
+    for path, fingerprint in recorded.items():
+        if not os.path.isdir(path):
+            raise ValueError(f"--checkpoint: this policy was trained from {path} (model.name_or_path or "
+                             "env.tokenizer), which no longer exists; it is rebuilt with that directory's config "
+                             "and reads tokens through its tokenizer: put the directory back")
+        if fingerprint is not None and base_fingerprint(path) != fingerprint:
+            raise ValueError(f"--checkpoint: {path} (model.name_or_path or env.tokenizer) has changed since this "
+                             "policy was trained (its config or tokenizer files differ), so its token ids would be "
+                             "read through another vocabulary: restore the directory it was trained from")

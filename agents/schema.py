@@ -14,19 +14,19 @@ import copy
 
 from agents.algorithms.base import COMMON_TRAINING, REFERENCE_KL, candidates as _candidates, plain as _plain
 from agents.pbt import check_scheduler
+from agents.saved_policy import MAX_SEED
 from env.tasks import check_task
 from env.text_env import DEFAULTS as ENV_DEFAULTS
-from env.validation import ConfigError, Field, is_search_space as _is_search_space, unknown_key
+from env.validation import NONNEG_INT, POS_INT, ConfigError, Field, is_search_space as _is_search_space, unknown_key
 
 F = Field
-POS_INT, NONNEG_INT = dict(lo=1), dict(lo=0)
 PRECISIONS = ["fp32", "bf16", "fp16"]
 
 # The generic sections. `algorithm` takes the names of agents/algorithms/ (each algorithm's
 # module declares its own section, e.g. `dqn`, `guide`, `reinforce`); `schema()` adds them.
 GENERIC_SCHEMA: dict[str, dict[str, Field] | Field] = {
     "algorithm": F(str, "ppo"),
-    "seed": F(int, 0, **NONNEG_INT),
+    "seed": F(int, 0, lo=0, hi=MAX_SEED),
     "task": {  # extra keys are passed to the task, checked against its constructor (env.tasks.check_task)
         "name": F(str, "increasing_numbers"),
     },

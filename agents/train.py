@@ -113,6 +113,13 @@ def check_storage(path: str, name: str | None = None) -> None:
     error = directory_error("tune.storage_path", path)
     if error:
         raise ValueError(error)
+    try:  # a directory that cannot be made or written (a read-only or virtual file system, no permission)
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        raise ValueError(f"tune.storage_path: cannot write the run's results in {os.path.abspath(path)} "
+                         f"({e.strerror or e})") from e
     if name is not None and (name in ("", ".", "..") or "/" in name or os.sep in name):
         raise ValueError(f"tune.name: the experiment's directory name inside tune.storage_path (no '/', not '.' "
                          f"or '..'), got {name!r}")

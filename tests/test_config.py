@@ -148,6 +148,11 @@ def test_a_config_that_is_not_a_readable_yaml_mapping_is_refused_in_one_line(tmp
     # a storage path under a file cannot become a directory: refused before Ray starts
     assert one_line_cli_error(capsys, main, QUICKSTART, "--set", f"tune.storage_path={listed}/runs") == (
         f"error: tune.storage_path: {listed} is a file, so {listed}/runs cannot be a directory")
+    # a directory that cannot be made (a virtual file system here), and a seed RLlib cannot take
+    assert one_line_cli_error(capsys, main, QUICKSTART, "--set", "tune.storage_path=/proc/runs") == (
+        "error: tune.storage_path: cannot write the run's results in /proc/runs (No such file or directory)")
+    assert one_line_cli_error(capsys, main, QUICKSTART, "--set", "seed=4294967296") == (
+        "error: seed: expected an integer in [0, 2147483647], got 4294967296")
     # a URI would become a local folder named s3: (Tune's copies here are to a file system), with
     # --resume too
     for argv in ([], ["--resume", "--set", "tune.name=run"]):

@@ -71,6 +71,44 @@ def test_an_rl_config_starts_from_the_saved_dir(warm_start, corpus):
     assert all(torch.equal(a, b) for a, b in zip(lm.state_dict().values(), saved.state_dict().values()))
 
 
+def test_a_checkpoint_refuses_its_warm_start_gone_or_written_again_with_another_vocabulary(warm_start, corpus,
+                                                                                               tmp_path):
+    """A policy is rebuilt with its model directory's config and reads tokens through its tokenizer:
+    with that directory moved, or its tokenizer changed (pretrain run again into it on other data),
+    loading the checkpoint is refused in one line naming the directory, not decoded through
+    another vocabulary."""
+    import json
+    import shutil
+
+    import yaml
+
+    from agents.generate import load_policy
+    from agents.serve.launch import untrained_checkpoint
+
+    base = tmp_path / "warm"
+    shutil.copytree(warm_start[0]["output_dir"], base)
+    rl = tmp_path / "rl.yaml"
+    rl.write_text(yaml.safe_dump({"task": {"name": "imdb", "dataset": corpus, "prompt_words": 4},
+                                  "model": {"name_or_path": str(base)}, "env": {"max_prompt_len": 6, "max_new_tokens": 8}}))
+    checkpoint = untrained_checkpoint(str(rl), str(tmp_path / "checkpoint"))
+    load_policy(checkpoint)  # as trained
+    (base / "config.json").write_text(json.dumps({**json.loads((base / "config.json").read_text()),
+                                                  "transformers_version": "0.0.1"}))
+    load_policy(checkpoint)  # saved again by another transformers: the same model and tokens
+    tokenizer = json.loads((base / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[5:7]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two words' ids swapped
+    (base / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match=rf"^--checkpoint: {base} \(model.name_or_path or env.tokenizer\) has changed "
+                                         "since this policy was trained"):
+        load_policy(checkpoint)
+    shutil.rmtree(base)
+    with pytest.raises(ValueError, match=rf"^--checkpoint: this policy was trained from {base} .* which no longer "
+                                         "exists"):
+        load_policy(checkpoint)
+
+
 def test_ss_probability_is_linear_from_zero_to_ss_max():
     assert [ss_probability(i, 5, 0.4) for i in range(5)] == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
 

@@ -185,6 +185,7 @@ BAD_GENERATE = [  # (body, the field the error names)
     ({"prompt": "3", "seed": -1}, "seed"), ({"prompt": "3", "seed": "7"}, "seed"), ({"prompt": "3", "seed": 2**31}, "seed"),
     ({"prompt": "3", "references": []}, "references"),
     ({"prompt": "3", "max_tokens": 5}, "max_tokens"), ({"prompt": "3", "temperature": 0.5}, "temperature"),
+    (b'{"prompt": "3 \\ud83d"}', "prompt"),  # half an emoji's escape: not Unicode text (a 500 before)
 ]
 BAD_COMPLETIONS = [
     (b"{", "request body"), (b"7", "request body"), ({"max_tokens": 3}, "prompt"), ({"prompt": 3}, "prompt"),
@@ -196,6 +197,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "3", "temperature": 2.5}, "temperature"), ({"prompt": "3", "temperature": "hot"}, "temperature"),
     ({"prompt": "3", "top_p": 0}, "top_p"), ({"prompt": "3", "top_p": 1.5}, "top_p"), ({"prompt": "3", "seed": 1.5}, "seed"),
     ({"prompt": "3", "model": 7}, "model"), ({"prompt": "3", "stream": "yes"}, "stream"),
+    (b'{"prompt": "3", "model": "\\ud800"}', "model"), (b'{"prompt": ["3", "\\udc00 7"]}', "prompt.1"),
     ({"prompt": "3", "logprobs": 1}, "logprobs"), ({"prompt": "3", "stop": []}, "stop"),
     ({"prompt": "3", "stop": ["1", "2", "3", "4", "5"]}, "stop"), ({"prompt": "3", "stop": [""]}, "stop"),
     ({"prompt": "3", "stream_options": {"usage": True}}, "stream_options"), ({"prompt": "3", "echo": True}, "echo"),

@@ -257,6 +257,21 @@ def _messages(value):
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
+def _lone_surrogate(node, path: str = "") -> str | None:
+    """The dotted path of the first string in `node` (keys included) holding a surrogate code point."""
+    if isinstance(node, str):
+        return (path or "request body") if any("\ud800" <= ch <= "\udfff" for ch in node) else None
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        inner = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and _lone_surrogate(key):
+            return path or "request body"
+        found = _lone_surrogate(value, inner)
+        if found:
+            return found
+    return None
+
+
 class _StrictFields(BaseModel):
     """Refuses a field it does not know, naming it (before any other check); takes null for a
     field's default."""
@@ -268,6 +283,11 @@ class _StrictFields(BaseModel):
     @classmethod
     def _known_fields(cls, data):
         if isinstance(data, dict):
+            where = _lone_surrogate(data)
+            if where:  # JSON's \ud800 escapes decode to text no tokenizer (or reply) can encode
+                raise PydanticCustomError("not_unicode", "{reason}", {
+                    "field": where, "reason": "holds a lone UTF-16 surrogate (an escape such as \\ud83d without "
+                                              "its pair, as a string cut inside an emoji has): not Unicode text"})
             unknown = sorted(set(data) - set(cls.model_fields))
             if unknown:
                 name = unknown[0]
@@ -435,7 +455,7 @@ def error_line(errors: list[dict]) -> str:
         if e["type"] == "unknown_field":
             return f"{e['ctx']['field']}: {e['msg']}"
     e = errors[0]
-    if e["type"] == "field_conflict":  # a field that other fields' values rule out
+    if e["type"] in ("field_conflict", "not_unicode"):  # a field other fields rule out; text that is not Unicode
         return f"{e['ctx']['field']}: {e['msg']}"
     field = field_of(e)
     if e["type"] == "json_invalid":
