@@ -5,22 +5,20 @@
                               [--precision bf16] [--out DIR]
     python -m agents.evaluate --curves RUN [RUN ...] [--metric NAME ...] [--out DIR]
 
-A MODEL is a checkpoint written by `agents.train` (or the RLModule directory in it) or
-a Hugging Face model directory (`agents.pretrain`, `agents.export`), causal or
-encoder-decoder (the prompt is then the encoder's input, as in training). Every model writes
-continuations for the same prompts, through the same token env, decoded greedily or
-sampled (a checkpoint samples with its own truncation sampler). The task, the prompt
-and generation lengths come from `--config` (an RL YAML), else from the first
-checkpoint. The table has one row per model: every metric of the task (its reward,
-and each term of a summed reward), the perplexity of the generations (after their
-prompts; for an encoder-decoder reference, given them as source) under a reference LM
-(`--reference`, default the first model; always with fp32 weights, whatever `--precision` the
-models decode in), distinct-1 and distinct-2 (unique n-grams / all n-grams of the model's
-generations, words split on whitespace), and the mean length in words. A second table breaks the task
-metrics down by prompt difficulty: for sentiment tasks the prompt's own VADER
-compound score in terciles (as in RLGF), for other tasks the prompt's length in words.
-Both tables are printed and written to DIR as `evaluation.csv` and `evaluation.md`;
-the generations go to `generations.jsonl`.
+A MODEL is a checkpoint written by `agents.train` (or the RLModule directory in it) or a Hugging
+Face model directory (`agents.pretrain`, `agents.export`), causal or encoder-decoder (the prompt is
+then the encoder's input, as in training). Every model writes continuations for the same prompts,
+through the same token env, decoded greedily or sampled (a checkpoint samples with its own
+truncation sampler). The task, the prompt and generation lengths come from `--config` (an RL YAML),
+else from the first checkpoint. The table has one row per model: every metric of the task (its
+reward, and each term of a summed reward), the perplexity of the generations (after their prompts;
+for an encoder-decoder reference, given them as source) under a reference LM (`--reference`, default
+the first model; always with fp32 weights, whatever `--precision` the models decode in), distinct-1
+and distinct-2 (unique n-grams / all n-grams of the model's generations, words split on whitespace),
+and the mean length in words. A second table breaks the task metrics down by prompt difficulty: for
+sentiment tasks the prompt's own VADER compound score in terciles (as in RLGF), for other tasks the
+prompt's length in words. Both tables are printed and written to DIR as `evaluation.csv` and
+`evaluation.md`; the generations go to `generations.jsonl`.
 
 `--curves` plots, for each `--metric` (default `episode_return_mean`), one PNG of the
 metric against the training iteration with one line per trial found under the RUN
@@ -94,6 +92,8 @@ class Model:
     """One model to evaluate: its policy, LM, tokenizer and (for checkpoints) its env config."""
 
     def __init__(self, path: str, name: str | None = None):
+        from agents.models import is_encoder_decoder
+
         self.path = os.path.abspath(os.path.expanduser(path))
         self.kind = model_kind(path)
         self.name = name or _short_name(self.path)
@@ -109,7 +109,7 @@ class Model:
             self.tokenizer_spec = self.env_config.get("tokenizer")
         else:
             from agents.model_edits import disable_dropout, mask_padded_vocabulary
-            from agents.models import is_encoder_decoder, load_pretrained_lm
+            from agents.models import load_pretrained_lm
             from env.tokenization import load_tokenizer
 
             try:
@@ -121,10 +121,7 @@ class Model:
                 self.policy = HFSeq2SeqPolicy(self.lm) if seq2seq else HFPolicy(self.lm)
             except (OSError, ValueError) as e:
                 raise EvalError(f"{path}: cannot load the model or its tokenizer: {first_line(e)}") from None
-            self.env_config = None
-            self.tokenizer_spec = self.path
-        from agents.models import is_encoder_decoder
-
+            self.env_config, self.tokenizer_spec = None, self.path
         self.seq2seq = is_encoder_decoder(self.lm)
 
     def to(self, device: str) -> "Model":
@@ -285,7 +282,9 @@ def evaluate(models: list[Model], env_config: dict, *, split: str = "test", gree
     "breakdown", "generations", "difficulty"}. A `precision` other than fp32 or bf16 (or bf16 on
     a GPU without it) is refused with one line."""
     from agents.generate import check_precision
+    from agents.train import positions_error
     from env.tasks import make_task
+    from env.text_env import TokenGenerationEnv
 
     if not models:
         raise EvalError("models: none given")
@@ -306,10 +305,10 @@ def evaluate(models: list[Model], env_config: dict, *, split: str = "test", gree
     prompts = buckets = labels = what = None
     for model in models:
         cfg = {**env_config, "split": split, "tokenizer": model.tokenizer_spec, "encoder_decoder": model.seq2seq}
+        if not model.seq2seq and (error := positions_error(model.lm.config, TokenGenerationEnv(cfg).seq_len, model.name)):
+            raise EvalError(error)
         gens = rollout(model.decoding(precision), cfg, examples, greedy=greedy, seed=seed)
         if prompts is None:  # the prompts as the env cut them (identical for every model)
-            from env.text_env import TokenGenerationEnv
-
             env = TokenGenerationEnv(cfg)
             prompts = [env.reset(options={"prompt": ex["prompt"]})[1]["prompt"] for ex in examples]
             what, scores = difficulty(task, prompts)

@@ -52,13 +52,17 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float, resumed: 
         from agents.core import no_transformers_bars
 
         no_transformers_bars()  # no "Loading weights" bar above the samples
-        module = load_policy(best.checkpoint.path)
-        seed = cfg["seed"] if isinstance(cfg["seed"], int) else 0  # a searched seed: any fixed one
-        samples = generate(module, module.model_config["env"], [None] * n, seed=seed)
-        print(f"  samples from {which}{os.path.basename(best.checkpoint.path)} (sampling):")
-        for s in samples:
-            print(f"    [reward {s['reward']:.3f}] {s['generation']}")
-        print(f"  more: python -m agents.generate --checkpoint {best.checkpoint.path}")
+        try:
+            module = load_policy(best.checkpoint.path)
+        except (ValueError, OSError) as e:  # a checkpoint that cannot be loaded: the figures above stand
+            print(f"  no samples: {str(e).removeprefix('--checkpoint: ')}")
+        else:
+            seed = cfg["seed"] if isinstance(cfg["seed"], int) else 0  # a searched seed: any fixed one
+            samples = generate(module, module.model_config["env"], [None] * n, seed=seed)
+            print(f"  samples from {which}{os.path.basename(best.checkpoint.path)} (sampling):")
+            for s in samples:
+                print(f"    [reward {s['reward']:.3f}] {s['generation']}")
+            print(f"  more: python -m agents.generate --checkpoint {best.checkpoint.path}")
     from agents.workarounds import tune_interrupted
 
     if tune_interrupted():  # Ctrl-C (or SIGUSR1): Tune saved the experiment's state and returned

@@ -86,10 +86,16 @@ def check_model_fits(name: str, env) -> None:
     if own is not None and own != tokens:  # the model was trained with another tokenizer
         raise ValueError(f"{field}: {name!r} was saved with a {own}-token tokenizer, but the env's (env.tokenizer, "
                          f"else the task's) has {tokens}: its outputs would mean other tokens")
+    if not env.encoder_decoder and (error := positions_error(config, env.seq_len, name)):
+        raise ValueError(error)
+
+
+def positions_error(config, length: int, name: str) -> str | None:
+    """Why a causal model (its HF `config`) cannot take windows of `length` tokens, or None."""
     positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-    if not env.encoder_decoder and positions is not None and positions < env.seq_len:
-        raise ValueError(f"env.max_prompt_len + env.max_new_tokens: {env.seq_len} tokens, more than the "
-                         f"{positions} positions of {name!r}")
+    if positions is not None and positions < length:
+        return f"env.max_prompt_len + env.max_new_tokens: {length} tokens, more than the {positions} positions of {name!r}"
+    return None
 
 
 def _saved_tokenizer_size(name: str) -> int | None:

@@ -116,11 +116,12 @@ def test_table_matches_direct_reward_calls_and_files_are_written(setup, tmp_path
     assert sum(1 for _ in open(paths["generations"])) == 48
 
 
-def test_greedy_decoding_repeats_itself(setup):
+def test_greedy_decoding_repeats_itself_so_greedy_copies_are_refused(setup):
     model = Model(setup["dirs"][0])
-    a = evaluate([model], setup["env_config"], greedy=True, num_samples=2, log=lambda line: None)
-    gens = [g["generation"] for g in a["generations"]]
-    assert gens[0::2] == gens[1::2]  # two greedy samples of one prompt are the same text
+    a, b = (evaluate([model], setup["env_config"], greedy=True, seed=seed, log=lambda line: None) for seed in (0, 1))
+    assert [g["generation"] for g in a["generations"]] == [g["generation"] for g in b["generations"]]
+    with pytest.raises(EvalError, match="^--num-samples: greedy decoding gives one generation per prompt"):
+        evaluate([model], setup["env_config"], greedy=True, num_samples=2, log=lambda line: None)
 
 
 def test_bf16_decoding_leaves_the_models_fp32_and_perplexity_fp32(setup):
@@ -410,3 +411,15 @@ def test_bf16_is_refused_on_a_gpu_that_would_only_emulate_it_for_each_models_dev
     with pytest.raises(ValueError, match="^precision bf16: no$"):
         evaluate([on_cpu, elsewhere], setup["env_config"], precision="bf16", log=lambda line: None)
     assert asked == ["cpu", "meta"]
+
+
+def test_windows_longer_than_a_models_positions_are_refused_in_one_line(tmp_path, capsys):
+    """--set env.max_new_tokens past what the checkpoint's model can take: train's check, not an
+    IndexError from inside the decode step."""
+    from agents.serve.launch import untrained_checkpoint
+    from tests.conftest import QUICKSTART
+
+    checkpoint = untrained_checkpoint(QUICKSTART, str(tmp_path / "tiny"))  # 5 + 20 tokens: 25 positions
+    assert one_line_cli_error(capsys, main, checkpoint, "--config", QUICKSTART, "--set", "env.max_new_tokens=30",
+                              "--out", str(tmp_path / "out")) == (
+        "error: env.max_prompt_len + env.max_new_tokens: 35 tokens, more than the 25 positions of 'tiny'")
