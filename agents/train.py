@@ -46,6 +46,10 @@ def preflight(cfg: dict) -> None:
         check_pretrained("guide.name_or_path", cfg["guide"].get("name_or_path"))
     env = TokenGenerationEnv(env_config(cfg))
     env.reset(seed=0)
+    from agents.pretrain import check_known_words  # prompts with words a word-level tokenizer lacks
+
+    check_known_words(env.tokenizer, [(ex["prompt"], "") for ex in env.examples],
+                      "task.dataset" if cfg["task"].get("dataset") else "task")
     check_model_fits(cfg["model"]["name_or_path"], env)
     check_lora(cfg["model"], env.tokenizer)
     if guided:

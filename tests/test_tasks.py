@@ -474,3 +474,18 @@ def test_a_data_file_rewritten_again_and_again_keeps_the_caches_bounded(tmp_path
     assert len(text_tasks._EXAMPLES) <= text_tasks._EXAMPLES.maxsize < 80
     assert len(data._ROWS) <= data._ROWS.maxsize < 2 * 80
     assert len(data._DATASETS) <= data._DATASETS.maxsize < 80
+
+
+def test_train_refuses_prompts_with_words_its_word_level_tokenizer_lacks_in_one_line(tmp_path, capsys):
+    """A prompt word the tokenizer does not know would reach the policy as its unknown token (EOS
+    for the project's word-level tokenizers): refused before Ray starts, as pretrain refuses it."""
+    from agents.train import main
+
+    data = write(tmp_path / "train.jsonl", [{"text": "fine review", "label": 1}, {"text": "fine river", "label": 0}])
+    config = tmp_path / "imdb.yaml"
+    config.write_text(f"task:\n  name: imdb\n  dataset:\n    train: {data}\n"
+                      f"env:\n  tokenizer: {save_tokenizer(tmp_path, ['fine review'])}\n"
+                      f"  max_prompt_len: 8\n  max_new_tokens: 8\n")
+    line = one_line_cli_error(capsys, main, str(config))
+    assert line.startswith("error: task.dataset: its tokenizer does not know words of 1 of the 2 training examples "
+                           "(the first: 'river' in example 2); they would train as its unknown token"), line
