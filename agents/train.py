@@ -50,10 +50,27 @@ def preflight(cfg: dict) -> None:
 
     check_known_words(env.tokenizer, [(ex["prompt"], "") for ex in env.examples],
                       "task.dataset" if cfg["task"].get("dataset") else "task")
+    check_reward_scores(env)
     check_model_fits(cfg["model"]["name_or_path"], env)
     check_lora(cfg["model"], env.tokenizer)
     if guided:
         preflight_guide(cfg, env)
+
+
+def check_reward_scores(env) -> None:
+    """A text task's reward scores its first training example (the prompt as the generation) here,
+    where it loads no model: a reward needing references or meta fields the data lacks fails in
+    one line, not inside the trial."""
+    from env.rewards import RewardError, loads_models
+
+    reward_for = getattr(env.task, "reward_for", None)
+    if reward_for is None or loads_models(reward_for("train")):
+        return
+    example = env.examples[0]
+    try:
+        env.task.reward([example["prompt"]], [example["prompt"]], [example["meta"]])
+    except RewardError as e:
+        raise ValueError(" ".join(str(e).split())) from None
 
 
 def check_model_fits(name: str, env) -> None:

@@ -489,3 +489,24 @@ def test_train_refuses_prompts_with_words_its_word_level_tokenizer_lacks_in_one_
     line = one_line_cli_error(capsys, main, str(config))
     assert line.startswith("error: task.dataset: its tokenizer does not know words of 1 of the 2 training examples "
                            "(the first: 'river' in example 2); they would train as its unknown token"), line
+
+
+@pytest.mark.parametrize("reward, message", [
+    ("{name: bleu}", "error: reward 'bleu' (task.reward): failed on generation 'write about the river' (prompt "
+                     "'write about the river'): ValueError: needs references: the example's meta has no 'references'"),
+    ('{name: "examples.custom_reward.keyword_reward:keyword_reward"}',  # meta_fields left out: no keyword
+     "error: reward 'examples.custom_reward.keyword_reward:keyword_reward' (task.reward): failed on generation "
+     "'write about the river' (prompt 'write about the river'): KeyError: 'keyword'"),
+])
+def test_train_refuses_a_reward_its_data_cannot_feed_in_one_line(tmp_path, capsys, reward, message):
+    """A text task's reward is tried on its first training example before Ray starts (one that
+    loads no model): references or meta fields the data lacks fail here, not inside the trial."""
+    from agents.train import main
+
+    rows = [{"prompt": "write about the river", "keyword": "river"}] * 3
+    data = write(tmp_path / "prompts.jsonl", rows)
+    config = tmp_path / "text.yaml"
+    config.write_text(f"task:\n  name: text\n  dataset: {data}\n  reward: {reward}\n"
+                      f"env:\n  tokenizer: {save_tokenizer(tmp_path, ['write about the river'])}\n"
+                      f"  max_prompt_len: 8\n  max_new_tokens: 8\n")
+    assert one_line_cli_error(capsys, main, str(config)).startswith(message)

@@ -23,7 +23,7 @@ Registered names and their modules (defaults in each class's docstring):
 Importing this package imports no model library; each reward imports its own on first use.
 """
 from env.rewards.base import (REWARDS, CheckedReward, FieldError, RewardConfigError, RewardError, WeightedSum,
-                              make_reward, references_of, register, register_function)
+                              loads_models, make_reward, references_of, register, register_function)
 from env.rewards.ordering import increasing_pairs_reward
 from env.rewards import bertscore, bleu, cider, cosine, mmi, perplexity, rouge, sentiment  # noqa: F401 (register)
 
@@ -31,5 +31,5 @@ register_function("increasing_pairs", increasing_pairs_reward)
 
 __all__ = [
     "REWARDS", "CheckedReward", "FieldError", "RewardConfigError", "RewardError", "WeightedSum",
-    "increasing_pairs_reward", "make_reward", "references_of", "register", "register_function",
+    "increasing_pairs_reward", "loads_models", "make_reward", "references_of", "register", "register_function",
 ]

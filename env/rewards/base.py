@@ -280,6 +280,16 @@ class WeightedSum:
         return total
 
 
+def loads_models(reward) -> bool:
+    """Whether scoring with a built reward (`make_reward`'s) may load a model: a term that says so
+    (`loads_model`), or one with a `load` that does not say otherwise."""
+    inner = getattr(reward, "reward", reward)  # a CheckedReward's own
+    if isinstance(inner, WeightedSum):
+        return any(loads_models(term) for _, term in inner.terms)
+    says = getattr(inner, "loads_model", None)
+    return bool(says) if says is not None else getattr(inner, "load", None) is not None
+
+
 # -- building from a config -----------------------------------------------------------
 
 def make_reward(spec, path: str = "reward") -> CheckedReward:

@@ -18,6 +18,8 @@ BLEU_SMOOTHING = ("exp", "floor", "add-k", "none")
 class _Sacrebleu:
     higher_is_better = True
 
+    loads_model = False  # `load` builds sacrebleu's metric object: scoring loads no model
+
     def __init__(self, percent: bool):
         self.scale = 1.0 if percent else 0.01
         self.sign = 1.0

@@ -20,6 +20,7 @@ class Rouge:
 
     name = "rouge"
     higher_is_better = True
+    loads_model = False  # `load` builds rouge_score's scorer
 
     def __init__(self, rouge_type: str = "rougeL", use_stemmer: bool = False, measure: str = "fmeasure",
                  split_summaries: bool = False):

@@ -57,6 +57,7 @@ class Vader:
 
     name = "vader"
     higher_is_better = True
+    loads_model = False  # `load` reads VADER's lexicon
 
     def __init__(self, include_prompt: bool = False):
         self.include_prompt = include_prompt
@@ -85,6 +86,10 @@ class Sentiment:
 
     name = "sentiment"
     higher_is_better = True
+
+    @property
+    def loads_model(self) -> bool:  # VADER without a classifier model
+        return self.model_name is not None
 
     def __init__(self, model: str | None = None, positive_label: str | int | None = None,
                  include_prompt: bool = False, batch_size: int = 32, max_length: int = 512, device: str = "auto"):
