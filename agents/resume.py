@@ -244,6 +244,26 @@ def check_fresh_run(cfg: dict) -> None:
                          "a new tune.name (or remove that directory) to start another")
 
 
+# What a saved Hugging Face model and tokenizer leave in a directory: a warm start written again over
+# one replaces only these (a policy trained from the old one refuses to load if its tokenizer changed).
+SAVED_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "pytorch_model.bin",
+                     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                     "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "chat_template.jinja")
+
+
+def check_writable_model_dir(path: str) -> None:
+    """Refuses (one line) an output_dir holding anything but a saved model's files: a warm start
+    would write over another run's files (an RL checkpoint, a project folder)."""
+    from agents.whole_files import PARTIAL_NAME
+
+    others = sorted(n for n in (os.listdir(path) if os.path.isdir(path) else ())  # a killed writer's partial files go
+                    if n not in SAVED_MODEL_FILES and not PARTIAL_NAME.search(n))
+    if others:
+        raise ValueError(f"output_dir: {path} holds other files than a saved model's ({', '.join(others[:3])}"
+                         f"{', ...' if len(others) > 3 else ''}); give an empty or new directory, or one a warm "
+                         "start wrote")
+
+
 def warm_start_state(cfg: dict, resume: bool, name: str, may_change: tuple = ()) -> dict | None:
     """The checkpoint (`name` in output_dir) an `agents.pretrain --resume` goes on from (None for a
     fresh run); refuses, in one line, a fresh run over an interrupted one, a resume with nothing to
@@ -257,6 +277,7 @@ def warm_start_state(cfg: dict, resume: bool, name: str, may_change: tuple = ())
     if not os.path.isfile(path):
         if resume:
             raise ValueError(f"--resume: no interrupted warm start in output_dir ({path} does not exist)")
+        check_writable_model_dir(os.path.dirname(path))
         return None
     try:
         saved = torch.load(path, map_location="cpu", weights_only=False)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from agents.config import ConfigError
-from agents.pretrain import (collate, encode_example, lm_loss, load_config, load_pairs, main, pretrain,
+from agents.pretrain import (collate, encode_example, lm_loss, load_pairs, main, pretrain,
                              scheduled_sampling_inputs, ss_probability, validate)
 from env.tasks.review_corpus import review_corpus
 from tests.conftest import one_line_cli_error, run_module, write_jsonl
@@ -334,3 +334,21 @@ def test_an_interrupted_warm_start_resumes_exactly_and_a_fresh_run_does_not_take
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match=r"^--resume: no interrupted warm start in output_dir"):
         pretrain(cut, log=lambda line: None, resume=True)
+
+
+def test_a_warm_start_refuses_an_output_dir_holding_other_files_and_writes_over_its_own(corpus, tmp_path):
+    """output_dir holding an RL run's or a project's files is refused before training (a warm
+    start would write its config.json and model over them); a warm start's own directory is
+    written again (its partial files, left by a killed save, do not count)."""
+    from agents.whole_files import partial_path
+
+    run = tmp_path / "run"
+    (run / "checkpoint_000000").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=rf"^output_dir: {run} holds other files than a saved model's "
+                                         r"\(checkpoint_000000\); give an empty or new directory"):
+        pretrain(config(corpus, run, steps=2))
+    own = tmp_path / "own"
+    pretrain(config(corpus, own, steps=2), log=lambda line: None)
+    open(partial_path(str(own / "model.safetensors")), "w").close()
+    assert pretrain(config(corpus, own, steps=2), log=lambda line: None)["output_dir"] == str(own)
