@@ -366,8 +366,35 @@ def remove_unnamed_checkpoints(trials) -> list[str]:
 
 
 # The stop criteria a `--resume` goes on with where they differ from the run's first ones (train
-# longer, or less); [] otherwise. Set by `apply_resume_stop` before each run in this process.
+# longer, or less); [] otherwise. Set by `apply_resume_stop` before each run in this process, with
+# where its lines go (`_RESUME_SAY`).
 _RESUME_STOP: list = []
+_RESUME_SAY: list = [None]
+
+
+def go_back_from_lost_checkpoints(trials, say=None) -> None:
+    """A restored trial whose newest checkpoint is gone from the storage path (deleted by hand, a
+    disk lost) goes on from its newest one still there, or from its start where none is: Tune
+    would fail the trial ("does not exist on storage anymore") at every `--resume`. `say(line)`:
+    one line per trial sent back."""
+    import pyarrow.fs
+
+    def there(result) -> bool:
+        fs = trial.storage.storage_filesystem
+        return fs.get_file_info(result.checkpoint.path).type == pyarrow.fs.FileType.Directory
+
+    for trial in trials:
+        manager, latest = trial.run_metadata.checkpoint_manager, trial.latest_checkpoint_result
+        if latest is None or latest.checkpoint is None or there(latest):
+            continue
+        kept = [r for r in manager._checkpoint_results if r.checkpoint is not None and there(r)]
+        newest = max(kept, key=lambda r: (r.metrics or {}).get("training_iteration", 0), default=None)
+        manager._checkpoint_results, manager._latest_checkpoint_result = kept, newest
+        if say:
+            to = (f"its newest one left, {os.path.basename(newest.checkpoint.path)} (iteration "
+                  f"{(newest.metrics or {}).get('training_iteration', '?')})" if newest else "its start (none is left)")
+            say(f"--resume: trial {trial.trial_id}'s checkpoint {os.path.basename(latest.checkpoint.path)} is gone "
+                f"from {os.path.dirname(latest.checkpoint.path)}; it goes on from {to}")
 
 
 def _meets(criteria: dict, result: dict | None) -> bool:
@@ -393,18 +420,21 @@ def apply_resume_stop(stop: dict | None, say=None) -> None:
     keys; None: the run's own): every trial, restored or made later by the search algorithm, takes
     `stop`, and a trial that ended by meeting its criteria and does not meet these goes on from its
     last checkpoint. A trial that ended otherwise (a scheduler stopped it: ASHA, PBT's ends) stays
-    ended, as does one with no checkpoint. `say(line)`: how many go on. Hooks
+    ended, as does one with no checkpoint. A trial whose newest checkpoint is gone goes back to an
+    older one (`go_back_from_lost_checkpoints`). `say(line)`: how many go on, and which go back. Hooks
     `TuneController._restore_trials` and `.add_trial` (once per process; driver side)."""
     from ray.tune.execution.tune_controller import TuneController
     from ray.tune.experiment import Trial
 
     _RESUME_STOP[:] = [] if stop is None else [dict(stop), say]
+    _RESUME_SAY[0] = say
     if getattr(TuneController._restore_trials, "applies_stop", False):
         return
     original_restore, original_add = TuneController._restore_trials, TuneController.add_trial
 
     def restore_trials(self, experiment_state):
         trials = original_restore(self, experiment_state)
+        go_back_from_lost_checkpoints(trials, _RESUME_SAY[0])
         if not _RESUME_STOP:
             return trials
         stop, say = _RESUME_STOP

@@ -398,3 +398,30 @@ def test_resume_refuses_an_experiment_state_cut_short_in_one_line(tmp_path):
         check_experiment_state(str(tmp_path))
     state.write_text('{"trial_data": []}')
     check_experiment_state(str(tmp_path))  # a whole state passes
+
+
+@pytest.mark.slow
+def test_a_resume_whose_newest_checkpoint_is_gone_goes_on_from_the_one_before(tmp_path, capsys):
+    """The newest checkpoint of a finished run deleted (by hand, a lost disk), then trained longer
+    with --resume: the trial goes on from the checkpoint before it, says so in one line, and its
+    curve holds each iteration once (before: the trial failed at every resume, "does not exist on
+    storage anymore")."""
+    import shutil
+
+    from agents.train import main
+
+    common = [*[a for o in TINY for a in ("--set", o)], "--set", "checkpoint.frequency=1", "--set",
+              "generate.num_samples=0", "--set", "tune.dashboard=false", "--set", f"tune.storage_path={tmp_path}",
+              "--set", "tune.name=run"]
+    assert main([QUICKSTART, *common, "--set", "stop.training_iteration=3"]) == 0
+    (trial_dir,) = [d for d in glob.glob(str(tmp_path / "run" / "LMPPO_*")) if os.path.isdir(d)]
+    checkpoints = sorted(glob.glob(os.path.join(trial_dir, "checkpoint_*")))
+    shutil.rmtree(checkpoints[-1])
+    capsys.readouterr()
+    assert main([QUICKSTART, *common, "--set", "stop.training_iteration=4", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert (f"'s checkpoint {os.path.basename(checkpoints[-1])} is gone from {trial_dir}; it goes on from its "
+            f"newest one left, {os.path.basename(checkpoints[-2])} (iteration 2)") in out, out[-3000:]
+    assert re.findall(r"^iter +(\d+) ", out, re.M) == ["3", "4"], out[-3000:]
+    for where, its in logged_iterations(trial_dir).items():
+        assert its == [1, 2, 3, 4], (where, its)

@@ -210,6 +210,7 @@ PINNED = {
     "_update", "_compute_off_policyness", "_worker_logs_enabled",
     "_scheduler_alg", "_storage", "_brackets", "_rungs", "_trial_info", "_trial_state", "_num_perturbations",
     "_num_checkpoints", "_checkpoint_results", "_restore_trials", "_setup_signal_catching",
+    "_latest_checkpoint_result",
 }
 THIRD_PARTY_PRIVATE_OK = {"_model"}  # bert_score's scorer (env/rewards/bertscore.py), not Ray's or transformers'
 
@@ -493,6 +494,11 @@ def test_tune_storage_sync_up_command_replaced_and_checkpoint_deletion_deferred(
     from ray.tune.experiment import Trial
 
     assert "self._checkpoint_results: List[_TrainingResult] = []" in inspect.getsource(checkpoint_manager._CheckpointManager.__init__)
+    # go_back_from_lost_checkpoints sets its latest (what Trial.checkpoint restores from)
+    init = inspect.getsource(checkpoint_manager._CheckpointManager.__init__)
+    assert "self._latest_checkpoint_result: Optional[_TrainingResult] = None" in init
+    assert "return self._latest_checkpoint_result" in inspect.getsource(
+        checkpoint_manager._CheckpointManager.latest_checkpoint_result.fget)
     assert isinstance(Trial.latest_checkpoint_result, property) and isinstance(StorageContext.trial_fs_path, property)
     assert "self.run_metadata.checkpoint_manager" in inspect.getsource(Trial.latest_checkpoint_result.fget)
 
