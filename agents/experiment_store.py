@@ -434,12 +434,13 @@ def apply_resume_stop(stop: dict | None, say=None) -> None:
 
     def restore_trials(self, experiment_state):
         trials = original_restore(self, experiment_state)
-        go_back_from_lost_checkpoints(trials, _RESUME_SAY[0])
+        go_back_from_lost_checkpoints([trial for trial in trials if trial.status != Trial.TERMINATED], _RESUME_SAY[0])
         if not _RESUME_STOP:
             return trials
         stop, say = _RESUME_STOP
         ended = [trial for trial in trials if trial.status == Trial.TERMINATED]
         going = [trial for trial in ended if goes_on(trial, stop)]
+        go_back_from_lost_checkpoints(going, say)
         for trial in going:
             trial.set_status(Trial.PAUSED)  # resumed from its checkpoint, as an interrupted trial is
         if say and any(trial.stopping_criterion != stop for trial in ended):  # said where they differ

@@ -54,9 +54,15 @@ _TOKEN_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab
                 "special_tokens_map.json", "added_tokens.json", "spiece.model", "sentencepiece.bpe.model")
 
 
+# What a save writes that does not change the model or its tokens (transformers' version, where it
+# was loaded from, HF_HUB_OFFLINE at the save, the weights' dtype)
+_VOLATILE = ("transformers_version", "_name_or_path", "name_or_path", "local_files_only", "is_local", "_commit_hash",
+             "torch_dtype", "dtype", "tokenizer_file")
+
+
 def base_fingerprint(path: str) -> str:
-    """A hash of the directory's config and tokenizer files (not its weights; config.json without
-    the transformers version that wrote it)."""
+    """A hash of the directory's config and tokenizer files (not its weights); JSON files parsed,
+    without the keys a save of the same model and tokens may write differently."""
     import hashlib
     import json
 
@@ -64,11 +70,12 @@ def base_fingerprint(path: str) -> str:
     for name in sorted(n for n in os.listdir(path) if n in _TOKEN_FILES and os.path.isfile(os.path.join(path, n))):
         with open(os.path.join(path, name), "rb") as f:
             data = f.read()
-        if name == "config.json":
+        if name.endswith(".json"):
             try:
-                config = json.loads(data)
-                config.pop("transformers_version", None)
-                data = json.dumps(config, sort_keys=True).encode()
+                parsed = json.loads(data)
+                if isinstance(parsed, dict):
+                    parsed = {k: v for k, v in parsed.items() if k not in _VOLATILE}
+                data = json.dumps(parsed, sort_keys=True).encode()
             except ValueError:
                 pass
         digest.update(name.encode() + b"\0" + data + b"\0")

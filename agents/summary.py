@@ -4,6 +4,7 @@ sampler and its summary.csv, samples from the best checkpoint, and the exit code
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 
@@ -40,7 +41,7 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float, resumed: 
     best, which = None, ""
     if len(grid) > 1:
         _, top = sweep_table(cfg, grid, progress, experiment)
-        if top is not None:  # the table's best setting: its trial with the best reward and a checkpoint
+        if top is not None and (metric, mode) == (REWARD_METRIC, "max"):  # the table ranks by the reward
             best, which = top, f"trial {top.metrics['trial_id']} (the best setting above), "
     if best is None:
         try:
@@ -77,6 +78,7 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float, resumed: 
 
 
 INTERRUPTED = 130  # the exit code of a run stopped by Ctrl-C, as a shell gives one
+REWARD_METRIC = "env_runners/episode_return_mean"  # what the sweep table ranks settings by (tune.metric's default)
 
 
 def _searched_training_keys(cfg: dict) -> list[tuple[str, str]]:
@@ -91,11 +93,23 @@ def _searched_training_keys(cfg: dict) -> list[tuple[str, str]]:
 
 
 def _leaves(node, path: tuple = ()):
+    """(path, canonical text) of each leaf of a trial's config: JSON with tuples as lists and enums as
+    their values, as a config restored by `--resume` (JSON round-tripped) holds them."""
     if isinstance(node, dict) and node:
         for key, value in node.items():
             yield from _leaves(value, (*path, str(key)))
     else:
-        yield path, repr(node)
+        yield path, json.dumps(node, sort_keys=True, default=_json_leaf)
+
+
+def _json_leaf(value):
+    import enum
+
+    if isinstance(value, enum.Enum):
+        return value.value
+    if hasattr(value, "item"):  # a numpy scalar
+        return value.item()
+    return repr(value)
 
 
 # config paths shown by columns of their own (sampler, masking, params, algorithm) or grouped over (seeds)
@@ -107,8 +121,8 @@ def other_searched(cfg: dict, results: list) -> dict[str, tuple]:
     searched value of another section, e.g. guide.beta or dqn.*, wherever the algorithm puts it):
     read from the trials' own configs, so that trials differing in it are not taken for seeds."""
     flats = [dict(_leaves(r.config or {})) for r in results]
-    known = [tuple(repr((r.config or {}).get(key if sec == "training" else f"ref_{key}")) for r in results)
-             for sec, key in _searched_training_keys(cfg)]
+    known = [tuple(json.dumps((r.config or {}).get(key if sec == "training" else f"ref_{key}"), sort_keys=True,
+                              default=_json_leaf) for r in results) for sec, key in _searched_training_keys(cfg)]
     found: dict[tuple, tuple] = {}
     for path in sorted(set().union(*flats)) if flats else ():
         values = tuple(f.get(path) for f in flats)
@@ -141,7 +155,8 @@ def _trial_row(cfg: dict, result, progress, others: dict | None = None) -> dict:
         value = config
         for part in path:
             value = value.get(part) if isinstance(value, dict) else None
-        row[name] = value
+        # a value that is not a number or a name shows (and groups) as its canonical text
+        row[name] = value if value is None or isinstance(value, (bool, int, float, str)) else dict(_leaves(value))[()]
     trial_id = row["trial"]
     last = progress.last.get(trial_id)
     masks = progress.mask.get(trial_id)

@@ -46,10 +46,11 @@ def preflight(cfg: dict) -> None:
         check_pretrained("guide.name_or_path", cfg["guide"].get("name_or_path"))
     env = TokenGenerationEnv(env_config(cfg))
     env.reset(seed=0)
-    from agents.pretrain import check_known_words  # prompts with words a word-level tokenizer lacks
+    if type(getattr(getattr(env.tokenizer, "backend_tokenizer", None), "model", None)).__name__ == "WordLevel":
+        from agents.pretrain import check_known_words  # prompt words a word-level tokenizer lacks: lost whole
 
-    check_known_words(env.tokenizer, [(ex["prompt"], "") for ex in env.examples],
-                      "task.dataset" if cfg["task"].get("dataset") else "task")
+        check_known_words(env.tokenizer, [(ex["prompt"], "") for ex in env.examples],
+                          "task.dataset" if cfg["task"].get("dataset") else "task")
     check_reward_scores(env)
     check_model_fits(cfg["model"]["name_or_path"], env)
     check_lora(cfg["model"], env.tokenizer)
@@ -140,10 +141,13 @@ def check_storage(path: str, name: str | None = None) -> None:
     error = directory_error("tune.storage_path", path)
     if error:
         raise ValueError(error)
-    try:  # a directory that cannot be made or written (a read-only or virtual file system, no permission)
-        os.makedirs(path, exist_ok=True)
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise PermissionError(13, "not writable")
+    here = os.path.abspath(os.path.expanduser(path))
+    while not os.path.isdir(here):  # the nearest folder there is (directory_error: no file stands in the way)
+        here = os.path.dirname(here)
+    try:  # a folder made and removed there: one that cannot be (read-only, virtual, no permission) is refused
+        import tempfile
+
+        os.rmdir(tempfile.mkdtemp(prefix=".tokenmdp-check-", dir=here))
     except OSError as e:
         raise ValueError(f"tune.storage_path: cannot write the run's results in {os.path.abspath(path)} "
                          f"({e.strerror or e})") from e

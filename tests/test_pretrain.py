@@ -94,7 +94,9 @@ def test_a_checkpoint_refuses_its_warm_start_gone_or_written_again_with_another_
     load_policy(checkpoint)  # as trained
     (base / "config.json").write_text(json.dumps({**json.loads((base / "config.json").read_text()),
                                                   "transformers_version": "0.0.1"}))
-    load_policy(checkpoint)  # saved again by another transformers: the same model and tokens
+    tok_config = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps({**tok_config, "local_files_only": True}, indent=4))
+    load_policy(checkpoint)  # saved again by another transformers, offline: the same model and tokens
     tokenizer = json.loads((base / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     first, second = sorted(vocab, key=vocab.get)[5:7]

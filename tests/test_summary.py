@@ -76,6 +76,11 @@ def test_a_sweep_over_another_sections_value_keeps_its_settings_apart_and_sample
     from agents.progress import make_progress_callback
     from agents.summary import sweep_table
 
+    import enum
+
+    class Compile(str, enum.Enum):
+        FORWARD_TRAIN = "forward_train"
+
     # (beta, seed) -> rewards by iteration: beta 0.9 is better on average over its seeds, but the
     # single best last reward is beta 0.0's seed 1
     runs = {(0.0, 0): [0.1, 0.2], (0.0, 1): [0.1, 0.8], (0.9, 0): [0.5, 0.7], (0.9, 1): [0.6, 0.7]}
@@ -85,7 +90,11 @@ def test_a_sweep_over_another_sections_value_keeps_its_settings_apart_and_sample
         for i, r in enumerate(rewards, 1):
             progress.on_trial_result(0, [trial], trial, {"training_iteration": i,
                                                          "env_runners": {"episode_return_mean": r}})
-        config = {"seed": seed, "lr": 1e-3, "_model_config": {"seed": seed, "guide": {"beta": beta, "mix": 0.5}}}
+        # a trial restored by --resume holds its config JSON round-tripped: lists for tuples, values for enums
+        restored = n % 2 == 1
+        config = {"seed": seed, "lr": 1e-3, "_model_config": {"seed": seed, "guide": {"beta": beta, "mix": 0.5}},
+                  "policies": [None, None] if restored else (None, None),
+                  "what_to_compile": "forward_train" if restored else Compile.FORWARD_TRAIN}
         grid.append(types.SimpleNamespace(metrics={"trial_id": trial.trial_id}, error=None, path=None, config=config,
                                           checkpoint=types.SimpleNamespace(path=str(tmp_path / f"ck{n}"))))
     cfg = load(QUICKSTART, ["generate.num_samples=0"])

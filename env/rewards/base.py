@@ -115,6 +115,7 @@ def check_reward_signature(fn, label: str, where: str) -> None:
 class _BoundFunction:
     def __init__(self, fn, name, fields):
         self.fn, self.name, self.fields = fn, name, fields
+        self.loads_model = getattr(fn, "loads_model", None)  # `fn.loads_model = True`: train does not try it
 
     def __call__(self, prompts, generations, metas):
         return self.fn(prompts, generations, metas, **self.fields)
