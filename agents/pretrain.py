@@ -173,7 +173,7 @@ def check_known_words(tok, pairs: list[tuple[str, str]], field: str) -> None:
     word-level tokenizer (whole words lost; the project's own word-level tokenizers' unknown token
     is EOS, so the model would learn to end mid-text), a note for a subword one (T5's SentencePiece
     and BERT's WordPiece lack some symbols and characters, which their models learned as unknown)."""
-    from env.tokenization import unknown_words
+    from env.tokenization import is_word_level, unknown_words
 
     bad = [(i, words) for i, pair in enumerate(pairs) if (words := [w for t in pair for w in unknown_words(tok, t)])]
     if not bad:
@@ -181,8 +181,7 @@ def check_known_words(tok, pairs: list[tuple[str, str]], field: str) -> None:
     (first, words), = bad[:1]
     what = (f"its tokenizer does not know words of {len(bad):,} of the {len(pairs):,} training examples (the first: "
             f"{words[0]!r} in example {first + 1})")
-    backend = getattr(getattr(tok, "backend_tokenizer", None), "model", None)
-    if type(backend).__name__ == "WordLevel":
+    if is_word_level(tok):
         raise ValueError(f"{field}: {what}; they would train as its unknown token. Use a tokenizer that has them "
                          "(or, with a built-in model, none: one is built from the data)")
     print(f"note: {field}: {what}; they train as its unknown token", file=sys.stderr)

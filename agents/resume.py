@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 
+from agents.saved_policy import TOKEN_FILES
+
 RUN_CONFIG = "run_config.json"
 # Read by the resuming process, not restored by Tune: the closing samples, the ranking metric
 # of the summary, W&B and the dashboard, state saves; and where the experiment is (its storage
@@ -246,9 +248,8 @@ def check_fresh_run(cfg: dict) -> None:
 
 # What a saved Hugging Face model and tokenizer leave in a directory: a warm start written again over
 # one replaces only these (a policy trained from the old one refuses to load if its tokenizer changed).
-SAVED_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "pytorch_model.bin",
-                     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                     "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "chat_template.jinja")
+SAVED_MODEL_FILES = (*TOKEN_FILES, "generation_config.json", "model.safetensors", "pytorch_model.bin",
+                     "chat_template.jinja")
 
 
 def check_writable_model_dir(path: str) -> None:

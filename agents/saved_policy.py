@@ -50,7 +50,7 @@ def checkpoints_under(path: str) -> list[str]:
 # are gone or changed (a warm start written again with another vocabulary) is refused in one line
 # rather than decoding its token ids through another tokenizer.
 BASE_FILES = "base_files"
-_TOKEN_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt",
+TOKEN_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt",
                 "special_tokens_map.json", "added_tokens.json", "spiece.model", "sentencepiece.bpe.model")
 
 
@@ -67,7 +67,7 @@ def base_fingerprint(path: str) -> str:
     import json
 
     digest = hashlib.sha256()
-    for name in sorted(n for n in os.listdir(path) if n in _TOKEN_FILES and os.path.isfile(os.path.join(path, n))):
+    for name in sorted(n for n in os.listdir(path) if n in TOKEN_FILES and os.path.isfile(os.path.join(path, n))):
         with open(os.path.join(path, name), "rb") as f:
             data = f.read()
         if name.endswith(".json"):

@@ -99,7 +99,11 @@ def _leaves(node, path: tuple = ()):
         for key, value in node.items():
             yield from _leaves(value, (*path, str(key)))
     else:
-        yield path, json.dumps(node, sort_keys=True, default=_json_leaf)
+        yield path, _canonical(node)
+
+
+def _canonical(value) -> str:
+    return json.dumps(value, sort_keys=True, default=_json_leaf)
 
 
 def _json_leaf(value):
@@ -121,8 +125,8 @@ def other_searched(cfg: dict, results: list) -> dict[str, tuple]:
     searched value of another section, e.g. guide.beta or dqn.*, wherever the algorithm puts it):
     read from the trials' own configs, so that trials differing in it are not taken for seeds."""
     flats = [dict(_leaves(r.config or {})) for r in results]
-    known = [tuple(json.dumps((r.config or {}).get(key if sec == "training" else f"ref_{key}"), sort_keys=True,
-                              default=_json_leaf) for r in results) for sec, key in _searched_training_keys(cfg)]
+    known = [tuple(_canonical((r.config or {}).get(key if sec == "training" else f"ref_{key}")) for r in results)
+             for sec, key in _searched_training_keys(cfg)]
     found: dict[tuple, tuple] = {}
     for path in sorted(set().union(*flats)) if flats else ():
         values = tuple(f.get(path) for f in flats)
@@ -156,7 +160,7 @@ def _trial_row(cfg: dict, result, progress, others: dict | None = None) -> dict:
         for part in path:
             value = value.get(part) if isinstance(value, dict) else None
         # a value that is not a number or a name shows (and groups) as its canonical text
-        row[name] = value if value is None or isinstance(value, (bool, int, float, str)) else dict(_leaves(value))[()]
+        row[name] = value if value is None or isinstance(value, (bool, int, float, str)) else _canonical(value)
     trial_id = row["trial"]
     last = progress.last.get(trial_id)
     masks = progress.mask.get(trial_id)

@@ -37,6 +37,7 @@ def preflight(cfg: dict) -> None:
     from agents.config import algorithm_spec, env_config
     from agents.models import check_lora, check_pretrained
     from env.text_env import TokenGenerationEnv
+    from env.tokenization import is_word_level
 
     guided = cfg.get("guide") and algorithm_spec(cfg).section == "guide"
     check_storage(cfg["tune"]["storage_path"], cfg["tune"]["name"])
@@ -46,7 +47,7 @@ def preflight(cfg: dict) -> None:
         check_pretrained("guide.name_or_path", cfg["guide"].get("name_or_path"))
     env = TokenGenerationEnv(env_config(cfg))
     env.reset(seed=0)
-    if type(getattr(getattr(env.tokenizer, "backend_tokenizer", None), "model", None)).__name__ == "WordLevel":
+    if is_word_level(env.tokenizer):
         from agents.pretrain import check_known_words  # prompt words a word-level tokenizer lacks: lost whole
 
         check_known_words(env.tokenizer, [(ex["prompt"], "") for ex in env.examples],

@@ -44,6 +44,11 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def is_word_level(tokenizer) -> bool:
+    """Whether `tokenizer` is a fast tokenizer over a WordLevel model (an unknown word is lost whole)."""
+    return type(getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)).__name__ == "WordLevel"
+
+
 def unknown_words(tokenizer, text: str, encoding=None) -> list[str]:
     """The pieces of `text` that `tokenizer` can only encode as its unknown token (`encoding`:
     `text` already encoded with `return_offsets_mapping=True`)."""
