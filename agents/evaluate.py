@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
-import json
 import math
 import os
 import sys
@@ -42,6 +40,7 @@ import sys
 import numpy as np
 
 from agents.curves import EvalError, find_trials, plot_curves
+from agents.eval_report import markdown_summary, write_results
 from agents.saved_policy import RunDirectoryError, find_module_dir
 from env.validation import first_line
 
@@ -267,6 +266,20 @@ def terciles(scores: list[float]) -> tuple[list[int], list[str]]:
     return buckets, labels
 
 
+def check_prompt_words(model: Model, examples: list[dict], split: str) -> None:
+    """Refuses prompts with words `model`'s word-level tokenizer lacks (a checkpoint evaluated on
+    another task's data): it would read each as its unknown token (EOS for the project's own)."""
+    from env.tokenization import is_word_level, unknown_words
+
+    if not is_word_level(model.tokenizer):
+        return
+    bad = [(i, words) for i, ex in enumerate(examples) if (words := unknown_words(model.tokenizer, ex["prompt"]))]
+    if bad:
+        raise EvalError(f"{model.name}: its tokenizer does not know words of {len(bad):,} of the {len(examples):,} "
+                        f"prompts of split {split!r} (the first: {bad[0][1][0]!r} in prompt {bad[0][0] + 1}); it "
+                        "would read them as its unknown token. Give a --config whose task is in its vocabulary")
+
+
 # -- the evaluation -----------------------------------------------------------------------------
 
 GREEDY_SAMPLES = (  # greedy copies of one generation would count in n and divide distinct-n
@@ -303,10 +316,12 @@ def evaluate(models: list[Model], env_config: dict, *, split: str = "test", gree
     reference = reference or models[0]
     rows, breakdown, all_gens = [], [], []
     prompts = buckets = labels = what = None
-    for model in models:
-        cfg = {**env_config, "split": split, "tokenizer": model.tokenizer_spec, "encoder_decoder": model.seq2seq}
+    cfgs = [{**env_config, "split": split, "tokenizer": m.tokenizer_spec, "encoder_decoder": m.seq2seq} for m in models]
+    for model, cfg in zip(models, cfgs):  # each model's lengths and words, before any model generates
+        check_prompt_words(model, examples[::num_samples], split)
         if not model.seq2seq and (error := positions_error(model.lm.config, TokenGenerationEnv(cfg).seq_len, model.name)):
             raise EvalError(error)
+    for model, cfg in zip(models, cfgs):
         gens = rollout(model.decoding(precision), cfg, examples, greedy=greedy, seed=seed)
         if prompts is None:  # the prompts as the env cut them (identical for every model)
             env = TokenGenerationEnv(cfg)
@@ -337,45 +352,6 @@ def evaluate(models: list[Model], env_config: dict, *, split: str = "test", gree
             "rows": rows, "breakdown_columns": ["model", "bucket", "n", *names], "breakdown": breakdown,
             "generations": all_gens, "difficulty": what, "reference": reference.name,
             "decoding": "greedy" if greedy else "sampled", "precision": precision, "split": split}
-
-
-def _fmt(value) -> str:
-    if isinstance(value, float):
-        return "nan" if math.isnan(value) else f"{value:.4f}"
-    return str(value)
-
-
-def markdown_table(columns: list[str], rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
-    lines += ["| " + " | ".join(_fmt(r[c]) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def write_results(result: dict, out_dir: str) -> dict:
-    """Writes evaluation.csv (both tables, a `table` column telling them apart), evaluation.md and
-    generations.jsonl; returns their paths."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {k: os.path.join(out_dir, f) for k, f in
-             (("csv", "evaluation.csv"), ("md", "evaluation.md"), ("generations", "generations.jsonl"))}
-    columns = ["table", *dict.fromkeys(result["columns"] + result["breakdown_columns"])]
-    with open(paths["csv"], "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, restval="")
-        writer.writeheader()
-        writer.writerows({"table": "overall", **r} for r in result["rows"])
-        writer.writerows({"table": "by_difficulty", **r} for r in result["breakdown"])
-    with open(paths["md"], "w", encoding="utf-8") as f:
-        f.write(markdown_summary(result) + "\n")
-    with open(paths["generations"], "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(g) + "\n" for g in result["generations"])
-    return paths
-
-
-def markdown_summary(result: dict) -> str:
-    weights = "" if result.get("precision", "fp32") == "fp32" else f" with {result['precision']} weights"
-    return (f"Split {result['split']!r}, {result['decoding']} decoding{weights}; perplexity under "
-            f"{result['reference']} (fp32).\n\n" + markdown_table(result["columns"], result["rows"]) +
-            f"\n\nBy {result['difficulty']} (terciles):\n\n" +
-            markdown_table(result["breakdown_columns"], result["breakdown"]))
 
 
 # -- CLI ---------------------------------------------------------------------------------------

@@ -122,10 +122,10 @@ def _override_problem(key: str, value, default) -> str | None:
 def check_local_path(field: str, name) -> None:
     """Refuses a model or tokenizer name written as a local path that is not a directory, in one
     line naming the field (a hub name passes: loading it says what is wrong)."""
+    from agents.saved_policy import not_a_model_dir
     from env.validation import local_path_problem
 
-    problem = local_path_problem(name)
-    if problem:
+    if problem := local_path_problem(name) or not_a_model_dir(name):
         raise ValueError(f"{field}: {problem}")
 
 
@@ -134,9 +134,11 @@ def check_pretrained(field: str, name, *, tokenizer: bool = False) -> None:
     can reach or has cached. One line naming the field otherwise ("no such directory" for a path)."""
     from env.validation import first_line
 
-    if name is None or is_builtin(name) or os.path.isdir(os.path.expanduser(name)):
+    if name is None or is_builtin(name):
         return
     check_local_path(field, name)
+    if os.path.isdir(os.path.expanduser(name)):
+        return
     from transformers import AutoConfig, AutoTokenizer
 
     try:

@@ -22,12 +22,30 @@ def find_module_dir(path: str) -> str:
             os.path.join(candidate, "module_state.pkl")
         ):
             return candidate
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--checkpoint: {path}: no such directory")
     inside = checkpoints_under(path)
     if inside:  # an experiment or trial directory: name its newest checkpoint
         more = f" (and {len(inside) - 1} older)" if len(inside) > 1 else ""
         raise RunDirectoryError(f"--checkpoint: {path} is a run directory, not a checkpoint; its newest checkpoint "
                                 f"is {inside[-1]}{more}")
     raise FileNotFoundError(f"--checkpoint: {path} holds no policy (looked for {MODULE_SUBDIR})")
+
+
+def not_a_model_dir(name) -> str | None:
+    """Why `name`, given where a Hugging Face model or tokenizer goes, is a checkpoint or run
+    directory of `agents.train` instead (it holds no config.json); None otherwise."""
+    if not isinstance(name, str) or not os.path.isdir(path := os.path.expanduser(name)) or os.path.isfile(
+            os.path.join(path, "config.json")):
+        return None
+    try:
+        checkpoint = find_module_dir(path) and name
+    except RunDirectoryError:
+        checkpoint = checkpoints_under(os.path.abspath(path))[-1]
+    except FileNotFoundError:
+        return None
+    return (f"{name} is a {'checkpoint' if checkpoint == name else 'run directory'} of agents.train, not a model "
+            f"directory; write its policy out as one with `tokenmdp export --checkpoint {checkpoint} --out DIR`")
 
 
 class RunDirectoryError(FileNotFoundError):

@@ -415,6 +415,16 @@ def test_an_empty_config_and_a_model_directory_that_is_not_there_are_refused_in_
         f"error: env.tokenizer: no such directory '{tmp_path}/tok/'")
     err = one_line_cli_error(capsys, main, QUICKSTART, "--set", "model.name_or_path=nobody/no-such-model")
     assert err.startswith("error: model.name_or_path: cannot load 'nobody/no-such-model': not a local directory; ")
+    # a checkpoint or run directory of agents.train where a model goes: export names the way
+    from agents.pretrain import main as pretrain
+    from tests.conftest import run_directory
+
+    run, checkpoint = run_directory(tmp_path)
+    for path, what, newest in ((checkpoint, "a checkpoint", checkpoint), (run, "a run directory", checkpoint)):
+        for command, config in ((main, QUICKSTART), (pretrain, "tune_configs/pretrain_reviews.yaml")):
+            assert one_line_cli_error(capsys, command, config, "--set", f"model.name_or_path={path}") == (
+                f"error: model.name_or_path: {path} is {what} of agents.train, not a model directory; write its policy "
+                f"out as one with `tokenmdp export --checkpoint {newest} --out DIR`")
 
 
 def test_a_hyperparameter_added_to_an_algorithm_spec_in_one_place_is_validated_defaulted_and_reaches_rllib(

@@ -423,3 +423,22 @@ def test_windows_longer_than_a_models_positions_are_refused_in_one_line(tmp_path
     assert one_line_cli_error(capsys, main, checkpoint, "--config", QUICKSTART, "--set", "env.max_new_tokens=30",
                               "--out", str(tmp_path / "out")) == (
         "error: env.max_prompt_len + env.max_new_tokens: 35 tokens, more than the 25 positions of 'tiny'")
+
+
+def test_a_checkpoint_of_another_vocabulary_is_refused_before_any_model_generates(setup, tmp_path):
+    """A checkpoint of the number task evaluated beside a model of the review task, on the review
+    task: its word-level tokenizer lacks the reviews' words (each would be read as EOS), so the
+    evaluation stops in one line naming it before the first model writes anything."""
+    from agents.serve.launch import untrained_checkpoint
+    from tests.conftest import QUICKSTART
+
+    checkpoint = untrained_checkpoint(QUICKSTART, str(tmp_path / "numbers"))
+    logged = []
+    with pytest.raises(EvalError, match=r"^numbers: its tokenizer does not know words of 12 of the 12 prompts of split "
+                                        r"'test' \(the first: '\w+' in prompt 1\); it would read them as its unknown "
+                                        r"token\. Give a --config whose task is in its vocabulary$"):
+        evaluate([Model(setup["dirs"][0]), Model(checkpoint, "numbers")], setup["env_config"], log=logged.append)
+    assert logged == []
+    # the same checkpoint on its own task passes the check (and the review model's words are all known)
+    result = evaluate([Model(checkpoint, "numbers")], Model(checkpoint).env_config, max_examples=1, log=logged.append)
+    assert result["rows"][0]["n"] == 1 and logged == ["evaluated numbers: 1 generations"]

@@ -12,7 +12,7 @@ def test_export_refuses_a_wrong_checkpoint_out_or_flag_in_one_line_before_import
     (tmp_path / "afile").write_text("x")
     cases = [
         (["--checkpoint", missing, "--out", out],
-         f"error: --checkpoint: {missing} holds no policy (looked for {MODULE_SUBDIR})"),
+         f"error: --checkpoint: {missing}: no such directory"),
         (["--checkpoint", run, "--out", out],
          f"error: --checkpoint: {run} is a run directory, not a checkpoint; its newest checkpoint is {checkpoint}"),
         (["--checkpoint", checkpoint, "--out", tmp_path / "afile"],

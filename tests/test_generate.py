@@ -8,8 +8,11 @@ from tests.conftest import assert_refused_lightly, run_directory
 def test_generate_refuses_a_wrong_checkpoint_or_flag_in_one_line_before_importing_torch(tmp_path):
     missing = tmp_path / "missing"
     run, checkpoint = run_directory(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
     cases = [
-        (["--checkpoint", missing], f"error: --checkpoint: {missing} holds no policy (looked for {MODULE_SUBDIR})"),
+        (["--checkpoint", missing], f"error: --checkpoint: {missing}: no such directory"),
+        (["--checkpoint", empty], f"error: --checkpoint: {empty} holds no policy (looked for {MODULE_SUBDIR})"),
         (["--checkpoint", run],
          f"error: --checkpoint: {run} is a run directory, not a checkpoint; its newest checkpoint is {checkpoint}"),
         (["--checkpoint", checkpoint, "--precision", "fp16"],

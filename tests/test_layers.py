@@ -21,7 +21,7 @@ LAYERS = [
                        "agents.pbt"]),
     ("tools", ["agents.cli", "agents.train", "agents.curves", "agents.progress", "agents.resume", "agents.workarounds", "agents.experiment_store", "agents.driver_lock",
                "agents.summary",
-               "agents.evaluate", "agents.generate",
+               "agents.evaluate", "agents.eval_report", "agents.generate",
                "agents.serve", "agents.export", "agents.pretrain", "agents.demo", "agents.reaper"]),
 ]
 

@@ -5,6 +5,7 @@ nothing is downloaded.
 """
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -390,6 +391,15 @@ def test_nan_or_raising_reward_is_reported_with_the_text():
         CheckedReward(raises_on_film, "'raises_on_film'")(PROMPTS, HYPS, METAS)
     with pytest.raises(RewardError, match=r"returned 1 values for 4 generations"):
         CheckedReward(lambda p, g, m: [1.0], "'short'")(PROMPTS, HYPS, METAS)
+    # A reward that returns nothing (a missing `return`) or strings is named as such.
+    with pytest.raises(RewardError, match=r"^reward 'none': returned None; expected a list of one number per "
+                                          r"generation \(4\)$"):
+        CheckedReward(lambda p, g, m: None, "'none'")(PROMPTS, HYPS, METAS)
+    with pytest.raises(RewardError, match=r"^reward 'text': returned '1', not a number, for generation"):
+        CheckedReward(lambda p, g, m: ["1"] * len(g), "'text'")(PROMPTS, HYPS, METAS)
+    # booleans (an exact-match reward) and numpy numbers are numbers
+    assert CheckedReward(lambda p, g, m: [True, False, np.float32(0.5), 2], "'ok'")(PROMPTS, HYPS, METAS) == [
+        1.0, 0.0, 0.5, 2.0]
     # A term of a sum is named by its place in the config; references missing is reported with the text.
     total = make_reward({"sum": [{"name": "vader", "weight": 1}, {"name": "bleu", "weight": 1}]})
     with pytest.raises(RewardError, match=r"'bleu' \(reward\.sum\[1\]\): failed on generation 'the cat sat on the "

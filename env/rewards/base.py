@@ -226,17 +226,24 @@ class CheckedReward:
             return []
         self.load()
         try:
-            values = list(self.reward(prompts, generations, metas))
+            values = self.reward(prompts, generations, metas)
         except RewardError:
             raise  # a term of a sum, already named
         except Exception as e:
             raise self._blame(e, prompts, generations, metas) from e
+        try:
+            values = list(values)
+        except TypeError:  # None (a missing return), one number, ...
+            raise RewardError(f"reward {self.label}: returned {values!r:.80}; expected a list of one number per "
+                              f"generation ({len(generations)})") from None
         if len(values) != len(generations):
             raise RewardError(f"reward {self.label}: returned {len(values)} values for {len(generations)} "
                               f"generations (first: {generations[0]!r})")
         out = []
         for value, prompt, text in zip(values, prompts, generations):
             try:
+                if isinstance(value, (str, bytes)):  # float("1") would take it
+                    raise TypeError
                 value = float(value)
             except (TypeError, ValueError):
                 raise RewardError(f"reward {self.label}: returned {value!r}, not a number, for generation "
