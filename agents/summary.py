@@ -120,19 +120,43 @@ def _json_leaf(value):
 _SHOWN = (("_model_config", "sampler"), ("guided_algorithm",))
 
 
+def searched_value(cfg: dict, config: dict, sec: str, key: str):
+    """The value of the YAML key `sec.key` in a trial's RLlib config: under its RLlib name (the
+    algorithm's `Param`; reward.kl_coef is ref_kl_coef), the lr schedule's ends for training.lr,
+    lr_end and lr_decay_steps."""
+    from agents.config import algorithm_spec
+
+    if sec == "training" and key in ("lr", "lr_end", "lr_decay_steps"):
+        lr = config.get("lr")
+        if isinstance(lr, (list, tuple)) and lr:  # [[0, lr], [lr_decay_steps, lr_end]]
+            return {"lr": lr[0][1], "lr_end": lr[-1][1], "lr_decay_steps": lr[-1][0]}[key]
+        return lr if key == "lr" else None
+    spec = algorithm_spec(cfg)
+    param = (spec.training_params if sec == "training" else spec.reward_params).get(key)
+    return config.get(param.rllib if param and param.rllib else key)
+
+
 def other_searched(cfg: dict, results: list) -> dict[str, tuple]:
     """Column name -> config path of each value the trials differ in that no other column shows (a
     searched value of another section, e.g. guide.beta or dqn.*, wherever the algorithm puts it):
-    read from the trials' own configs, so that trials differing in it are not taken for seeds."""
-    flats = [dict(_leaves(r.config or {})) for r in results]
-    known = [tuple(_canonical((r.config or {}).get(key if sec == "training" else f"ref_{key}")) for r in results)
-             for sec, key in _searched_training_keys(cfg)]
+    read from the trials' own configs, so that trials differing in it are not taken for seeds. A
+    value that follows from the shown ones (the lr schedule from training.lr_end, the reference
+    model from reward.kl_coef) adds no column: only one that tells trials apart that they do not."""
+    configs = [r.config or {} for r in results]
+    flats = [dict(_leaves(c)) for c in configs]
+    shown = [(_canonical((c.get("_model_config") or {}).get("sampler")), _canonical(c.get("guided_algorithm")),
+              *(_canonical(searched_value(cfg, c, sec, key)) for sec, key in _searched_training_keys(cfg)))
+             for c in configs]
     found: dict[tuple, tuple] = {}
     for path in sorted(set().union(*flats)) if flats else ():
         values = tuple(f.get(path) for f in flats)
-        if (len(set(values)) > 1 and "seed" not in path[-1] and not any(path[:len(p)] == p for p in _SHOWN)
-                and values not in known and values not in found.values()):
+        parts = {}
+        for key, value in zip(shown, values):
+            parts.setdefault(key, set()).add(value)
+        if (any(len(v) > 1 for v in parts.values()) and "seed" not in path[-1]
+                and not any(path[:len(p)] == p for p in _SHOWN)):
             found[path] = values
+            shown = [(*key, value) for key, value in zip(shown, values)]  # a path saying it again adds none
     names = [p[-1] for p in found]
     return {(".".join(p[1:] if p[0] == "_model_config" else p) if names.count(p[-1]) > 1 or p[0] == "_model_config"
              else p[-1]): p for p in found}
@@ -153,8 +177,8 @@ def _trial_row(cfg: dict, result, progress, others: dict | None = None) -> dict:
     }
     if config.get("guided_algorithm"):  # guided runs (possibly a sweep over algorithm names): one setting each
         row = {"algorithm": config["guided_algorithm"], **row}
-    for sec, key in _searched_training_keys(cfg):  # reward.kl_* are the config class's ref_kl_*
-        row[key] = config.get(key if sec == "training" else f"ref_{key}")
+    for sec, key in _searched_training_keys(cfg):
+        row[key] = searched_value(cfg, config, sec, key)
     for name, path in (others or {}).items():
         value = config
         for part in path:

@@ -120,3 +120,38 @@ def test_a_sweeps_progress_lines_name_the_trial_from_the_first_one_on(capsys):
     for planned, prefix in ((2, "[s_00000] iter    1 "), (1, "iter    1 ")):
         make_progress_callback(trials=planned).on_trial_result(0, [trial], trial, result)
         assert capsys.readouterr().out.startswith(prefix)
+
+
+def test_a_sweep_table_shows_searched_values_under_their_yaml_names_with_no_column_for_what_they_set(
+        tmp_path, capsys):
+    """training.lr_end and reward.kl_coef searched: RLlib's config holds them as the lr schedule's
+    end and ref_kl_coef, and kl_coef > 0 turns the reference model on. The table and summary.csv
+    show lr_end and kl_coef with the trials' values, and no column for the schedule or the
+    reference model (they follow from those two)."""
+    import csv
+
+    from agents.config import load
+    from agents.progress import make_progress_callback
+    from agents.summary import sweep_table
+
+    progress, grid = make_progress_callback(quiet=True), []
+    settings = [(lr_end, kl, seed) for lr_end in (1e-4, 0.0) for kl in (0.0, 0.1) for seed in (0, 1)]
+    for n, (lr_end, kl, seed) in enumerate(settings):
+        trial = types.SimpleNamespace(trial_id=f"s_{n:05d}")
+        reward = 0.5 + (0.3 if lr_end else 0.0) + kl + 0.01 * seed
+        progress.on_trial_result(0, [trial], trial, {"training_iteration": 1, "env_runners": {"episode_return_mean": reward}})
+        config = {"seed": seed, "lr": [[0, 1e-3], [5000, lr_end]], "ref_kl_coef": kl,
+                  "_model_config": {"seed": seed, "reference_model": kl > 0}}
+        grid.append(types.SimpleNamespace(metrics={"trial_id": trial.trial_id}, error=None, path=None, config=config,
+                                          checkpoint=None))
+    cfg = load(QUICKSTART, ["generate.num_samples=0", "training.lr_decay_steps=5000",
+                            "training.lr_end={grid_search: [1.0e-4, 0.0]}", "reward.kl_coef={grid_search: [0.0, 0.1]}"])
+    path, _ = sweep_table(cfg, grid, progress, str(tmp_path / "run"))
+    out = capsys.readouterr().out
+    header, row = (line.split() for line in out.split("best setting per sampler")[1].splitlines()[1:3])
+    assert header[:6] == ["sampler", "masking", "params", "lr_end", "kl_coef", "seeds"], out
+    assert row[2:5] == ["0.0001", "0.1", "2"], out  # the best setting, over its two seeds
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["lr_end"], r["kl_coef"]) for r in rows] == [(str(a), str(b)) for a, b, _ in settings]
+    assert not {"lr", "reference_model", "ref_kl_coef"} & set(rows[0]), list(rows[0])
