@@ -16,7 +16,7 @@ in `tests/test_rllib_contract.py`:
   the storage path later, in the background copy. A driver killed between the two left a stored
   state whose trial checkpoint was gone, and `--resume` failed that trial. The deletion now waits
   for a copy that stored a state saved after it (on any filesystem); what a killed driver left
-  undeleted is deleted on `--resume` (`remove_unnamed_checkpoints`).
+  undeleted is deleted on `--resume` (`agents.trial_checkpoints.remove_unnamed_checkpoints`).
 * `hook_experiment_saves`: a copy reads the top folder's files (the experiment's state, the
   search algorithm's, the callbacks') as one save left them (before, the search algorithm's state,
   a pickle named .json, failed the copy's JSON check and never reached the storage path, so a
@@ -33,11 +33,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import threading
 import time
 
 from agents.driver_lock import DRIVER_FILE
+from agents.trial_checkpoints import go_back_from_lost_checkpoints, remove_unnamed_checkpoints
 from agents.whole_files import PARTIAL_NAME, partial_path, remove_partial_files
 
 def newest_experiment_state(experiment: str) -> str | None:
@@ -64,8 +64,6 @@ def check_experiment_state(experiment: str) -> None:
     except (OSError, ValueError):
         raise ValueError(f"--resume: the experiment state {newest} is empty or cut short (the run was killed "
                          "while Tune was copying it to the storage path); there is nothing to resume from") from None
-
-
 
 
 def _excluded(rel: str, exclude) -> bool:
@@ -336,65 +334,11 @@ def store_experiments_safely() -> None:
     _FilesystemSyncer._sync_up_command = sync_up_command
 
 
-def remove_unnamed_checkpoints(trials) -> list[str]:
-    """Deletes the checkpoint folders in the trials' folders on the storage path that no restored
-    trial names (`--resume`, before any trial runs again): the ones a killed driver's retention had
-    dropped and not deleted yet (its deletions waited for a copy), and the one a trial was writing
-    when it was killed (the resumed trial would write its next checkpoint into it). A checkpoint
-    any trial names stays, in another trial's folder too (PBT restores a trial from another's).
-    Returns the paths deleted."""
-    import pyarrow.fs
-    from ray.train._internal.storage import _delete_fs_path
-
-    named = set()
-    for trial in trials:
-        results = [*trial.run_metadata.checkpoint_manager._checkpoint_results, trial.latest_checkpoint_result]
-        named |= {os.path.normpath(r.checkpoint.path) for r in results if r is not None and r.checkpoint is not None}
-    removed = []
-    for trial in trials:
-        fs = trial.storage.storage_filesystem
-        try:
-            found = fs.get_file_info(pyarrow.fs.FileSelector(trial.storage.trial_fs_path, allow_not_found=True))
-        except (OSError, RuntimeError):  # the trial has no folder (yet)
-            continue
-        for info in found:
-            if (info.type == pyarrow.fs.FileType.Directory and re.fullmatch(r"checkpoint_\d+", info.base_name)
-                    and os.path.normpath(info.path) not in named):
-                _delete_fs_path(fs=fs, fs_path=info.path)
-                removed.append(info.path)
-    return removed
-
-
 # The stop criteria a `--resume` goes on with where they differ from the run's first ones (train
 # longer, or less); [] otherwise. Set by `apply_resume_stop` before each run in this process, with
 # where its lines go (`_RESUME_SAY`).
 _RESUME_STOP: list = []
 _RESUME_SAY: list = [None]
-
-
-def go_back_from_lost_checkpoints(trials, say=None) -> None:
-    """A restored trial whose newest checkpoint is gone from the storage path (deleted by hand, a
-    disk lost) goes on from its newest one still there, or from its start where none is: Tune
-    would fail the trial ("does not exist on storage anymore") at every `--resume`. `say(line)`:
-    one line per trial sent back."""
-    import pyarrow.fs
-
-    def there(result) -> bool:
-        fs = trial.storage.storage_filesystem
-        return fs.get_file_info(result.checkpoint.path).type == pyarrow.fs.FileType.Directory
-
-    for trial in trials:
-        manager, latest = trial.run_metadata.checkpoint_manager, trial.latest_checkpoint_result
-        if latest is None or latest.checkpoint is None or there(latest):
-            continue
-        kept = [r for r in manager._checkpoint_results if r.checkpoint is not None and there(r)]
-        newest = max(kept, key=lambda r: (r.metrics or {}).get("training_iteration", 0), default=None)
-        manager._checkpoint_results, manager._latest_checkpoint_result = kept, newest
-        if say:
-            to = (f"its newest one left, {os.path.basename(newest.checkpoint.path)} (iteration "
-                  f"{(newest.metrics or {}).get('training_iteration', '?')})" if newest else "its start (none is left)")
-            say(f"--resume: trial {trial.trial_id}'s checkpoint {os.path.basename(latest.checkpoint.path)} is gone "
-                f"from {os.path.dirname(latest.checkpoint.path)}; it goes on from {to}")
 
 
 def _meets(criteria: dict, result: dict | None) -> bool:

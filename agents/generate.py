@@ -20,7 +20,8 @@ import sys
 import weakref
 from typing import TYPE_CHECKING
 
-from agents.saved_policy import PRECISIONS, check_base, find_module_dir
+from agents.saved_policy import MODULE_SUBDIR, PRECISIONS, check_base, find_module_dir
+from agents.whole_files import damaged
 
 if TYPE_CHECKING:  # the annotations' names; torch itself is imported where it is used
     import torch
@@ -37,6 +38,9 @@ def load_policy(checkpoint: str):
     from agents.core import DropLogLines
 
     check_base(stored_model_config(where))  # its model's and tokenizer's directories as they were
+    root = where[:-len(MODULE_SUBDIR) - 1] if where.endswith(os.sep + MODULE_SUBDIR) else None
+    if root and (why := damaged(root, MODULE_SUBDIR)):  # by the list of files its save wrote
+        raise ValueError(f"--checkpoint: {root} is damaged: {why}")
     quiet = DropLogLines("RLModuleConfig")  # RLlib builds every RLModule through it, and warns
     deprecation_log = logging.getLogger("ray._common.deprecation")
     deprecation_log.addFilter(quiet)

@@ -51,3 +51,62 @@ def write_whole(path: str, write, *, exclusive: bool = False) -> None:
     finally:
         if os.path.exists(partial):
             os.remove(partial)
+
+
+# A checkpoint's list of its files (relative path -> [bytes, CRC-32]), written last by its save:
+# a file since cut short, changed or lost is found before a resume goes on from it (`damaged`).
+MANIFEST = "checkpoint_files.json"
+
+
+def _crc32(path: str) -> int:
+    import zlib
+
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(folder: str):
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            rel = os.path.relpath(os.path.join(parent, name), folder).replace(os.sep, "/")
+            if rel != MANIFEST and not PARTIAL_NAME.search(name):
+                yield rel
+
+
+def write_manifest(folder: str) -> None:
+    """Writes `folder`'s MANIFEST: each file's size and CRC-32, as it is now."""
+    import json
+
+    entries = {rel: [os.path.getsize(os.path.join(folder, rel)), _crc32(os.path.join(folder, rel))]
+               for rel in sorted(_files(folder))}
+    write_whole(os.path.join(folder, MANIFEST), lambda f: f.write(json.dumps(entries, indent=0).encode()))
+
+
+def damaged(folder: str, under: str = "") -> str | None:
+    """Why `folder`'s files (those `under` its subfolder, where given) are not the ones its
+    MANIFEST lists (the first file missing, cut short or changed), or None: they are, or it has no
+    MANIFEST (written before there was one). Files added since are not looked at."""
+    import json
+
+    try:
+        with open(os.path.join(folder, MANIFEST), "rb") as f:
+            entries = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return f"its {MANIFEST} cannot be read"
+    prefix = under.replace(os.sep, "/").rstrip("/") + "/" if under else ""
+    for rel, (size, crc) in entries.items():
+        if not rel.startswith(prefix):
+            continue
+        path = os.path.join(folder, rel)
+        if not os.path.isfile(path):
+            return f"{rel} is missing"
+        if os.path.getsize(path) != size:
+            return f"{rel} holds {os.path.getsize(path):,} bytes of {size:,}"
+        if _crc32(path) != crc:
+            return f"{rel} changed since it was saved"
+    return None

@@ -19,7 +19,7 @@ LAYERS = [
     ("algorithms", ["agents.algorithms", "agents.weight_sync"]),
     ("runner/config", ["agents.env_runner", "agents.runner_episodes", "agents.rollout_state", "agents.config", "agents.schema",
                        "agents.pbt"]),
-    ("tools", ["agents.cli", "agents.train", "agents.curves", "agents.progress", "agents.resume", "agents.workarounds", "agents.experiment_store", "agents.driver_lock",
+    ("tools", ["agents.cli", "agents.train", "agents.curves", "agents.progress", "agents.resume", "agents.workarounds", "agents.experiment_store", "agents.trial_checkpoints", "agents.driver_lock",
                "agents.summary",
                "agents.evaluate", "agents.eval_report", "agents.generate",
                "agents.serve", "agents.export", "agents.pretrain", "agents.demo", "agents.reaper"]),

@@ -401,11 +401,12 @@ def test_resume_refuses_an_experiment_state_cut_short_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_resume_whose_newest_checkpoint_is_gone_goes_on_from_the_one_before(tmp_path, capsys):
+def test_a_resume_whose_newest_checkpoint_is_gone_or_damaged_goes_on_from_the_one_before(tmp_path, capsys):
     """The newest checkpoint of a finished run deleted (by hand, a lost disk), then trained longer
     with --resume: the trial goes on from the checkpoint before it, says so in one line, and its
     curve holds each iteration once (before: the trial failed at every resume, "does not exist on
-    storage anymore")."""
+    storage anymore"). Then the same with the newest checkpoint cut short (before: an unpickling
+    error in the trial at every resume)."""
     import shutil
 
     from agents.train import main
@@ -425,3 +426,27 @@ def test_a_resume_whose_newest_checkpoint_is_gone_goes_on_from_the_one_before(tm
     assert re.findall(r"^iter +(\d+) ", out, re.M) == ["3", "4"], out[-3000:]
     for where, its in logged_iterations(trial_dir).items():
         assert its == [1, 2, 3, 4], (where, its)
+
+    # The newest checkpoint there but damaged (its policy's weights cut short, e.g. by a full disk):
+    # found by the list of files its save wrote last, and the trial goes on from the one before.
+    from agents.saved_policy import MODULE_SUBDIR
+    from agents.whole_files import MANIFEST
+
+    checkpoints = sorted(glob.glob(os.path.join(trial_dir, "checkpoint_*")))
+    assert all(os.path.isfile(os.path.join(c, MANIFEST)) for c in checkpoints), checkpoints
+    weights = os.path.join(checkpoints[-1], MODULE_SUBDIR, "module_state.pkl")
+    size = os.path.getsize(weights)
+    os.truncate(weights, 100)
+    from agents.generate import load_policy
+
+    with pytest.raises(ValueError, match=rf"^--checkpoint: {re.escape(checkpoints[-1])} is damaged: "
+                                         rf"{MODULE_SUBDIR}/module_state.pkl holds 100 bytes of {size:,}$"):
+        load_policy(checkpoints[-1])
+    assert main([QUICKSTART, *common, "--set", "stop.training_iteration=5", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert (f"'s checkpoint {os.path.basename(checkpoints[-1])} is damaged ({MODULE_SUBDIR}/module_state.pkl holds "
+            f"100 bytes of {size:,}) in {trial_dir}; it goes on from its newest one left, "
+            f"{os.path.basename(checkpoints[-2])} (iteration 3)") in out, out[-3000:]
+    assert re.findall(r"^iter +(\d+) ", out, re.M) == ["4", "5"], out[-3000:]
+    for where, its in logged_iterations(trial_dir).items():
+        assert its == [1, 2, 3, 4, 5], (where, its)

@@ -488,7 +488,7 @@ def test_tune_storage_sync_up_command_replaced_and_checkpoint_deletion_deferred(
     # each copy made gets a later place in the order (agents.experiment_store._place)
     _, later = syncer._sync_up_command("/staging/run", "/storage/run", exclude=["*.tmp"])
     assert later["kwargs"]["order"] > kwargs["kwargs"]["order"] > 0
-    # remove_unnamed_checkpoints reads each restored trial's _CheckpointManager._checkpoint_results
+    # agents/trial_checkpoints.py remove_unnamed_checkpoints reads each restored trial's _CheckpointManager._checkpoint_results
     # (the kept checkpoints, a list of _TrainingResult), its latest, and the trial's storage folder
     from ray.train._internal.storage import StorageContext
     from ray.tune.experiment import Trial

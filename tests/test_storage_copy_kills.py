@@ -502,7 +502,7 @@ def test_a_resume_deletes_the_checkpoints_no_trial_names(before_and_after, tmp_p
     experiment is resumed; the named ones stay (`remove_unnamed_checkpoints`)."""
     from ray.tune import ExperimentAnalysis
 
-    from agents.experiment_store import remove_unnamed_checkpoints
+    from agents.trial_checkpoints import remove_unnamed_checkpoints
 
     _, after, _ = before_and_after
     experiment = tmp_path / "run"
@@ -526,7 +526,7 @@ def test_a_checkpoint_another_trial_names_is_kept(tmp_path):
 
     import pyarrow.fs
 
-    from agents.experiment_store import remove_unnamed_checkpoints
+    from agents.trial_checkpoints import remove_unnamed_checkpoints
 
     def trial(name, kept=(), latest=None):
         results = [SimpleNamespace(checkpoint=SimpleNamespace(path=str(tmp_path / p))) for p in kept]
@@ -543,3 +543,28 @@ def test_a_checkpoint_another_trial_names_is_kept(tmp_path):
     assert remove_unnamed_checkpoints([strong, weak, unstarted]) == [str(tmp_path / "b" / "checkpoint_000001")]
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*/checkpoint_*")) == \
         ["a/checkpoint_000001", "b/checkpoint_000002", "b/checkpoint_000003"]
+
+
+def test_a_checkpoints_list_of_files_finds_a_file_cut_short_changed_or_missing(tmp_path):
+    """`write_manifest` / `damaged`: what a resume and a loaded policy check a checkpoint with."""
+    from agents.whole_files import MANIFEST, damaged, write_manifest
+
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "weights.pkl").write_bytes(b"w" * 1000)
+    (tmp_path / "state.pkl").write_bytes(b"s" * 10)
+    assert damaged(str(tmp_path)) is None  # no list: written before there was one
+    write_manifest(str(tmp_path))
+    assert damaged(str(tmp_path)) is None and json.loads((tmp_path / MANIFEST).read_text())["policy/weights.pkl"][0] == 1000
+    (tmp_path / "added.json").write_text("{}")  # a file added since is not looked at
+    assert damaged(str(tmp_path)) is None
+    (tmp_path / "policy" / "weights.pkl").write_bytes(b"w" * 999 + b"x")  # same size, other bytes
+    assert damaged(str(tmp_path)) == "policy/weights.pkl changed since it was saved"
+    assert damaged(str(tmp_path), "policy") == "policy/weights.pkl changed since it was saved"
+    (tmp_path / "policy" / "weights.pkl").write_bytes(b"w" * 100)
+    assert damaged(str(tmp_path)) == "policy/weights.pkl holds 100 bytes of 1,000"
+    (tmp_path / "policy" / "weights.pkl").write_bytes(b"w" * 1000)
+    os.remove(tmp_path / "state.pkl")
+    assert damaged(str(tmp_path)) == "state.pkl is missing"
+    assert damaged(str(tmp_path), "policy") is None  # only the policy's files: they are whole
+    (tmp_path / MANIFEST).write_text('{"state.pk')
+    assert damaged(str(tmp_path)) == f"its {MANIFEST} cannot be read"

@@ -99,7 +99,14 @@ class RemoteRunnerStates:
     rollout state (RLlib saves the local EnvRunner's only) and, with several learners, each
     learner's generators by rank (RLlib saves learner 0's state and gives it to all); a restore
     gives each runner and each learner its own, so a run with `num_env_runners > 0` or
-    `num_learners > 1` resumes where every one of them stood."""
+    `num_learners > 1` resumes where every one of them stood. A checkpoint Tune saves ends with
+    the list of its files (`agents.whole_files.MANIFEST`): a resume checks the newest one with it."""
+
+    def save_checkpoint(self, checkpoint_dir: str) -> None:
+        from agents.whole_files import write_manifest
+
+        super().save_checkpoint(checkpoint_dir)
+        write_manifest(checkpoint_dir)
 
     def get_state(self, components=None, *, not_components=None, **kwargs):
         from agents.core import LEARNER_RNGS, REMOTE_RUNNERS, ROLLOUT_STATE, state_requested
