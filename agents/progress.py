@@ -164,14 +164,17 @@ def make_progress_callback(eval_interval: int = 0, quiet: bool = False, metric: 
 
         def replay(self, trial_id: str, trial_dir: str) -> None:
             """Rebuilds the trial's figures from every row its result.json holds: a resumed run's
-            summary covers the iterations before the resume, and trials that had finished by then."""
+            summary covers the iterations before the resume, and trials that had finished by then,
+            and a summary leaves out the rows a retried or PBT-exploited trial ran again (the
+            file keeps each iteration's last run; this process saw both)."""
             try:
                 with open(os.path.join(trial_dir, "result.json")) as f:
                     rows = [json.loads(line) for line in f if line.strip()]
             except (OSError, ValueError):
                 return  # no stored rows (the trial never reported): keep what this process saw
             rows = [r for r in rows if "training_iteration" in r]
-            if not rows:
+            seen = self.last.get(trial_id, (0,))[0]
+            if not rows or max(r["training_iteration"] for r in rows) < seen:  # a copy behind this process
                 return
             for figures in (self.first, self.last, self.best, self.mask, self.evals):
                 figures.pop(trial_id, None)

@@ -19,7 +19,7 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float, resumed: 
     failed = 0
     for result in grid:
         trial_id = (result.metrics or {}).get("trial_id", "?")
-        if resumed and result.path:  # the iterations before the resume too (and trials that had finished)
+        if result.path:  # the stored curve: before a resume too, each iteration once
             progress.replay(trial_id, result.path)
         if result.error:
             failed += 1

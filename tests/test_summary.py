@@ -155,3 +155,22 @@ def test_a_sweep_table_shows_searched_values_under_their_yaml_names_with_no_colu
         rows = list(csv.DictReader(f))
     assert [(r["lr_end"], r["kl_coef"]) for r in rows] == [(str(a), str(b)) for a, b, _ in settings]
     assert not {"lr", "reference_model", "ref_kl_coef"} & set(rows[0]), list(rows[0])
+
+
+def test_a_trial_that_ran_iterations_again_is_summarized_from_its_stored_curve(tmp_path, capsys):
+    """A trial restored from its checkpoint within the run (a retry under max_failures, a PBT
+    exploit) runs iterations 2-3 again; its result.json keeps the second run of each. The summary's
+    best and last rewards are those of that curve, not of the rows the rerun replaced (0.9)."""
+    from agents.progress import make_progress_callback
+
+    progress, trial = make_progress_callback(quiet=True), types.SimpleNamespace(trial_id="a_00000")
+    for i, r in ((1, 0.2), (2, 0.9), (3, 0.3), (2, 0.4), (3, 0.5)):  # as this process saw them
+        progress.on_trial_result(0, [trial], trial, {"training_iteration": i, "env_runners": {"episode_return_mean": r}})
+    _rows(tmp_path / "t0", [0.2, 0.4, 0.5])
+    code, out = _summarize(_Grid([_result("a_00000", path=str(tmp_path / "t0"))]), tmp_path, capsys, progress=progress)
+    assert code == 0 and "trial a_00000: mean episode reward 0.200 (iteration 1) -> 0.500 (iteration 3), best 0.500" \
+        in out, out
+    # a stored curve behind what this process saw (its last rows not copied yet) is not taken
+    _rows(tmp_path / "t1", [0.2])
+    code, out = _summarize(_Grid([_result("a_00000", path=str(tmp_path / "t1"))]), tmp_path, capsys, progress=progress)
+    assert "-> 0.500 (iteration 3), best 0.500" in out, out
