@@ -2,9 +2,10 @@
 submitted with `ray job submit --working-dir .` runs its EnvRunners on the worker node (pinned there
 by a custom resource, `env_runners.custom_resources`) and learns; the worker node is killed mid-run,
 a replacement node joins, and the run goes on with its EnvRunners restarted there, no iteration lost.
+Then the same head takes a user's project folder as a job (its own task and reward).
 
-One job makes all three tests' observations (a two-node run costs minutes on 2 cores); each test
-checks one part of it."""
+One job makes the first three tests' observations (a two-node run costs minutes on 2 cores); each
+test checks one part of it."""
 import glob
 import os
 import re
@@ -169,7 +170,7 @@ def two_node_job(tmp_path_factory):
                 break
             time.sleep(1)
         yield {"status": status, "logs": logs, "storage": tmp / "results" / "two_nodes", **seen,
-               "head": head, "worker": worker, "replacement": replacement}
+               "head": head, "worker": worker, "replacement": replacement, "client": client}
     finally:
         for node in reversed(nodes):  # these nodes only (`ray stop` would stop every Ray instance here)
             node.stop()
@@ -215,3 +216,40 @@ def test_the_job_ships_the_working_dir_to_the_worker_nodes(two_node_job):
     for cwd, has_code in runners:
         assert "runtime_resources" in cwd and "working_dir_files" in cwd and has_code, cwd
     assert "Training PPO on task 'increasing_numbers'" in run["logs"]
+
+
+@pytest.mark.slow
+def test_a_users_project_folder_submitted_as_a_job_trains_with_its_own_task_and_reward(two_node_job, tmp_path):
+    """The same head (`ray start --head` on loopback, the Jobs API, token auth as Ray sets it up) takes
+    a second job: a user's project folder as its `working_dir`, with the checked-in runtime env, a
+    task and a reward of their own named by import path, run with the `tokenmdp` command."""
+    from ray.job_submission import JobStatus
+
+    from tests.test_plugins import PLUGINS, plugin_experiment
+
+    client = two_node_job["client"]
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "my_plugins.py").write_text(PLUGINS)
+    config = plugin_experiment(project, "job")
+    cfg = yaml.safe_load(open(config))
+    storage = tmp_path / "results"
+    cfg["tune"]["storage_path"] = str(storage)
+    cfg["stop"]["training_iteration"] = 2
+    (project / "plugins.yaml").write_text(yaml.safe_dump(cfg))
+    runtime_env = yaml.safe_load(open(os.path.join(ROOT, "cluster", "runtime_env.yaml")))
+    runtime_env["working_dir"] = str(project)
+    runtime_env["env_vars"]["HF_HUB_OFFLINE"] = "1"  # no network here
+    job = client.submit_job(entrypoint="tokenmdp train plugins.yaml", runtime_env=runtime_env)
+    status = None
+    for _ in range(300):
+        status = client.get_job_status(job)
+        if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+            break
+        time.sleep(1)
+    logs = client.get_job_logs(job)
+    assert status == JobStatus.SUCCEEDED, logs[-3000:]
+    assert "Summary (1 trial" in logs and "Ray dashboard: http://" in logs
+    assert "Training PPO on task 'my_plugins:Reverse'" in logs
+    assert glob.glob(str(storage / "job" / "*" / "checkpoint_*" / "learner_group")), logs[-2000:]
+    assert glob.glob(str(storage / "job" / "*" / "events.out.tfevents.*"))
