@@ -20,8 +20,7 @@ import sys
 import weakref
 from typing import TYPE_CHECKING
 
-from agents.saved_policy import MODULE_SUBDIR, PRECISIONS, check_base, find_module_dir
-from agents.whole_files import damaged
+from agents.saved_policy import PRECISIONS, check_base, check_whole, find_module_dir
 
 if TYPE_CHECKING:  # the annotations' names; torch itself is imported where it is used
     import torch
@@ -38,9 +37,7 @@ def load_policy(checkpoint: str):
     from agents.core import DropLogLines
 
     check_base(stored_model_config(where))  # its model's and tokenizer's directories as they were
-    root = where[:-len(MODULE_SUBDIR) - 1] if where.endswith(os.sep + MODULE_SUBDIR) else None
-    if root and (why := damaged(root, MODULE_SUBDIR)):  # by the list of files its save wrote
-        raise ValueError(f"--checkpoint: {root} is damaged: {why}")
+    check_whole(where)  # its files as its save listed them
     quiet = DropLogLines("RLModuleConfig")  # RLlib builds every RLModule through it, and warns
     deprecation_log = logging.getLogger("ray._common.deprecation")
     deprecation_log.addFilter(quiet)

@@ -32,6 +32,17 @@ def find_module_dir(path: str) -> str:
     raise FileNotFoundError(f"--checkpoint: {path} holds no policy (looked for {MODULE_SUBDIR})")
 
 
+def check_whole(where: str) -> None:
+    """Refuses, in one line, the policy directory `where` (from `find_module_dir`) of a checkpoint
+    whose policy files are not those its save listed (`agents.whole_files.MANIFEST`: a file cut
+    short, changed or missing). The files are read once (their CRC-32)."""
+    from agents.whole_files import damaged
+
+    root = where[:-len(MODULE_SUBDIR) - 1] if where.endswith(os.sep + MODULE_SUBDIR) else None
+    if root and (why := damaged(root, MODULE_SUBDIR)):
+        raise ValueError(f"--checkpoint: {root} is damaged: {why}")
+
+
 def not_a_model_dir(name) -> str | None:
     """Why `name`, given where a Hugging Face model or tokenizer goes, is a checkpoint or run
     directory of `agents.train` instead (it holds no config.json); None otherwise."""

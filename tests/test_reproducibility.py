@@ -330,6 +330,10 @@ def test_run_killed_after_a_checkpoint_and_resumed_matches_the_uninterrupted_run
     with pytest.raises(ValueError, match=rf"^--checkpoint: {re.escape(checkpoints[-1])} is damaged: "
                                          rf"{MODULE_SUBDIR}/module_state.pkl holds 100 bytes of {size:,}$"):
         load_policy(checkpoints[-1])
+    from tests.conftest import assert_refused_lightly  # serve: before Ray, torch or Serve are imported
+
+    assert_refused_lightly("agents.serve", [(["--checkpoint", checkpoints[-1]], (
+        f"error: --checkpoint: {checkpoints[-1]} is damaged: {MODULE_SUBDIR}/module_state.pkl holds 100 bytes of {size:,}"))])
     longer = _cli([*common, "--set", "tune.name=killed", "--set", "stop.training_iteration=7", "--resume"])
     out = longer.communicate(timeout=900)[0]
     assert longer.returncode == 0, out[-3000:]

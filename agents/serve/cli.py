@@ -60,7 +60,7 @@ import time
 
 # The flags, the ports and the checkpoint are checked with these alone (the standard library):
 # Ray, Serve, torch and the application are imported once they pass, so bad input is refused at once.
-from agents.saved_policy import PRECISIONS, find_module_dir
+from agents.saved_policy import PRECISIONS, check_whole, find_module_dir
 from agents.serve.options import BATCH_BLOCK, BATCH_ROWS, MAX_QUEUE, max_ongoing_requests, replica_options
 
 APP_NAME = "policy"
@@ -242,7 +242,7 @@ def main(argv=None, prog: str = "python -m agents.serve") -> int:
 
     external = bool(os.environ.get("RAY_ADDRESS"))
     try:
-        find_module_dir(args.checkpoint)
+        check_whole(find_module_dir(args.checkpoint))  # before Ray starts: a damaged one fails in every replica
         if not external:  # Serve's proxy and the dashboard would fail later, deep inside Ray
             _check_port_free("--port", args.host, args.port)
             if args.dashboard_port is not None:
