@@ -1,5 +1,6 @@
 """The summary `agents.train` prints when a run ends: each trial's first, last and best reward
-(from the trials' result.json after a resume), greedy evaluations, a sweep's best setting per
+(from the trials' result.json on a local storage path: each iteration once, those before a
+resume too; else as this process saw them), greedy evaluations, a sweep's best setting per
 sampler and its summary.csv, samples from the best checkpoint, and the exit code."""
 from __future__ import annotations
 
@@ -120,43 +121,51 @@ def _json_leaf(value):
 _SHOWN = (("_model_config", "sampler"), ("guided_algorithm",))
 
 
-def searched_value(cfg: dict, config: dict, sec: str, key: str):
-    """The value of the YAML key `sec.key` in a trial's RLlib config: under its RLlib name (the
-    algorithm's `Param`; reward.kl_coef is ref_kl_coef), the lr schedule's ends for training.lr,
-    lr_end and lr_decay_steps."""
+_LR_KEYS = ("lr", "lr_end", "lr_decay_steps")  # the training keys RLlib's lr schedule holds
+
+
+def _rllib_path(cfg: dict, sec: str, key: str) -> tuple:
+    """Where a trial's RLlib config holds the YAML key `sec.key`: under its RLlib name (the
+    algorithm's `Param`; reward.kl_coef is ref_kl_coef), the lr schedule for training.lr, lr_end
+    and lr_decay_steps."""
     from agents.config import algorithm_spec
 
-    if sec == "training" and key in ("lr", "lr_end", "lr_decay_steps"):
-        lr = config.get("lr")
-        if isinstance(lr, (list, tuple)) and lr:  # [[0, lr], [lr_decay_steps, lr_end]]
-            return {"lr": lr[0][1], "lr_end": lr[-1][1], "lr_decay_steps": lr[-1][0]}[key]
-        return lr if key == "lr" else None
+    if sec == "training" and key in _LR_KEYS:
+        return ("lr",)
     spec = algorithm_spec(cfg)
     param = (spec.training_params if sec == "training" else spec.reward_params).get(key)
-    return config.get(param.rllib if param and param.rllib else key)
+    return (param.rllib if param and param.rllib else key,)
+
+
+def searched_value(cfg: dict, config: dict, sec: str, key: str):
+    """The value of the YAML key `sec.key` in a trial's RLlib config (the lr schedule's ends for
+    training.lr, lr_end and lr_decay_steps)."""
+    value = config.get(_rllib_path(cfg, sec, key)[0])
+    if sec == "training" and key in _LR_KEYS:
+        if isinstance(value, (list, tuple)) and value:  # [[0, lr], [lr_decay_steps, lr_end]]
+            return {"lr": value[0][1], "lr_end": value[-1][1], "lr_decay_steps": value[-1][0]}[key]
+        return value if key == "lr" else None
+    return value
 
 
 def other_searched(cfg: dict, results: list) -> dict[str, tuple]:
     """Column name -> config path of each value the trials differ in that no other column shows (a
     searched value of another section, e.g. guide.beta or dqn.*, wherever the algorithm puts it):
-    read from the trials' own configs, so that trials differing in it are not taken for seeds. A
-    value that follows from the shown ones (the lr schedule from training.lr_end, the reference
-    model from reward.kl_coef) adds no column: only one that tells trials apart that they do not."""
-    configs = [r.config or {} for r in results]
-    flats = [dict(_leaves(c)) for c in configs]
-    shown = [(_canonical((c.get("_model_config") or {}).get("sampler")), _canonical(c.get("guided_algorithm")),
-              *(_canonical(searched_value(cfg, c, sec, key)) for sec, key in _searched_training_keys(cfg)))
-             for c in configs]
+    read from the trials' own configs, so that trials differing in it are not taken for seeds. What
+    a shown searched value sets in RLlib's config (its RLlib name, the lr schedule, the reference
+    model of reward.kl_coef) adds no column."""
+    flats = [dict(_leaves(r.config or {})) for r in results]
+    searched = _searched_training_keys(cfg)
+    known = [tuple(_canonical(searched_value(cfg, r.config or {}, sec, key)) for r in results) for sec, key in searched]
+    derived = {_rllib_path(cfg, sec, key) for sec, key in searched}
+    if ("reward", "kl_coef") in searched:
+        derived.add(("_model_config", "reference_model"))  # kl_coef > 0
     found: dict[tuple, tuple] = {}
     for path in sorted(set().union(*flats)) if flats else ():
         values = tuple(f.get(path) for f in flats)
-        parts = {}
-        for key, value in zip(shown, values):
-            parts.setdefault(key, set()).add(value)
-        if (any(len(v) > 1 for v in parts.values()) and "seed" not in path[-1]
-                and not any(path[:len(p)] == p for p in _SHOWN)):
+        if (len(set(values)) > 1 and "seed" not in path[-1] and not any(path[:len(p)] == p for p in _SHOWN)
+                and path not in derived and values not in known and values not in found.values()):
             found[path] = values
-            shown = [(*key, value) for key, value in zip(shown, values)]  # a path saying it again adds none
     names = [p[-1] for p in found]
     return {(".".join(p[1:] if p[0] == "_model_config" else p) if names.count(p[-1]) > 1 or p[0] == "_model_config"
              else p[-1]): p for p in found}

@@ -43,26 +43,32 @@ def go_back_from_lost_checkpoints(trials, say=None) -> None:
     disk lost) or damaged (on a local one: a file cut short, changed or missing, by its
     `MANIFEST`) goes on from its newest whole one, or from its start where none is: Tune would
     fail the trial ("does not exist on storage anymore", or an unpickling error) at every
-    `--resume`. `say(line)`: one line per trial sent back."""
+    `--resume`. A damaged one no trial names after this is deleted by the resume
+    (`remove_unnamed_checkpoints`), as the one a killed trial was writing is. `say(line)`: one line per trial sent back."""
     import pyarrow.fs
 
     from agents.whole_files import damaged
+
+    checked: dict[str, str | None] = {}  # path -> what is wrong with it: each checkpoint read once
 
     def gone(result) -> bool:
         return trial.storage.storage_filesystem.get_file_info(result.checkpoint.path).type != pyarrow.fs.FileType.Directory
 
     def problem(result) -> str | None:
-        if gone(result):
-            return "is gone from"
-        local = isinstance(trial.storage.storage_filesystem, pyarrow.fs.LocalFileSystem)
-        return f"is damaged ({why}) in" if local and (why := damaged(result.checkpoint.path)) else None
+        path = result.checkpoint.path
+        if path not in checked:
+            local = isinstance(trial.storage.storage_filesystem, pyarrow.fs.LocalFileSystem)
+            checked[path] = "is gone from" if gone(result) else (
+                f"is damaged ({why}) in" if local and (why := damaged(path)) else None)
+        return checked[path]
 
     for trial in trials:
         manager, latest = trial.run_metadata.checkpoint_manager, trial.latest_checkpoint_result
         if latest is None or latest.checkpoint is None or not (why := problem(latest)):
             continue
-        older = sorted((r for r in manager._checkpoint_results if r.checkpoint is not None and not gone(r)
-                        and r.checkpoint.path != latest.checkpoint.path), key=lambda r: (r.metrics or {}).get("training_iteration", 0))
+        # the trial's checkpoints in the order it saved them (a PBT exploit restarts its iterations)
+        older = [r for r in manager._checkpoint_results if r.checkpoint is not None and not gone(r)
+                 and r.checkpoint.path != latest.checkpoint.path]
         while older and problem(older[-1]):  # down to the newest whole one (those before it are not read)
             older.pop()
         newest = older[-1] if older else None

@@ -94,19 +94,17 @@ def damaged(folder: str, under: str = "") -> str | None:
     try:
         with open(os.path.join(folder, MANIFEST), "rb") as f:
             entries = json.loads(f.read())
+        prefix = under.replace(os.sep, "/").rstrip("/") + "/" if under else ""
+        entries = {rel: (int(size), int(crc)) for rel, (size, crc) in entries.items() if rel.startswith(prefix)}
     except FileNotFoundError:
         return None
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError, AttributeError):  # cut short, or not a list of files
         return f"its {MANIFEST} cannot be read"
-    prefix = under.replace(os.sep, "/").rstrip("/") + "/" if under else ""
-    for rel, (size, crc) in entries.items():
-        if not rel.startswith(prefix):
-            continue
+    for rel, (size, _) in entries.items():  # every file's size first (no file read), then their bytes
         path = os.path.join(folder, rel)
         if not os.path.isfile(path):
             return f"{rel} is missing"
         if os.path.getsize(path) != size:
             return f"{rel} holds {os.path.getsize(path):,} bytes of {size:,}"
-        if _crc32(path) != crc:
-            return f"{rel} changed since it was saved"
-    return None
+    return next((f"{rel} changed since it was saved" for rel, (_, crc) in entries.items()
+                 if _crc32(os.path.join(folder, rel)) != crc), None)

@@ -425,7 +425,7 @@ def test_windows_longer_than_a_models_positions_are_refused_in_one_line(tmp_path
         "error: env.max_prompt_len + env.max_new_tokens: 35 tokens, more than the 25 positions of 'tiny'")
 
 
-def test_a_checkpoint_of_another_vocabulary_is_refused_before_any_model_generates(setup, tmp_path):
+def test_a_checkpoint_of_another_vocabulary_is_refused_before_any_model_generates(setup, tmp_path, capsys):
     """A checkpoint of the number task evaluated beside a model of the review task, on the review
     task: its word-level tokenizer lacks the reviews' words (each would be read as EOS), so the
     evaluation stops in one line naming it before the first model writes anything."""
@@ -434,11 +434,20 @@ def test_a_checkpoint_of_another_vocabulary_is_refused_before_any_model_generate
 
     checkpoint = untrained_checkpoint(QUICKSTART, str(tmp_path / "numbers"))
     logged = []
-    with pytest.raises(EvalError, match=r"^numbers: its tokenizer does not know words of 12 of the 12 prompts of split "
-                                        r"'test' \(the first: '\w+' in prompt 1\); it would read them as its unknown "
-                                        r"token\. Give a --config whose task is in its vocabulary$"):
+    with pytest.raises(EvalError, match=r"^numbers: its tokenizer does not know (\d+) of the \1 words of split 'test''s "
+                                        r"prompts \(the first: '\w+' in prompt 1\); it reads each as its unknown "
+                                        r"token\. Is it a model of another task\? Give --config with its own$"):
         evaluate([Model(setup["dirs"][0]), Model(checkpoint, "numbers")], setup["env_config"], log=logged.append)
     assert logged == []
     # the same checkpoint on its own task passes the check (and the review model's words are all known)
     result = evaluate([Model(checkpoint, "numbers")], Model(checkpoint).env_config, max_examples=1, log=logged.append)
     assert result["rows"][0]["n"] == 1 and logged == ["evaluated numbers: 1 generations"]
+    # a few words the vocabulary never saw (built from the training split): a note, and it goes on
+    from agents.evaluate import check_prompt_words
+
+    model = Model(setup["dirs"][0], "reviews")
+    examples = [{"prompt": "the film was good"}, {"prompt": "the zyzzyva was good"}]
+    capsys.readouterr()
+    check_prompt_words(model, examples, "test")
+    assert capsys.readouterr().err == ("note: reviews: its tokenizer does not know 1 of the 8 words of split 'test''s "
+                                       "prompts (the first: 'zyzzyva' in prompt 2); it reads each as its unknown token\n")

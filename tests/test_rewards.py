@@ -397,6 +397,20 @@ def test_nan_or_raising_reward_is_reported_with_the_text():
         CheckedReward(lambda p, g, m: None, "'none'")(PROMPTS, HYPS, METAS)
     with pytest.raises(RewardError, match=r"^reward 'text': returned '1', not a number, for generation"):
         CheckedReward(lambda p, g, m: ["1"] * len(g), "'text'")(PROMPTS, HYPS, METAS)
+    with pytest.raises(RewardError, match=r"^reward 'one': returned '0.5'; expected a list of one number per "):
+        CheckedReward(lambda p, g, m: "0.5", "'one'")(PROMPTS, HYPS, METAS)
+    # a generator's own errors name the generation it failed on, as a function's do
+
+    def film_generator(prompts, generations, metas):
+        for g in generations:
+            if "film" in g:
+                raise KeyError("no film allowed")
+            yield 0.0
+
+    with pytest.raises(RewardError, match=r"'gen': failed on generation 'awful film' \(prompt 'film'\): "
+                                          r"KeyError: 'no film allowed'"):
+        CheckedReward(film_generator, "'gen'")(PROMPTS, HYPS, METAS)
+    assert CheckedReward(lambda p, g, m: (len(x) for x in g), "'gen'")(["p"], ["abc"], None) == [3.0]
     # booleans (an exact-match reward) and numpy numbers are numbers
     assert CheckedReward(lambda p, g, m: [True, False, np.float32(0.5), 2], "'ok'")(PROMPTS, HYPS, METAS) == [
         1.0, 0.0, 0.5, 2.0]

@@ -568,3 +568,37 @@ def test_a_checkpoints_list_of_files_finds_a_file_cut_short_changed_or_missing(t
     assert damaged(str(tmp_path), "policy") is None  # only the policy's files: they are whole
     (tmp_path / MANIFEST).write_text('{"state.pk')
     assert damaged(str(tmp_path)) == f"its {MANIFEST} cannot be read"
+    (tmp_path / MANIFEST).write_text('{"state.pkl": 5}')  # JSON, not a list of files
+    assert damaged(str(tmp_path)) == f"its {MANIFEST} cannot be read"
+
+
+def test_a_resume_goes_back_past_damaged_checkpoints_in_the_order_the_trial_saved_them(tmp_path):
+    """A trial's checkpoints in save order, its iterations restarted by a PBT exploit (5, 6, then 2,
+    3, 4); the two newest are damaged: it goes on from the third newest (iteration 2), not from the
+    one with the highest iteration, and its list keeps the save order."""
+    import types
+
+    import pyarrow.fs
+
+    from agents.trial_checkpoints import go_back_from_lost_checkpoints
+    from agents.whole_files import write_manifest
+
+    results = []
+    for n, it in enumerate((5, 6, 2, 3, 4)):
+        folder = tmp_path / f"checkpoint_{n:06d}"
+        folder.mkdir()
+        (folder / "state.pkl").write_bytes(b"x" * 50)
+        write_manifest(str(folder))
+        results.append(types.SimpleNamespace(checkpoint=types.SimpleNamespace(path=str(folder)),
+                                             metrics={"training_iteration": it}))
+    for damaged_one in results[3:]:
+        os.truncate(os.path.join(damaged_one.checkpoint.path, "state.pkl"), 10)
+    manager = types.SimpleNamespace(_checkpoint_results=list(results), _latest_checkpoint_result=results[-1])
+    trial = types.SimpleNamespace(trial_id="t_00000", latest_checkpoint_result=results[-1],
+                                  run_metadata=types.SimpleNamespace(checkpoint_manager=manager),
+                                  storage=types.SimpleNamespace(storage_filesystem=pyarrow.fs.LocalFileSystem()))
+    said = []
+    go_back_from_lost_checkpoints([trial], said.append)
+    assert manager._latest_checkpoint_result is results[2] and manager._checkpoint_results == results[:3]
+    assert said == [f"--resume: trial t_00000's checkpoint checkpoint_000004 is damaged (state.pkl holds 10 bytes of "
+                    f"50) in {tmp_path}; it goes on from its newest one left, checkpoint_000002 (iteration 2)"]

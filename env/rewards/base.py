@@ -227,15 +227,14 @@ class CheckedReward:
         self.load()
         try:
             values = self.reward(prompts, generations, metas)
+            if values is None or isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+                raise RewardError(f"reward {self.label}: returned {values!r:.80}; expected a list of one number "
+                                  f"per generation ({len(generations)})")  # a missing `return`, one number, ...
+            values = list(values)  # a generator runs here: its errors are the reward's
         except RewardError:
             raise  # a term of a sum, already named
         except Exception as e:
             raise self._blame(e, prompts, generations, metas) from e
-        try:
-            values = list(values)
-        except TypeError:  # None (a missing return), one number, ...
-            raise RewardError(f"reward {self.label}: returned {values!r:.80}; expected a list of one number per "
-                              f"generation ({len(generations)})") from None
         if len(values) != len(generations):
             raise RewardError(f"reward {self.label}: returned {len(values)} values for {len(generations)} "
                               f"generations (first: {generations[0]!r})")
@@ -257,7 +256,9 @@ class CheckedReward:
     def _blame(self, error, prompts, generations, metas) -> RewardError:
         for prompt, text, meta in zip(prompts, generations, metas):
             try:
-                self.reward([prompt], [text], [meta])
+                out = self.reward([prompt], [text], [meta])
+                if hasattr(out, "__iter__") and not isinstance(out, (str, bytes)):
+                    list(out)  # a generator's errors come as it runs
             except Exception as e:
                 return RewardError(f"reward {self.label}: failed on generation {text!r} (prompt {prompt!r}): "
                                    f"{type(e).__name__}: {e}")
