@@ -449,16 +449,19 @@ def test_a_hyperparameter_added_to_an_algorithm_spec_in_one_place_is_validated_d
         validate({"algorithm": "a3c", "training": {"ratio_floor": 0.5}})
 
 
-def test_a_tune_metric_the_results_lack_stops_the_run_in_one_line_with_a_hint(tmp_path):
+def test_a_tune_metric_the_results_lack_stops_the_run_in_one_line_with_a_hint(tmp_path, capsys):
     """Nothing could rank the trials: the run stops at the first result, not at its end."""
-    out = run_cli("agents.train", QUICKSTART, "--set", f"tune.storage_path={tmp_path}", "--set", "generate.num_samples=0",
-                  "--set", "training.train_batch_size=256", "--set", "training.minibatch_size=256",
-                  "--set", "tune.metric=env_runners/episode_retrun_mean")
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert out.stderr.strip().splitlines()[-1] == (
+    from agents.train import main
+
+    code = main([QUICKSTART, "--set", f"tune.storage_path={tmp_path}", "--set", "generate.num_samples=0",
+                 "--set", "training.train_batch_size=256", "--set", "training.minibatch_size=256",
+                 "--set", "tune.metric=env_runners/episode_retrun_mean"])
+    out = capsys.readouterr()
+    assert code == 2, out.err[-3000:]
+    assert out.err.strip().splitlines()[-1] == (
         "error: tune.metric: 'env_runners/episode_retrun_mean' is not a number in the trials' results, so nothing "
         "ranks the trials (did you mean 'env_runners/episode_return_mean'?)")
-    assert "Traceback" not in out.stderr and "iter " not in out.stdout  # stopped before printing iteration 1
+    assert "Traceback" not in out.err and "iter " not in out.out  # stopped before printing iteration 1
 
 
 def test_the_tune_metric_check_waits_for_a_full_result_the_first_evaluation_and_the_first_update():

@@ -450,25 +450,25 @@ def test_guided_comparison_reads_policy_returns_and_merges_experiments(tmp_path,
 
 
 @pytest.mark.slow
-def test_ppo_pp_cli_runs_the_shipped_config_and_summarises_policy_alone_episodes(tmp_path):
+def test_ppo_pp_cli_runs_the_shipped_config_and_summarises_policy_alone_episodes(tmp_path, capsys):
     import os
     import re
 
-    from tests.conftest import run_module
+    from agents.train import main
 
     yaml = os.path.join(os.path.dirname(__file__), "..", "tune_configs", "ppo_pp_synthetic.yaml")
     sets = ["stop.training_iteration=3", "training.train_batch_size=512", "training.minibatch_size=128",
             f"tune.storage_path={tmp_path}", "generate.num_samples=0"]
-    out = run_module("agents.train", yaml, *sum((["--set", s] for s in sets), []), "--set", "tune.name=null",
-                     timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    code = main([yaml, *sum((["--set", s] for s in sets), []), "--set", "tune.name=null"])
+    out = capsys.readouterr()
+    assert code == 0, out.out[-3000:] + out.err[-3000:]
     # an unnamed run gets a name, says how to resume it, and its saved config takes that name
     from agents.config import load
     from agents.resume import resume_differences
 
-    name = re.search(r"\(resume it with --resume --set tune.name=(run-\d{8}-\d{6})\)$", out.stdout, re.M).group(1)
+    name = re.search(r"\(resume it with --resume --set tune.name=(run-\d{8}-\d{6})\)$", out.out, re.M).group(1)
     assert os.path.isfile(tmp_path / name / "run_config.json")
     assert resume_differences(load(yaml, [*sets, f"tune.name={name}"])) == []
-    assert len(re.findall(r"^iter +\d+ .* policy \d\.\d{3} ", out.stdout, re.M)) == 3
+    assert len(re.findall(r"^iter +\d+ .* policy \d\.\d{3} ", out.out, re.M)) == 3
     # The summary follows the episodes the policy wrote alone, and says so.
-    assert re.search(r"policy-alone episode reward \d\.\d{3} \(iteration 1\) -> \d\.\d{3} \(iteration 3\)", out.stdout)
+    assert re.search(r"policy-alone episode reward \d\.\d{3} \(iteration 1\) -> \d\.\d{3} \(iteration 3\)", out.out)
