@@ -162,14 +162,20 @@ def make_progress_callback(eval_interval: int = 0, quiet: bool = False, metric: 
                 self.mask.setdefault(trial_id, []).append(mask)
             return reward, policy, greedy
 
-        def replay(self, trial_id: str, trial_dir: str) -> None:
+        def replay(self, trial_id: str, trial_dir: str, filesystem=None) -> None:
             """Rebuilds the trial's figures from every row its result.json holds: a resumed run's
             summary covers the iterations before the resume, and trials that had finished by then,
             and a summary leaves out the rows a retried or PBT-exploited trial ran again (the
-            file keeps each iteration's last run; this process saw both)."""
+            file keeps each iteration's last run; this process saw both). `filesystem`: the
+            storage path's (pyarrow), where `trial_dir` is on it; else a local path."""
             try:
-                with open(os.path.join(trial_dir, "result.json")) as f:
-                    rows = [json.loads(line) for line in f if line.strip()]
+                if filesystem is None:
+                    with open(os.path.join(trial_dir, "result.json"), "rb") as f:
+                        text = f.read()
+                else:  # the storage path's own (pyarrow) filesystem: a bucket too
+                    with filesystem.open_input_stream(f"{trial_dir.rstrip('/')}/result.json") as f:
+                        text = f.read()
+                rows = [json.loads(line) for line in text.decode("utf-8").splitlines() if line.strip()]
             except (OSError, ValueError):
                 return  # no stored rows (the trial never reported): keep what this process saw
             rows = [r for r in rows if "training_iteration" in r]

@@ -1,6 +1,6 @@
 """The summary `agents.train` prints when a run ends: each trial's first, last and best reward
-(from the trials' result.json on a local storage path: each iteration once, those before a
-resume too; else as this process saw them), greedy evaluations, a sweep's best setting per
+(from the trials' result.json on the storage path: each iteration once, those before a resume
+too), greedy evaluations, a sweep's best setting per
 sampler and its summary.csv, samples from the best checkpoint, and the exit code."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def summarize(cfg: dict, grid, progress, experiment: str, wall: float, resumed: 
     for result in grid:
         trial_id = (result.metrics or {}).get("trial_id", "?")
         if result.path:  # the stored curve: before a resume too, each iteration once
-            progress.replay(trial_id, result.path)
+            progress.replay(trial_id, result.path, getattr(result, "filesystem", None))
         if result.error:
             failed += 1
             print(f"  trial {trial_id}: FAILED: {str(result.error).strip().splitlines()[-1]}")

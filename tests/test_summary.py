@@ -170,10 +170,19 @@ def test_a_trial_that_ran_iterations_again_is_summarized_from_its_stored_curve(t
     code, out = _summarize(_Grid([_result("a_00000", path=str(tmp_path / "t0"))]), tmp_path, capsys, progress=progress)
     assert code == 0 and "trial a_00000: mean episode reward 0.200 (iteration 1) -> 0.500 (iteration 3), best 0.500" \
         in out, out
+    # on a storage path read through its own filesystem (a bucket's path is no local one)
+    import pyarrow.fs
+
+    bucket = pyarrow.fs.SubTreeFileSystem(str(tmp_path / "bucket"), pyarrow.fs.LocalFileSystem())
+    _rows(tmp_path / "bucket" / "exp" / "t0", [0.2, 0.4, 0.6])
+    stored = types.SimpleNamespace(metrics={"trial_id": "a_00000"}, error=None, checkpoint=None, path="exp/t0",
+                                   config={"seed": 0}, filesystem=bucket)
+    code, out = _summarize(_Grid([stored]), tmp_path, capsys, progress=progress)
+    assert "-> 0.600 (iteration 3), best 0.600" in out, out
     # a stored curve behind what this process saw (its last rows not copied yet) is not taken
     _rows(tmp_path / "t1", [0.2])
     code, out = _summarize(_Grid([_result("a_00000", path=str(tmp_path / "t1"))]), tmp_path, capsys, progress=progress)
-    assert "-> 0.500 (iteration 3), best 0.500" in out, out
+    assert "-> 0.600 (iteration 3), best 0.600" in out, out
 
 
 def test_a_random_search_keeps_a_column_for_each_value_it_searches(tmp_path, capsys):
