@@ -201,6 +201,67 @@ def test_a_cancelled_job_frees_its_row_and_drops_its_waiting_completions_at_the_
     batcher.close()
 
 
+def test_a_reward_that_fails_fails_its_own_request_and_no_other(monkeypatch):
+    """A scored completion whose reward raises (a non-finite score, a scorer's error): its job gets
+    one error line and frees its rows; the request beside it and one waiting in the queue are
+    answered (before: that job never finished, and every other job got "internal error")."""
+    import agents.serve.batching as batching
+
+    real = batching.score
+
+    def score(scorers, env_config, c, prompt, text):
+        if c.seed == 666:
+            raise ValueError("task 'x': the reward is nan for generation '...'")
+        return real(scorers, env_config, c, prompt, text)
+
+    monkeypatch.setattr(batching, "score", score)
+    module = build_module()
+    batcher = Batcher(module, dict(module.model_config["env"]), rows=2, max_queue=8, block=2)
+    with batcher.cv:  # all three in before the batch starts: the bad one (2 completions), one beside, one queued
+        bad = batcher.submit(Job([Completion("3 7 12", 666, 3, meta={}), Completion("3 7 12", 666, 20, meta={})]))
+        beside, queued = batcher.submit(Job([Completion("1 2", 1, 6)])), batcher.submit(Job([Completion("5", 2, 4)]))
+    with pytest.raises(RuntimeError, match=r"^reward: ValueError: task 'x': the reward is nan for generation"):
+        bad.wait(timeout=60)
+    assert beside.wait(timeout=60)[0]["num_generated"] >= 1 and queued.wait(timeout=60)[0]["num_generated"] >= 1
+    load = batcher.load()
+    assert load["active"] == 0 and load["waiting"] == 0
+    batcher.close()
+
+
+def test_a_stream_holds_back_a_character_whose_bytes_are_not_all_written():
+    """A byte-level BPE tokenizer (GPT-2's kind) writes 'é' and '😀' over several tokens, and decodes
+    a character cut between them as U+FFFD: the stream sends no U+FFFD, goes on after the
+    character is whole, and its deltas add up to the text (before: it sent the U+FFFD and stopped)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    import agents.serve.batching as batching
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(["abc"], trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    ids = tokenizer("ok é😀 done", add_special_tokens=False)["input_ids"]
+    assert "\ufffd" in tokenizer.decode(ids[:4])  # 'é' is two byte tokens here
+    module = build_module()
+    batcher = Batcher(module, dict(module.model_config["env"]), rows=1, block=1)
+    assert batcher.eos_id not in ids
+    batcher.tokenizer = tokenizer
+    written = iter(ids)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batching, "next_tokens", lambda *args: torch.tensor([[next(written)]]))
+        job = batcher.submit(Job([Completion("3 7 12", 0, len(ids))], stream=True))
+        deltas, finish = [], None
+        while finish is None:
+            kind, _, value = job._events.get(timeout=60)
+            if kind == "delta":
+                deltas.append(value)
+            else:
+                finish = value
+    assert "".join(deltas) == finish["text"] == "ok é😀 done" and not any("\ufffd" in d for d in deltas), deltas
+    batcher.close()
+
+
 # -- the routes over HTTP, in-process ---------------------------------------------------------
 
 

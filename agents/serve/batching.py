@@ -37,7 +37,6 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import math
 import queue
 import threading
 
@@ -45,6 +44,7 @@ import numpy as np
 import torch
 
 from agents.samplers import row_tokens
+from agents.serve.row_sampling import mirostat_rows, requests_mirostat, row_inputs, row_uniforms, update_mirostat
 from agents.serve.options import BATCH_BLOCK  # decode steps per block (defined with the CLI's other defaults)
 
 logger = logging.getLogger(__name__)
@@ -155,34 +155,6 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
     return 0
 
 
-def mirostat_rows(logits: torch.Tensor, rows: dict) -> torch.Tensor:
-    """`logits` with each row that requested mirostat (rows: batch index -> `_Row`) masked by its
-    own mu (kept where its draws run)."""
-    from agents.samplers import MASKED, mirostat_mask
-
-    masked = logits.clone()
-    for i, row in rows.items():
-        spec = dict(row.completion.sampler)
-        if row.mu is None:
-            row.mu = torch.full((1,), 2.0 * spec["tau"], device=logits.device)
-        masked[i] = logits[i].masked_fill(~mirostat_mask(logits[i:i + 1], row.mu)[0], MASKED)
-    return masked
-
-
-def update_mirostat(logits: torch.Tensor, rows: dict, tokens: list) -> None:
-    """Each mirostat row's mu after its token: it follows the token's surprise under the policy."""
-    from agents.samplers import mirostat_update
-
-    for i, row in rows.items():
-        spec = dict(row.completion.sampler)
-        surprise = -torch.log_softmax(logits[i], -1)[tokens[i]] / math.log(2)
-        row.mu = mirostat_update(row.mu, surprise, spec["tau"], spec["learning_rate"])
-
-
-def requests_mirostat(c: Completion) -> bool:
-    return not c.greedy and dict(c.sampler).get("name") == "mirostat"
-
-
 def blocks_apply(module, slots: list) -> bool:
     """Whether the batch's next step can be a block on the decode engine: a policy whose greedy
     step after the trunk is static (`acting.static_rollout_step`), and no row in use (`slots`)
@@ -191,41 +163,6 @@ def blocks_apply(module, slots: list) -> bool:
 
     return (isinstance(module, Acting) and static_rollout_step(module, explore=False)
             and not any(requests_mirostat(row.completion) for row in slots if row is not None))
-
-
-def row_inputs(slots: list, device: torch.device, subsets: bool = False) -> tuple:
-    """`samplers.row_tokens`' per-row tensors for the rows (`slots`; idle rows greedy) on `device`,
-    and its static choices: the requested samplers present, whether any row samples, whether any
-    row's top_p is below 1, `subsets` (a step that is not captured computes each sampler on its own
-    rows only). top_p in float64: the nucleus's bound 1 - top_p is then the one a number gives."""
-    from agents.samplers import ROW_SAMPLER_CODES, SAMPLERS
-
-    n = len(slots)
-    greedy, kind, param = np.ones(n, dtype=bool), np.zeros(n, dtype=np.int64), np.zeros((n, 1), dtype=np.float64)
-    temperature, top_p = np.ones((n, 1), dtype=np.float32), np.ones((n, 1), dtype=np.float64)
-    for i, row in enumerate(slots):
-        if row is not None and not row.completion.greedy:
-            c = row.completion
-            greedy[i], temperature[i], top_p[i] = False, c.temperature, c.top_p
-            spec = dict(c.sampler)
-            if spec.get("name") in ROW_SAMPLER_CODES:
-                kind[i], param[i] = ROW_SAMPLER_CODES[spec["name"]], spec[SAMPLERS[spec["name"]][1][0]]
-    spec = {"kinds": tuple(name for name, code in ROW_SAMPLER_CODES.items() if (kind == code).any()),
-            "sampled": not greedy.all(), "nucleus": bool((top_p < 1).any()), "subsets": subsets}
-    return tuple(torch.from_numpy(a).to(device) for a in (greedy, temperature, top_p, kind, param)), spec
-
-
-def row_uniforms(slots: list, k: int, device: torch.device) -> torch.Tensor:
-    """(k, rows, 1) float64 on `device`: each sampled row's next k draws from its own generator
-    (what k calls of one draw each give), PADDED_ROW_DRAW elsewhere."""
-    from agents.modules.decoding import PADDED_ROW_DRAW
-
-    u = torch.full((k, len(slots), 1), PADDED_ROW_DRAW, dtype=torch.float64)
-    drawing = [i for i, row in enumerate(slots) if row is not None and not row.completion.greedy]
-    if drawing:
-        u[:, drawing, 0] = torch.stack([torch.rand(k, dtype=torch.float64, generator=slots[i].generator)
-                                        for i in drawing], 1)
-    return u.to(device)
 
 
 @torch.no_grad()
@@ -279,6 +216,17 @@ def score(scorers: dict, env_config: dict, c: Completion, prompt: str, text: str
     return scorers[c.max_tokens].score([prompt], [text], [c.meta])[0]
 
 
+def hand_over(row, reason: str, text: str, scorers: dict, env_config: dict) -> None:
+    """A finished row's (`_Row`) completion to its job: the rest of a streamed text, then its
+    result, with its reward where it is scored."""
+    c = row.completion
+    reward = None if c.meta is None else score(scorers, env_config, c, row.prompt, text)
+    if row.job.stream and text.startswith(row.sent) and len(text) > len(row.sent):
+        row.job._emit("delta", row.index, text[len(row.sent):])
+    row.job._finish(row.index, {"text": text, "finish_reason": reason, "num_generated": len(row.tokens),
+                                "prompt": row.prompt, "prompt_tokens": row.prompt_tokens, "reward": reward})
+
+
 @dataclasses.dataclass
 class _Row:
     job: Job
@@ -321,8 +269,7 @@ class Batcher:
         self.waiting: collections.deque = collections.deque()  # (job, index) not yet in a row
         self.cv = threading.Condition()
         # tokens: kept; dropped: drawn in a block after their row's completion ended
-        self.stats = {"steps": 0, "blocks": 0, "tokens": 0, "dropped": 0, "completions": 0, "cancelled": 0,
-                      "refused": 0, "max_active": 0}
+        self.stats = dict.fromkeys(("steps", "blocks", "tokens", "dropped", "completions", "cancelled", "refused", "max_active"), 0)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.on_step = None  # called after each block, in the batch's thread (tests pause it here)
@@ -378,13 +325,15 @@ class Batcher:
                     return
                 admitted = self._admit()
             try:
-                for i, job, index, completion in admitted:
-                    self._start_row(i, job, index, completion)
+                while admitted:
+                    self._start_row(*admitted[0])
+                    admitted.pop(0)
                 if any(s is not None for s in self.slots):
                     self.step()
             except Exception as e:  # a bug or a task failure: fail what is running, keep serving
                 logger.exception("the batch failed")
-                self._fail_all(f"internal error: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+                self._fail_all(f"internal error: {type(e).__name__}: {' '.join(str(e).split())[:300]}",
+                               [job for _, job, _, _ in admitted])  # taken from the queue, not started
 
     def _drop_cancelled(self) -> None:
         for i, row in enumerate(self.slots):
@@ -467,31 +416,29 @@ class Batcher:
             return self._end(i, "stop", text)
         if row.tokens_left <= 0:
             return self._end(i, "length", text)
-        if row.job.stream:
-            ready = text[:len(text) - held_back(text, c.stop)] if c.stop else text
+        if row.job.stream:  # a trailing U+FFFD: a character whose bytes are not all written yet
+            ready = (text[:len(text) - held_back(text, c.stop)] if c.stop else text).rstrip("\ufffd")
             if ready.startswith(row.sent) and len(ready) > len(row.sent):
                 row.job._emit("delta", row.index, ready[len(row.sent):])
                 row.sent = ready
 
     def _end(self, i: int, reason: str, text: str | None = None) -> None:
+        """Frees row i after its text (and reward) went to its job; a failing reward fails that job alone."""
         row = self.slots[i]
-        text = self._text(i) if text is None and reason != "cancelled" else text
-        self.slots[i] = None
-        if reason == "cancelled":
+        if reason != "cancelled":
+            try:
+                hand_over(row, reason, self._text(i) if text is None else text, self._scorers, self.env_config)
+                self.stats["completions"] += 1
+            except Exception as e:
+                row.job._fail(f"reward: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+                row.job.cancel()
+        else:
             self.stats["cancelled"] += 1
-            return
-        self.stats["completions"] += 1
-        if row.job.stream and text.startswith(row.sent) and len(text) > len(row.sent):
-            row.job._emit("delta", row.index, text[len(row.sent):])
-        c = row.completion
-        reward = None if c.meta is None else score(self._scorers, self.env_config, c, row.prompt, text)
-        row.job._finish(row.index, {"text": text, "finish_reason": reason, "num_generated": len(row.tokens),
-                                    "prompt": row.prompt, "prompt_tokens": row.prompt_tokens, "reward": reward})
+        self.slots[i] = None
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, admitted: list = ()) -> None:
         with self.cv:
-            jobs = {id(s.job): s.job for s in self.slots if s is not None}
-            jobs.update({id(j): j for j, _ in self.waiting})
+            jobs = {id(j): j for j in [*admitted, *(s.job for s in self.slots if s is not None), *(j for j, _ in self.waiting)]}
             self.slots = [None] * self.rows
             self.waiting.clear()
             self.cont[:] = False  # every row restarts: nothing cached is trusted
