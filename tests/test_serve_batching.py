@@ -218,13 +218,15 @@ def test_a_reward_that_fails_fails_its_own_request_and_no_other(monkeypatch):
     module = build_module()
     batcher = Batcher(module, dict(module.model_config["env"]), rows=2, max_queue=8, block=2)
     with batcher.cv:  # all three in before the batch starts: the bad one (2 completions), one beside, one queued
-        bad = batcher.submit(Job([Completion("3 7 12", 666, 3, meta={}), Completion("3 7 12", 666, 20, meta={})]))
+        bad = batcher.submit(Job([Completion("3 7 12", 666, 3, meta={}), Completion("3 7 12", 666, 20, meta={})],
+                                 stream=True))
         beside, queued = batcher.submit(Job([Completion("1 2", 1, 6)])), batcher.submit(Job([Completion("5", 2, 4)]))
     with pytest.raises(RuntimeError, match=r"^reward: ValueError: task 'x': the reward is nan for generation"):
         bad.wait(timeout=60)
     assert beside.wait(timeout=60)[0]["num_generated"] >= 1 and queued.wait(timeout=60)[0]["num_generated"] >= 1
     load = batcher.load()
     assert load["active"] == 0 and load["waiting"] == 0
+    assert load["cancelled"] == 1 and bad._events.empty()  # its other completion freed its row, and sent nothing after
     batcher.close()
 
 

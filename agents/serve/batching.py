@@ -94,6 +94,8 @@ class Job:
         self.cancelled = True
 
     def _emit(self, kind: str, index, value) -> None:
+        if self.error is not None and kind != "error":  # a failed job's other rows: nothing after its error
+            return
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, index, value))
         else:
@@ -359,6 +361,7 @@ class Batcher:
                                                                  "score": False})
         except ValueError as e:  # checked before submit; kept from failing the batch all the same
             job._fail(f"prompt: {e}")
+            job.cancel()  # its other completions' rows are freed
             return
         if self.obs is None:  # the first row: every row's window starts as a copy of it
             self.obs = {k: np.repeat(v[None], self.rows, axis=0) for k, v in obs.items()}
