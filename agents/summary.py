@@ -153,10 +153,10 @@ def other_searched(cfg: dict, results: list) -> dict[str, tuple]:
     searched value of another section, e.g. guide.beta or dqn.*, wherever the algorithm puts it):
     read from the trials' own configs, so that trials differing in it are not taken for seeds. What
     a shown searched value sets in RLlib's config (its RLlib name, the lr schedule, the reference
-    model of reward.kl_coef) adds no column."""
+    model of reward.kl_coef) adds no column, nor does one key written again elsewhere with the
+    same values; two searched keys whose values happen to agree keep a column each."""
     flats = [dict(_leaves(r.config or {})) for r in results]
     searched = _searched_training_keys(cfg)
-    known = [tuple(_canonical(searched_value(cfg, r.config or {}, sec, key)) for r in results) for sec, key in searched]
     derived = {_rllib_path(cfg, sec, key) for sec, key in searched}
     if ("reward", "kl_coef") in searched:
         derived.add(("_model_config", "reference_model"))  # kl_coef > 0
@@ -164,7 +164,7 @@ def other_searched(cfg: dict, results: list) -> dict[str, tuple]:
     for path in sorted(set().union(*flats)) if flats else ():
         values = tuple(f.get(path) for f in flats)
         if (len(set(values)) > 1 and "seed" not in path[-1] and not any(path[:len(p)] == p for p in _SHOWN)
-                and path not in derived and values not in known and values not in found.values()):
+                and path not in derived and (path[-1], values) not in {(p[-1], v) for p, v in found.items()}):
             found[path] = values
     names = [p[-1] for p in found]
     return {(".".join(p[1:] if p[0] == "_model_config" else p) if names.count(p[-1]) > 1 or p[0] == "_model_config"

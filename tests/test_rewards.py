@@ -399,6 +399,9 @@ def test_nan_or_raising_reward_is_reported_with_the_text():
         CheckedReward(lambda p, g, m: ["1"] * len(g), "'text'")(PROMPTS, HYPS, METAS)
     with pytest.raises(RewardError, match=r"^reward 'one': returned '0.5'; expected a list of one number per "):
         CheckedReward(lambda p, g, m: "0.5", "'one'")(PROMPTS, HYPS, METAS)
+    for one in (np.asarray(0.5), torch.tensor(0.5)):  # a mean taken over the batch
+        with pytest.raises(RewardError, match=r"^reward 'mean': returned .*0\.5.*; expected a list of one number per "):
+            CheckedReward(lambda p, g, m: one, "'mean'")(PROMPTS, HYPS, METAS)
     # a generator's own errors name the generation it failed on, as a function's do
 
     def film_generator(prompts, generations, metas):

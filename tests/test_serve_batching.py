@@ -226,7 +226,8 @@ def test_a_reward_that_fails_fails_its_own_request_and_no_other(monkeypatch):
     assert beside.wait(timeout=60)[0]["num_generated"] >= 1 and queued.wait(timeout=60)[0]["num_generated"] >= 1
     load = batcher.load()
     assert load["active"] == 0 and load["waiting"] == 0
-    assert load["cancelled"] == 1 and bad._events.empty()  # its other completion freed its row, and sent nothing after
+    # its other completion freed its row, and sent nothing after; both count as failed, neither as done or cancelled
+    assert (load["failed"], load["cancelled"], load["completions"]) == (2, 0, 2) and bad._events.empty(), load
     batcher.close()
 
 

@@ -228,6 +228,7 @@ def test_a_users_project_folder_submitted_as_a_job_trains_with_its_own_task_and_
     from tests.test_plugins import PLUGINS, plugin_experiment
 
     client = two_node_job["client"]
+    assert two_node_job["status"] == JobStatus.SUCCEEDED, "the first job did not end: it holds the head's CPU"
     project = tmp_path / "project"
     project.mkdir()
     (project / "my_plugins.py").write_text(PLUGINS)
@@ -248,6 +249,8 @@ def test_a_users_project_folder_submitted_as_a_job_trains_with_its_own_task_and_
             break
         time.sleep(1)
     logs = client.get_job_logs(job)
+    if status not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+        client.stop_job(job)
     assert status == JobStatus.SUCCEEDED, logs[-3000:]
     assert "Summary (1 trial" in logs and "Ray dashboard: http://" in logs
     assert "Training PPO on task 'my_plugins:Reverse'" in logs

@@ -271,7 +271,8 @@ class Batcher:
         self.waiting: collections.deque = collections.deque()  # (job, index) not yet in a row
         self.cv = threading.Condition()
         # tokens: kept; dropped: drawn in a block after their row's completion ended
-        self.stats = dict.fromkeys(("steps", "blocks", "tokens", "dropped", "completions", "cancelled", "refused", "max_active"), 0)
+        self.stats = dict.fromkeys(("steps", "blocks", "tokens", "dropped", "completions", "cancelled", "failed", "refused",
+                                    "max_active"), 0)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.on_step = None  # called after each block, in the batch's thread (tests pause it here)
@@ -327,8 +328,9 @@ class Batcher:
                     return
                 admitted = self._admit()
             try:
-                while admitted:
-                    self._start_row(*admitted[0])
+                while admitted:  # a job refused at an earlier row's start, or gone meanwhile, starts no more
+                    if not admitted[0][1].cancelled:
+                        self._start_row(*admitted[0])
                     admitted.pop(0)
                 if any(s is not None for s in self.slots):
                     self.step()
@@ -347,13 +349,8 @@ class Batcher:
             self.stats["cancelled"] += len(dropped)
 
     def _admit(self) -> list:
-        admitted = []
-        for i in self._free_rows():
-            if not self.waiting:
-                break
-            job, index = self.waiting.popleft()
-            admitted.append((i, job, index, job.completions[index]))
-        return admitted
+        taken = [self.waiting.popleft() for _ in self._free_rows()[:len(self.waiting)]]  # the queue's first, a row each
+        return [(i, job, k, job.completions[k]) for i, (job, k) in zip(self._free_rows(), taken)]
 
     def _start_row(self, i: int, job: Job, index: int, c: Completion) -> None:
         try:
@@ -427,16 +424,17 @@ class Batcher:
 
     def _end(self, i: int, reason: str, text: str | None = None) -> None:
         """Frees row i after its text (and reward) went to its job; a failing reward fails that job alone."""
-        row = self.slots[i]
-        if reason != "cancelled":
+        row, outcome = self.slots[i], "failed" if self.slots[i].job.error is not None else reason  # its job failed
+        if outcome not in ("failed", "cancelled"):
+            text = self._text(i) if text is None else text
             try:
-                hand_over(row, reason, self._text(i) if text is None else text, self._scorers, self.env_config)
-                self.stats["completions"] += 1
+                hand_over(row, reason, text, self._scorers, self.env_config)
+                outcome = "completions"
             except Exception as e:
+                outcome = "failed"
                 row.job._fail(f"reward: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
                 row.job.cancel()
-        else:
-            self.stats["cancelled"] += 1
+        self.stats[outcome] += 1
         self.slots[i] = None
 
     def _fail_all(self, message: str, admitted: list = ()) -> None:

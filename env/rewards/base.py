@@ -227,7 +227,8 @@ class CheckedReward:
         self.load()
         try:
             values = self.reward(prompts, generations, metas)
-            if values is None or isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+            if (values is None or isinstance(values, (str, bytes)) or not hasattr(values, "__iter__")
+                    or getattr(values, "ndim", None) == 0):  # a 0-d array or tensor: one number
                 raise RewardError(f"reward {self.label}: returned {values!r:.80}; expected a list of one number "
                                   f"per generation ({len(generations)})")  # a missing `return`, one number, ...
             values = list(values)  # a generator runs here: its errors are the reward's
