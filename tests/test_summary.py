@@ -199,14 +199,18 @@ def test_a_random_search_keeps_a_column_for_each_value_it_searches(tmp_path, cap
     for n, (lr, beta) in enumerate([(1.3e-4, 0.0), (4.1e-4, 0.9), (2.2e-3, 0.0), (7.7e-4, 0.9)]):
         trial = types.SimpleNamespace(trial_id=f"r_{n:05d}")
         progress.on_trial_result(0, [trial], trial, {"training_iteration": 1, "env_runners": {"episode_return_mean": lr}})
-        config = {"seed": 0, "lr": lr, "_model_config": {"seed": 0, "guide": {"beta": beta, "alpha": beta}}}
+        batch = 1024 * (1 + n % 2)  # searched too, and RLlib writes it again per learner: one column
+        config = {"seed": 0, "lr": lr, "train_batch_size": batch, "train_batch_size_per_learner": batch,
+                  "_model_config": {"seed": 0, "guide": {"beta": beta, "alpha": beta}}}
         grid.append(types.SimpleNamespace(metrics={"trial_id": trial.trial_id}, error=None, path=None, config=config,
                                           checkpoint=None))
-    cfg = load(QUICKSTART, ["generate.num_samples=0", "training.lr={loguniform: [1.0e-4, 3.0e-3]}"])
+    cfg = load(QUICKSTART, ["generate.num_samples=0", "training.lr={loguniform: [1.0e-4, 3.0e-3]}",
+                            "training.train_batch_size={choice: [1024, 2048]}"])
     path, _ = sweep_table(cfg, grid, progress, str(tmp_path / "run"))
     out = capsys.readouterr().out
     header = out.split("best setting per sampler")[1].splitlines()[1].split()
-    assert header[:7] == ["sampler", "masking", "params", "lr", "guide.alpha", "guide.beta", "seeds"], out
+    assert header[:8] == ["sampler", "masking", "params", "lr", "train_batch_size", "guide.alpha", "guide.beta",
+                          "seeds"], out
     with open(path, newline="") as f:
         assert [(r["lr"], r["guide.beta"]) for r in csv.DictReader(f)] == [
             ("0.00013", "0.0"), ("0.00041", "0.9"), ("0.0022", "0.0"), ("0.00077", "0.9")]
