@@ -50,13 +50,14 @@ def not_a_model_dir(name) -> str | None:
             os.path.join(path, "config.json")):
         return None
     try:
-        checkpoint = find_module_dir(path) and name
+        find_module_dir(path)
+        what, checkpoint = "a checkpoint", name
     except RunDirectoryError:
-        checkpoint = checkpoints_under(os.path.abspath(path))[-1]
+        what, checkpoint = "a run directory", checkpoints_under(os.path.abspath(path))[-1]  # its newest
     except FileNotFoundError:
         return None
-    return (f"{name} is a {'checkpoint' if checkpoint == name else 'run directory'} of agents.train, not a model "
-            f"directory; write its policy out as one with `tokenmdp export --checkpoint {checkpoint} --out DIR`")
+    return (f"{name} is {what} of agents.train, not a model directory; write its policy out as one with "
+            f"`tokenmdp export --checkpoint {checkpoint} --out DIR`")
 
 
 class RunDirectoryError(FileNotFoundError):

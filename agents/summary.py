@@ -160,16 +160,16 @@ def other_searched(cfg: dict, results: list) -> dict[str, tuple]:
     derived = {_rllib_path(cfg, sec, key) for sec, key in searched}
     if ("reward", "kl_coef") in searched:
         derived.add(("_model_config", "reference_model"))  # kl_coef > 0
-    # a searched key's value again under a name made from its own (train_batch_size_per_learner)
-    shown = [({key, _rllib_path(cfg, sec, key)[0]}, tuple(_canonical(searched_value(cfg, r.config or {}, sec, key))
-                                                          for r in results)) for sec, key in searched]
+    # (name, values) of each column so far: a path holding the same values under a name made from it adds none
+    again = [(name, tuple(_canonical(searched_value(cfg, r.config or {}, sec, key)) for r in results))
+             for sec, key in searched for name in {key, _rllib_path(cfg, sec, key)[0]}]
     found: dict[tuple, tuple] = {}
     for path in sorted(set().union(*flats)) if flats else ():
         values = tuple(f.get(path) for f in flats)
-        again = [(p[-1], v) for p, v in found.items()] + [(name, v) for names, v in shown for name in names]
         if (len(set(values)) > 1 and "seed" not in path[-1] and not any(path[:len(p)] == p for p in _SHOWN)
                 and path not in derived and not any(v == values and name in path[-1] for name, v in again)):
             found[path] = values
+            again.append((path[-1], values))
     names = [p[-1] for p in found]
     return {(".".join(p[1:] if p[0] == "_model_config" else p) if names.count(p[-1]) > 1 or p[0] == "_model_config"
              else p[-1]): p for p in found}

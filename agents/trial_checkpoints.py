@@ -44,7 +44,8 @@ def go_back_from_lost_checkpoints(trials, say=None) -> None:
     `MANIFEST`) goes on from its newest whole one, or from its start where none is: Tune would
     fail the trial ("does not exist on storage anymore", or an unpickling error) at every
     `--resume`. A damaged one no trial names after this is deleted by the resume
-    (`remove_unnamed_checkpoints`), as the one a killed trial was writing is. `say(line)`: one line per trial sent back."""
+    (`remove_unnamed_checkpoints`), as the one a killed trial was writing is. `say(line)`: one
+    line per trial sent back."""
     import pyarrow.fs
 
     from agents.whole_files import damaged

@@ -424,8 +424,9 @@ class Batcher:
 
     def _end(self, i: int, reason: str, text: str | None = None) -> None:
         """Frees row i after its text (and reward) went to its job; a failing reward fails that job alone."""
-        row, outcome = self.slots[i], "failed" if self.slots[i].job.error is not None else reason  # its job failed
-        if outcome not in ("failed", "cancelled"):
+        row = self.slots[i]
+        outcome = "failed" if row.job.error is not None else "cancelled" if reason == "cancelled" else None
+        if outcome is None:  # a completion of a job still going: its text (and reward) to the job
             text = self._text(i) if text is None else text
             try:
                 hand_over(row, reason, text, self._scorers, self.env_config)

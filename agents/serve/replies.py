@@ -97,6 +97,6 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: 
 def openai_error(message: str, status: int) -> dict:
     """OpenAI's error object for the one-line `message` ("<field>: <what is wrong>")."""
     field = message.split(":", 1)[0] if ":" in message else None
-    param = None if field in (None, "request body", "internal error", "server busy", "path", "method", "reward") else field
+    param = None if field in (None, "request body", "internal error", "server busy", "path", "method") else field
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": None}}
