@@ -64,8 +64,7 @@ def drive(batcher, items) -> int:
     batcher._thread = True  # submit starts no thread: this loop is the batch's
     jobs = [batcher.submit(Job([c])) for c in items]
     while not all(all(r is not None for r in j.results) for j in jobs):
-        for i, job, index, c in batcher._admit():
-            batcher._start_row(i, job, index, c)
+        batcher._start(batcher._admit())
         batcher.step()
     return sum(j.results[0]["num_generated"] for j in jobs)
 

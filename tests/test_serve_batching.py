@@ -265,6 +265,106 @@ def test_a_stream_holds_back_a_character_whose_bytes_are_not_all_written():
     batcher.close()
 
 
+def test_a_stream_through_a_tokenizer_that_cleans_up_spaces_sends_the_text_it_ends_with():
+    """A tokenizer that cleans up spaces in the decoded text (`clean_up_tokenization_spaces`, as
+    BERT's kind may) decodes "don '" + "t" as "don't": text already streamed would change. The
+    stream holds back the last space and word until the next token, and its deltas add up to the
+    text (before: the stream stopped at "I don '" and never sent the rest)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    import agents.serve.batching as batching
+
+    words = ["[UNK]", "I", "don", "'", "t", "go", ",", "ok", ".", "yes"]
+    wordpiece = Tokenizer(models.WordPiece({w: 100 + i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer, wordpiece.decoder = pre_tokenizers.BertPreTokenizer(), decoders.WordPiece()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=wordpiece, unk_token="[UNK]", clean_up_tokenization_spaces=True)
+    ids = tokenizer("I don't go, ok. yes", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids[:3]) == "I don '" and tokenizer.decode(ids) == "I don't go, ok. yes"
+    module = build_module()
+    batcher = Batcher(module, dict(module.model_config["env"]), rows=1, block=1)
+    assert batcher.eos_id not in ids
+    batcher.tokenizer = tokenizer
+    written = iter(ids)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batching, "next_tokens", lambda *args: torch.tensor([[next(written)]]))
+        job = batcher.submit(Job([Completion("3 7 12", 0, len(ids))], stream=True))
+        deltas, finish = [], None
+        while finish is None:
+            kind, _, value = job._events.get(timeout=60)
+            if kind == "delta":
+                deltas.append(value)
+            else:
+                finish = value
+    assert "".join(deltas) == finish["text"] == "I don't go, ok. yes", deltas
+    assert deltas == ["I", " don", "'t", " go,", " ok. yes"]  # each word once the next one began; the rest at the end
+    batcher.close()
+
+
+def test_completions_starting_in_rows_count_against_the_queue_bound_and_each_unfinished_one_is_counted():
+    """Completions taken from the queue whose rows are still being started hold those rows: a
+    submit meanwhile sees no open row (before: up to `rows` more completions were accepted past
+    --max-queue), and `load` shows them in use. A job cancelled then starts no more completions,
+    each counted as cancelled (before: the ones not started were counted nowhere)."""
+    module = build_module()
+    batcher = Batcher(module, dict(module.model_config["env"]), rows=2, max_queue=1, block=2)
+    entered, release, reset = threading.Event(), threading.Event(), batcher.env.reset
+
+    def slow_reset(*args, **kwargs):  # the first row's start takes a while
+        entered.set()
+        release.wait(timeout=60)
+        return reset(*args, **kwargs)
+
+    batcher.env.reset = slow_reset
+    first = batcher.submit(Job([Completion("3", 0, 6), Completion("3", 1, 6)]))
+    assert entered.wait(timeout=60)
+    queued = batcher.submit(Job([Completion("3 7", 2, 4)]))  # the one completion --max-queue 1 lets wait
+    load = batcher.load()
+    assert (load["active"], load["waiting"]) == (2, 1), load
+    with pytest.raises(Busy, match=r"^server busy: 1 completions are waiting for one of the 2 rows"):
+        batcher.submit(Job([Completion("3 7", 3, 4)]))
+    first.cancel()
+    batcher.env.reset = reset
+    release.set()
+    assert queued.wait(timeout=60)[0]["num_generated"] >= 1
+    load = batcher.load()
+    assert (load["cancelled"], load["completions"], load["refused"], load["active"], load["waiting"]) == (2, 1, 1, 0, 0), load
+    batcher.close()
+
+
+def test_every_completion_a_failed_batch_or_a_refused_prompt_held_counts_as_failed():
+    """A batch that fails fails every completion it holds (in rows and waiting), and a prompt
+    refused at its row's start fails its request's completions: `load`'s `failed` counts each
+    (before: none of them), and the batch serves the next request."""
+    import agents.serve.batching as batching
+
+    module = build_module()
+    batcher = Batcher(module, dict(module.model_config["env"]), rows=1, max_queue=8)
+    reset = batcher.env.reset
+
+    def refusing_reset(*args, options, **kwargs):
+        if options["prompt"] == "refused":
+            raise ValueError("the prompt is refused")
+        return reset(*args, options=options, **kwargs)
+
+    batcher.env.reset = refusing_reset
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batching, "next_tokens", lambda *args: (_ for _ in ()).throw(RuntimeError("boom")))
+        with batcher.cv:  # both in before the batch starts: one in the row, two waiting
+            jobs = [batcher.submit(Job([Completion("3", 0, 4)])), batcher.submit(Job([Completion("3", 1, 4)] * 2))]
+        for job in jobs:
+            with pytest.raises(RuntimeError, match=r"^internal error: RuntimeError: boom$"):
+                job.wait(timeout=60)
+    assert batcher.load()["failed"] == 3
+    refused = batcher.submit(Job([Completion("refused", 0, 4), Completion("3", 1, 4)]))
+    with pytest.raises(RuntimeError, match=r"^prompt: the prompt is refused$"):
+        refused.wait(timeout=60)
+    assert batcher.submit(Job([Completion("3", 2, 4)])).wait(timeout=60)[0]["num_generated"] >= 1
+    load = batcher.load()
+    assert (load["failed"], load["completions"], load["active"], load["waiting"]) == (5, 1, 0, 0), load
+    batcher.close()
+
+
 # -- the routes over HTTP, in-process ---------------------------------------------------------
 
 

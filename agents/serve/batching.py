@@ -246,6 +246,34 @@ class _Row:
     def tokens_left(self) -> int:
         return self.limit - len(self.tokens)
 
+    def text(self, tokenizer) -> str:
+        """The text so far, as the env writes it."""
+        return tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def append(self, token: int, tokenizer, eos_id: int) -> tuple[str, str | None] | None:
+        """Appends a drawn token: (finish reason, text or None) where the completion ends with it;
+        else None, a streaming job sent what of its text the next tokens cannot change."""
+        c = self.completion
+        self.tokens.append(token)
+        text = None
+        if c.stop or self.job.stream:
+            text = self.text(tokenizer)
+            cut = stop_position(text, c.stop) if c.stop else None
+            if cut is not None:
+                return "stop", text[:cut]
+        if token == eos_id:
+            return "stop", text
+        if self.tokens_left <= 0:
+            return "length", text
+        if self.job.stream:  # a trailing U+FFFD: a character whose bytes are not all written yet
+            ready = (text[:len(text) - held_back(text, c.stop)] if c.stop else text).rstrip("\ufffd")
+            if getattr(tokenizer, "clean_up_tokenization_spaces", False):  # "do n" + "'t" decodes as "don't":
+                ready = ready[:max(ready.rfind(" "), 0)]  # the last space and word wait for the next token
+            if ready.startswith(self.sent) and len(ready) > len(self.sent):
+                self.job._emit("delta", self.index, ready[len(self.sent):])
+                self.sent = ready
+        return None
+
 
 class Batcher:
     """`rows` rows of `module` stepping together in a thread (see the module docstring).
@@ -262,8 +290,7 @@ class Batcher:
         self.rows, self.max_queue, self.block = int(rows), int(max_queue), int(block)
         self.env = TokenGenerationEnv(self.env_config)  # resets a row's window (the rows' windows live in obs)
         self.device = policy_device(module)
-        self.eos_id, self.tokenizer = self.env.eos_id, self.env.tokenizer
-        self.max_new_tokens = self.env.max_new_tokens
+        self.eos_id, self.tokenizer, self.max_new_tokens = self.env.eos_id, self.env.tokenizer, self.env.max_new_tokens
         self._scorers: dict[int, TokenGenerationEnv] = {}  # max_tokens -> an env scoring at that length
         self.slots: list[_Row | None] = [None] * self.rows
         self.obs: dict[str, np.ndarray] | None = None
@@ -275,6 +302,7 @@ class Batcher:
                                     "max_active"), 0)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._starting = 0  # completions taken from the queue whose rows are being started
         self.on_step = None  # called after each block, in the batch's thread (tests pause it here)
 
     # -- the consumers' side (any thread) ------------------------------------------------------
@@ -283,7 +311,7 @@ class Batcher:
         """Queues the job's completions for rows; raises Busy when they would leave more than
         `max_queue` completions waiting for a row."""
         with self.cv:
-            if len(self.waiting) + len(job.completions) - len(self._free_rows()) > self.max_queue:
+            if len(self.waiting) + len(job.completions) - self._open_rows() > self.max_queue:
                 self.stats["refused"] += 1
                 raise Busy(f"server busy: {self._queued()} completions are waiting for one of the {self.rows} rows, "
                            f"and this request's {len(job.completions)} would pass --max-queue {self.max_queue}; retry later")
@@ -298,7 +326,7 @@ class Batcher:
         """Rows in use and completions waiting, the counters since the start, the engine's captures."""
         engine = getattr(getattr(self.module, "kv_cache", None), "engine", None)
         with self.cv:
-            return {"rows": self.rows, "active": sum(s is not None for s in self.slots),
+            return {"rows": self.rows, "active": self.rows - self._open_rows(),
                     "waiting": self._queued(), "max_queue": self.max_queue, **self.stats,
                     "graphs_captured": getattr(engine, "captures", 0)}
 
@@ -311,12 +339,17 @@ class Batcher:
 
     # -- the batch (its own thread) ------------------------------------------------------------
 
-    def _free_rows(self) -> list[int]:
-        return [i for i, s in enumerate(self.slots) if s is None]
+    def _open_rows(self) -> int:
+        """Rows free and not taken by a completion about to start in them."""
+        return self.slots.count(None) - self._starting
 
     def _queued(self) -> int:
-        """Completions waiting for a row (the ones free rows take at the next block are not)."""
-        return max(0, len(self.waiting) - len(self._free_rows()))
+        """Completions waiting for a row (the ones open rows take at the next block are not)."""
+        return max(0, len(self.waiting) - self._open_rows())
+
+    def _lost(self, job: Job) -> None:
+        """Counts a completion of `job` that ends unfinished: failed with its job, else cancelled."""
+        self.stats["failed" if job.error is not None else "cancelled"] += 1
 
     def _run(self) -> None:
         while True:
@@ -328,10 +361,7 @@ class Batcher:
                     return
                 admitted = self._admit()
             try:
-                while admitted:  # a job refused at an earlier row's start, or gone meanwhile, starts no more
-                    if not admitted[0][1].cancelled:
-                        self._start_row(*admitted[0])
-                    admitted.pop(0)
+                self._start(admitted)
                 if any(s is not None for s in self.slots):
                     self.step()
             except Exception as e:  # a bug or a task failure: fail what is running, keep serving
@@ -344,29 +374,46 @@ class Batcher:
             if row is not None and row.job.cancelled:
                 self._end(i, "cancelled")
         if any(job.cancelled for job, _ in self.waiting):
-            dropped = [(j, k) for j, k in self.waiting if j.cancelled]
+            for job in [j for j, _ in self.waiting if j.cancelled]:
+                self._lost(job)
             self.waiting = collections.deque((j, k) for j, k in self.waiting if not j.cancelled)
-            self.stats["cancelled"] += len(dropped)
 
     def _admit(self) -> list:
-        taken = [self.waiting.popleft() for _ in self._free_rows()[:len(self.waiting)]]  # the queue's first, a row each
-        return [(i, job, k, job.completions[k]) for i, (job, k) in zip(self._free_rows(), taken)]
+        """Takes the queue's first completions, one for each free row: [(row, job, index, completion)]."""
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        taken = [self.waiting.popleft() for _ in free[:len(self.waiting)]]
+        self._starting = len(taken)  # their rows are not open to a submit's count until they start
+        return [(i, job, k, job.completions[k]) for i, (job, k) in zip(free, taken)]
 
-    def _start_row(self, i: int, job: Job, index: int, c: Completion) -> None:
+    def _start(self, admitted: list) -> None:
+        """Starts `_admit`'s completions in their rows, popping each from `admitted` once started; a
+        job refused at an earlier row's start, or cancelled meanwhile, starts no more (counted)."""
+        while admitted:
+            i, job, k, c = admitted[0]
+            row = None if job.cancelled else self._start_row(i, job, k, c)
+            with self.cv:
+                if row is None:
+                    self._lost(job)
+                self.slots[i] = row
+                self._starting -= 1
+            admitted.pop(0)
+
+    def _start_row(self, i: int, job: Job, index: int, c: Completion) -> _Row | None:
+        """Row i's window reset with the completion's prompt; its `_Row`, or None where the prompt is refused."""
         try:
             obs, info = self.env.reset(seed=c.seed, options={"prompt": c.prompt, "meta": c.meta or {},
                                                                  "score": False})
         except ValueError as e:  # checked before submit; kept from failing the batch all the same
             job._fail(f"prompt: {e}")
             job.cancel()  # its other completions' rows are freed
-            return
+            return None
         if self.obs is None:  # the first row: every row's window starts as a copy of it
             self.obs = {k: np.repeat(v[None], self.rows, axis=0) for k, v in obs.items()}
         for k, v in obs.items():
             self.obs[k][i] = v
         self.cont[i] = False
-        self.slots[i] = _Row(job, index, c, torch.Generator().manual_seed(c.seed), info["prompt"],
-                             len(self.env.prompt_ids), limit=min(c.max_tokens, self.max_new_tokens))
+        return _Row(job, index, c, torch.Generator().manual_seed(c.seed), info["prompt"],
+                    len(self.env.prompt_ids), limit=min(c.max_tokens, self.max_new_tokens))
 
     def step(self) -> None:
         """One block of up to `block` tokens for every row in use (idle rows step too, their
@@ -391,58 +438,40 @@ class Batcher:
             row = self.slots[i]
             for kept, token in enumerate(per_row[i], 1):  # up to the row's end (its later tokens are dropped)
                 self.stats["tokens"] += 1
-                self._after_token(i, token)
+                end = row.append(token, self.tokenizer, self.eos_id)
+                if end is not None:
+                    self._end(i, *end)
                 if self.slots[i] is not row:
                     self.stats["dropped"] += k - kept
                     break
         if self.on_step is not None:
             self.on_step()
 
-    def _text(self, i: int) -> str:
-        """Row i's text so far, as its env writes it."""
-        return self.tokenizer.decode(self.slots[i].tokens, skip_special_tokens=True)
-
-    def _after_token(self, i: int, action: int) -> None:
-        row = self.slots[i]
-        c = row.completion
-        row.tokens.append(action)
-        text = None
-        if c.stop or row.job.stream:
-            text = self._text(i)
-            cut = stop_position(text, c.stop) if c.stop else None
-            if cut is not None:
-                return self._end(i, "stop", text[:cut])
-        if action == self.eos_id:
-            return self._end(i, "stop", text)
-        if row.tokens_left <= 0:
-            return self._end(i, "length", text)
-        if row.job.stream:  # a trailing U+FFFD: a character whose bytes are not all written yet
-            ready = (text[:len(text) - held_back(text, c.stop)] if c.stop else text).rstrip("\ufffd")
-            if ready.startswith(row.sent) and len(ready) > len(row.sent):
-                row.job._emit("delta", row.index, ready[len(row.sent):])
-                row.sent = ready
-
     def _end(self, i: int, reason: str, text: str | None = None) -> None:
         """Frees row i after its text (and reward) went to its job; a failing reward fails that job alone."""
-        row = self.slots[i]
-        outcome = "failed" if row.job.error is not None else "cancelled" if reason == "cancelled" else None
-        if outcome is None:  # a completion of a job still going: its text (and reward) to the job
-            text = self._text(i) if text is None else text
+        row, handed = self.slots[i], False
+        if row.job.error is None and reason != "cancelled":  # a completion of a job still going: its text to the job
+            text = row.text(self.tokenizer) if text is None else text
             try:
                 hand_over(row, reason, text, self._scorers, self.env_config)
-                outcome = "completions"
+                handed = True
             except Exception as e:
-                outcome = "failed"
                 row.job._fail(f"reward: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
                 row.job.cancel()
-        self.stats[outcome] += 1
+        if handed:
+            self.stats["completions"] += 1
+        else:
+            self._lost(row.job)
         self.slots[i] = None
 
     def _fail_all(self, message: str, admitted: list = ()) -> None:
+        """The batch failed: every completion it holds (in a row, starting, waiting) fails with `message`."""
         with self.cv:
-            jobs = {id(j): j for j in [*admitted, *(s.job for s in self.slots if s is not None), *(j for j, _ in self.waiting)]}
+            lost = [*admitted, *(s.job for s in self.slots if s is not None), *(j for j, _ in self.waiting)]
+            self.stats["failed"] += len(lost)
             self.slots = [None] * self.rows
             self.waiting.clear()
+            self._starting = 0
             self.cont[:] = False  # every row restarts: nothing cached is trusted
-        for job in jobs.values():
+        for job in {id(j): j for j in lost}.values():
             job._fail(message)
