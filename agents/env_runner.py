@@ -85,7 +85,7 @@ from ray.rllib.utils import force_list
 from ray.rllib.utils.metrics import SAMPLE_TIMER, WEIGHTS_SEQ_NO
 
 from agents.core import ROLLOUT_STATE, ROW_CONTINUES, global_rng_state, set_global_rng_state, state_requested
-from agents.modules.decode_engine import HostTransfers
+from agents.modules.host_transfers import HostTransfers
 from agents.runner_episodes import EpisodeBuilder, EpisodeMetrics, Rollout, log_sampled
 from agents.rollout_state import (_module_rollout_states, _seed_module_rollouts, _set_module_rollout_states,
                                   env_state, rollout_seed, sampling_state, set_env_state, set_sampling_state)

@@ -122,6 +122,35 @@ def test_ring_step_equals_a_whole_window_pass_as_the_slot_wraps_around():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("captured", [False, True])
+def test_a_step_over_the_first_rows_gives_their_window_pass_and_leaves_the_other_rows(captured):
+    """A call over the first 3 of an engine's 5 rows (a serving batch stepping only its rows in
+    use) gives those rows' uncached hidden states and leaves the other rows' keys and values as
+    they were; a call over every row after it goes on with the first 3 (the others' columns are
+    stale: a serving batch's idle rows). Captured (emulated on the CPU) as a graph of its own."""
+    module, trunk, ids, mask = _engine_and_window(L=10)
+    engine = DecodeEngine(trunk, 5, 10)
+    if captured:
+        capture_on_the_cpu(engine)
+    engine.load_rows(None, prefill_pass(trunk, ids, mask)[1], mask)
+    others = engine.kv[:, :, 3:].clone()
+    g = torch.Generator().manual_seed(2)
+    for rows in (3, 3, 3, 5, 5):
+        token = torch.randint(2, 12, (5,), generator=g)  # the first 3 rows' windows grow by theirs
+        ids = torch.cat([ids[:, 1:], token[:, None]], 1)
+        mask = torch.cat([mask[:, 1:], torch.ones(5, 1, dtype=torch.long)], 1)
+        hidden = engine.step(token[:rows])
+        want = trunk(input_ids=ids[:3], attention_mask=mask[:3],
+                     position_ids=(mask[:3].cumsum(-1) - 1).clamp(min=0)).last_hidden_state[:, -1]
+        assert hidden.shape == (rows, trunk.embed_dim)
+        torch.testing.assert_close(hidden[:3], want, atol=1e-5, rtol=1e-5)
+        if rows == 3:
+            assert torch.equal(engine.kv[:, :, 3:], others)
+    if captured:
+        assert ("part", 3, None) in engine.graphs and None in engine.graphs
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("sampler", [None, {"name": "top_k", "k": 4}, {"name": "top_p", "p": 0.8},
                                      {"name": "typical", "p": 0.9}, {"name": "eta", "eta": 0.01}])
 def test_static_step_compiles_with_fullgraph_and_gives_the_eager_steps_outputs(sampler):
@@ -295,7 +324,7 @@ def test_greedy_evaluation_in_blocks_of_four_replays_half_the_graphs_and_runs_fe
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_host_transfers_round_trip_a_steps_observations_and_outputs(device):
-    from agents.modules.decode_engine import HostTransfers
+    from agents.modules.host_transfers import HostTransfers
 
     transfers = HostTransfers()
     for step in range(3):  # buffers are reused step after step

@@ -265,6 +265,26 @@ def test_a_stream_holds_back_a_character_whose_bytes_are_not_all_written():
     batcher.close()
 
 
+def test_a_lone_request_steps_one_row_of_the_batch():
+    """A replica of 8 rows serving one request steps one row (the first 1, 2, 4 or 8 rows that hold
+    the rows in use; before: all 8), and rows that join later take the rows after it with the texts
+    they get alone (the engine keeps every row's keys and values)."""
+    module = build_module()
+    batcher = Batcher(module, dict(module.model_config["env"]), rows=8, block=4)
+    stats = module.kv_cache.stats
+    alone = batcher.submit(Job([Completion("3 7 12", 5, 12)])).wait(timeout=60)[0]
+    steps = batcher.load()["steps"]
+    assert (stats["prefill_rows"], stats["incremental_rows"]) == (1, steps - 1), (stats, steps)
+    with batcher.cv:  # five together: rows 0-4, stepped as the first 8
+        jobs = [batcher.submit(Job([Completion("3 7 12", 5, 12)]))] + [
+            batcher.submit(Job([Completion("1 2", s, 6 + s)])) for s in range(4)]
+    together = [j.wait(timeout=60)[0] for j in jobs]
+    assert together[0]["text"] == alone["text"]
+    assert [r["text"] for r in together[1:]] == [batcher.submit(Job([Completion("1 2", s, 6 + s)])).wait(timeout=60)[0]["text"]
+                                                for s in range(4)]
+    batcher.close()
+
+
 def test_a_stream_through_a_tokenizer_that_cleans_up_spaces_sends_the_text_it_ends_with():
     """A tokenizer that cleans up spaces in the decoded text (`clean_up_tokenization_spaces`, as
     BERT's kind may) decodes "don '" + "t" as "don't": text already streamed would change. The

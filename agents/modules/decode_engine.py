@@ -26,7 +26,6 @@ Only a plain `GPT2Model` trunk qualifies (`_plain_gpt2_blocks`); others keep `Wi
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch._dynamo.exc import TorchDynamoException
@@ -104,25 +103,30 @@ class RingBuffers:
         self.keys, self.values = list(self.kv[0].unbind(0)), list(self.kv[1].unbind(0))
 
     def matches(self, trunk, rows: int, length: int) -> bool:
+        """Whether a call of `rows` rows over `length` columns runs here (the first `rows` of its rows)."""
         p = trunk.wte.weight
-        return (trunk is self.trunk and rows == self.rows and length == self.length
+        return (trunk is self.trunk and rows <= self.rows and length == self.length
                 and p.device == self.device and p.dtype == self.dtype)
 
     # -- the static step ------------------------------------------------------------------
 
     def step_hidden(self, token: torch.Tensor) -> torch.Tensor:
-        """Appends `token` (rows,) to every row: advances the slot, writes each layer's new key
-        and value there, and returns the final hidden state at the new token (rows, D). Fixed
-        shapes, in-place writes, no host sync."""
-        trunk, B, heads, hd = self.trunk, self.rows, self.heads, self.head_dim
+        """Appends `token` (B,) to each of the first B rows (B <= rows; the others' columns at the
+        slot are left as they were): advances the slot, writes each layer's new key and value there,
+        and returns the final hidden state at the new token (B, D). Fixed shapes, in-place writes,
+        no host sync."""
+        trunk, B, heads, hd = self.trunk, token.shape[0], self.heads, self.head_dim
         D = heads * hd
         slot = self.slot.add_(1).remainder_(self.length)
         real = self.real.index_fill_(1, slot, True)
+        layers = zip(self.keys, self.values)
+        if B < self.rows:  # the first B rows
+            real, layers = real[:B], [(keys[:B], values[:B]) for keys, values in layers]
         position = real.sum(-1) - 1
         h = F.embedding(token, trunk.wte.weight) + F.embedding(position, trunk.wpe.weight)
         attention = attention_mask_per_head(torch.zeros(B, 1, 1, self.length, dtype=h.dtype, device=h.device)
                                             .masked_fill_(~real[:, None, None, :], torch.finfo(h.dtype).min), heads)
-        for blk, keys, values in zip(self.blocks, self.keys, self.values):
+        for blk, (keys, values) in zip(self.blocks, layers):
             x = F.layer_norm(h, (D,), blk.ln_1.weight, blk.ln_1.bias, blk.ln_1.eps)
             q, k, v = torch.addmm(blk.attn.c_attn.bias, x, blk.attn.c_attn.weight).view(B, 3, heads, 1, hd).unbind(1)
             keys.index_copy_(2, slot, k.to(keys.dtype))
@@ -162,7 +166,7 @@ class RingBuffers:
     def load_rows(self, rows: torch.Tensor | None, layers, mask: torch.Tensor) -> None:
         """Writes prefilled windows (keys and values stacked (2, layers, n, heads, L, hd), or per
         layer [(keys, values)], in the env's window layout, newest column last) into `rows` (None:
-        every row), rotated so that the newest column sits at the current slot: a few tensor ops
+        the first n rows, the others left stale), rotated so that the newest column sits at the current slot: a few tensor ops
         whatever the number of layers. Loading every row starts the ring over in the window's own
         layout (newest column at slot L-1), so what follows a full load does not depend on the
         steps before it (float rounding included)."""
@@ -172,8 +176,8 @@ class RingBuffers:
         shift = (self.slot_host + 1) % self.length
         kv = torch.roll(stack_layers(layers), shift, -2).to(self.dtype)
         if rows is None:
-            self.kv.copy_(kv)
-            self.real.copy_(torch.roll(mask.bool(), shift, 1))
+            self.kv[:, :, :kv.shape[2]].copy_(kv)
+            self.real[:len(mask)].copy_(torch.roll(mask.bool(), shift, 1))
         else:
             self.kv.index_copy_(2, rows, kv)
             self.real[rows] = torch.roll(mask.bool(), shift, 1)
@@ -191,7 +195,7 @@ class DecodeEngine(RingBuffers):
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.compile_step = compile_step
         # name -> (graph, static inputs, static output); names: a step's tail key, ("tail", key),
-        # ("restart", rows prefilled, key), ("steps", steps, key)
+        # ("restart", rows prefilled, key), ("steps", steps, key); ("part", rows, name) over fewer rows
         self.graphs: dict = {}
         self.compiled: dict = {}  # name -> the compiled eager function (compile_step without capture)
         self.captures = 0  # graphs captured so far (a key dropped and seen again is captured again)
@@ -242,6 +246,7 @@ class DecodeEngine(RingBuffers):
     def _run(self, name, fn, inputs: tuple, steps: int = 1):
         """`fn(*inputs)` (a function of fixed shapes that takes `steps` steps): eagerly, compiled
         (`compile_step`), or as the CUDA graph captured for `name` at its first call."""
+        name = self.part(name, inputs[0].shape[0])
         if not self.capture:
             self.slot_host = (self.slot_host + steps) % self.length
             if not self.compile_step:
@@ -258,6 +263,11 @@ class DecodeEngine(RingBuffers):
         self.slot_host = (self.slot_host + steps) % self.length
         return self._replay(graph, inputs)
 
+    def part(self, name, rows: int):
+        """A graph's or compiled function's name for a call over the first `rows` rows: ("part",
+        rows, name) where that is fewer than the engine's (their shapes differ)."""
+        return name if rows == self.rows else ("part", rows, name)
+
     def _whole_step(self, tail, token: torch.Tensor, tail_inputs, restart=None):
         hidden = self.step_hidden(token) if restart is None else self.restart_hidden(token, *restart)
         return hidden if tail is None else tail(hidden, *tail_inputs)
@@ -273,10 +283,11 @@ class DecodeEngine(RingBuffers):
             return hidden
         if not self.capture:
             return tail(hidden, *tail_inputs)
-        graph = self.graphs.get(("tail", key))
+        name = self.part(("tail", key), hidden.shape[0])
+        graph = self.graphs.get(name)
         if graph is None:
             static_inputs = [hidden.clone(), *(t.clone() for t in tail_inputs)]
-            graph = self.graphs[("tail", key)] = self._capture(static_inputs, lambda: tail(*static_inputs))
+            graph = self.graphs[name] = self._capture(static_inputs, lambda: tail(*static_inputs))
             self.captures += 1
         return self._replay(graph, (hidden, *tail_inputs))
 
@@ -352,6 +363,9 @@ class RingKVCache(WindowKVCache):
         self.static_restarts: bool | None = None
         self.static_blocks = True  # a block's steps after the first as one static function (`continue_block`)
         self.tail_keys: list = []  # tails whose graphs are kept, oldest first (`decoding.keep_graphs_of`)
+        # rows an engine is made with, at least a call's: a serving batch then steps only its first
+        # rows in use on the same ring (calls of fewer rows, `DecodeEngine.part`)
+        self.engine_rows = 0
 
     def invalidate(self) -> None:
         super().invalidate()
@@ -369,9 +383,15 @@ class RingKVCache(WindowKVCache):
             return self.engine
         if _plain_gpt2_blocks(trunk) is None:
             return None
-        self.engine = DecodeEngine(trunk, rows, length, capture=self.capture, compile_step=self.compile_step)
+        self.engine = DecodeEngine(trunk, max(rows, self.engine_rows), length, capture=self.capture,
+                                   compile_step=self.compile_step)
         self.loaded = False
         return self.engine
+
+    def steps_row_prefixes(self, trunk) -> bool:
+        """Whether calls over the first rows of `engine_rows` keep the other rows' ring (an engine
+        serves `trunk`); elsewhere a call of another number of rows restarts every row."""
+        return self.use_engine and self.use_lean_step and _plain_gpt2_blocks(trunk) is not None
 
     @property
     def restarts_in_step(self) -> bool:
@@ -406,9 +426,14 @@ class RingKVCache(WindowKVCache):
         return out
 
     def _continuing(self, ids, mask, cont) -> torch.Tensor:
-        """Which rows continue, on the CPU."""
-        if not self.loaded or self.ids is None or self.ids.shape != ids.shape:
+        """Which rows continue, on the CPU. A call over another number of the engine's first rows
+        than the last one's continues the rows `cont` says (a serving batch's: rows the last call
+        did not step are idle ones, whose tokens are not read, or restart)."""
+        if not self.loaded or self.ids is None or self.ids.shape[1] != ids.shape[1] or (
+                self.ids.shape[0] != ids.shape[0] and cont is None):
             return torch.zeros(ids.shape[0], dtype=torch.bool)
+        if self.ids.shape[0] != ids.shape[0]:
+            return torch.as_tensor(cont, dtype=torch.bool, device="cpu")
         return rows_that_continue(self.ids, self.mask, ids, mask, cont, host=True)
 
     @torch.no_grad()
@@ -446,40 +471,3 @@ class RingKVCache(WindowKVCache):
             engine.load_rows(fill_rows, filled, mask[fill_rows])
             hidden[fill_rows] = h_fill.to(hidden.dtype)
         return engine.tail(hidden, tail, tail_inputs, key)
-
-
-class HostTransfers:
-    """A rollout step's copies between the host and a CUDA device through pinned buffers (kept per
-    name, reused each step): observations go up without blocking, outputs come down with one
-    sync per step. The arrays returned are views of the pinned buffers, valid until the next
-    step (the runner copies them into its episode buffers first). On the CPU, plain tensors."""
-
-    def __init__(self):
-        self.up, self.down = {}, {}
-
-    @staticmethod
-    def _pinned(cache: dict, name: str, like: torch.Tensor) -> torch.Tensor:
-        buf = cache.get(name)
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = cache[name] = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
-        return buf
-
-    def to_device(self, name: str, array: np.ndarray, device: torch.device) -> torch.Tensor:
-        host = torch.from_numpy(array)
-        if device.type != "cuda":
-            return host.to(device)
-        pinned = self._pinned(self.up, name, host)
-        pinned.copy_(host)  # the last step's copy out of this buffer finished: its outputs were synced
-        return pinned.to(device, non_blocking=True)
-
-    def to_host(self, out: dict) -> dict:
-        devices = {v.device for v in out.values()}
-        if not any(d.type == "cuda" for d in devices):
-            return {k: v.cpu().numpy() for k, v in out.items()}
-        pinned = {k: self._pinned(self.down, k, v) for k, v in out.items()}
-        for k, v in out.items():
-            pinned[k].copy_(v, non_blocking=True)
-        for d in devices:
-            if d.type == "cuda":
-                torch.cuda.current_stream(d).synchronize()
-        return {k: p.numpy() for k, p in pinned.items()}

@@ -45,10 +45,13 @@ def keep_graphs_of(engine, keys: list, key, kept: int = SAMPLING_SETTINGS_KEPT) 
     if key in keys:
         keys.remove(key)
     keys.append(key)
+    def tail_key(name):  # a graph's name without the rows it runs over (`DecodeEngine.part`)
+        return name[-1] if isinstance(name, tuple) and name[:1] == ("part",) else name
+
     while len(keys) > kept:
         old = keys.pop(0)
-        names = [n for n in (engine.graphs if engine is not None else ()) if isinstance(n, tuple)]
-        for name in [n for n in names if old in (n, n[-1])]:
+        names = [n for n in (engine.graphs if engine is not None else ()) if isinstance(tail_key(n), tuple)]
+        for name in [n for n in names if old in (tail_key(n), tail_key(n)[-1])]:
             del engine.graphs[name]
             engine.compiled.pop(name, None)
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from agents.models import DTYPES, has_lora, is_adapter_key
-from agents.modules.decode_engine import HostTransfers
+from agents.modules.host_transfers import HostTransfers
 
 SYNC_BF16 = "__bf16_as_int16__"  # a lean state's key: the keys whose bf16 tensors travel as int16 bits
 

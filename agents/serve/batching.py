@@ -229,6 +229,17 @@ def hand_over(row, reason: str, text: str, scorers: dict, env_config: dict) -> N
                                 "prompt": row.prompt, "prompt_tokens": row.prompt_tokens, "reward": reward})
 
 
+def append_windows(obs: dict, tokens: np.ndarray) -> None:
+    """Appends each row's tokens ((steps, rows)) to its window in `obs` in place, as the env's
+    observation does: the prompt and generated tokens right-aligned in a window that holds them all."""
+    k = len(tokens)
+    ids, mask = obs["input_ids"], obs["attention_mask"]
+    ids[:, :-k] = ids[:, k:].copy()
+    ids[:, -k:] = tokens.T
+    mask[:, :-k] = mask[:, k:].copy()
+    mask[:, -k:] = 1
+
+
 @dataclasses.dataclass
 class _Row:
     job: Job
@@ -303,6 +314,10 @@ class Batcher:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._starting = 0  # completions taken from the queue whose rows are being started
+        cache = getattr(module, "kv_cache", None)  # steps only its first rows in use where the engine keeps the rest
+        self.prefixes = hasattr(cache, "steps_row_prefixes") and cache.steps_row_prefixes(module._trunk(module.lm))
+        if self.prefixes:
+            cache.engine_rows = self.rows
         self.on_step = None  # called after each block, in the batch's thread (tests pause it here)
 
     # -- the consumers' side (any thread) ------------------------------------------------------
@@ -339,8 +354,7 @@ class Batcher:
 
     # -- the batch (its own thread) ------------------------------------------------------------
 
-    def _open_rows(self) -> int:
-        """Rows free and not taken by a completion about to start in them."""
+    def _open_rows(self) -> int:  # rows free and not taken by a completion about to start in them
         return self.slots.count(None) - self._starting
 
     def _queued(self) -> int:
@@ -416,23 +430,20 @@ class Batcher:
                     len(self.env.prompt_ids), limit=min(c.max_tokens, self.max_new_tokens))
 
     def step(self) -> None:
-        """One block of up to `block` tokens for every row in use (idle rows step too, their
-        outputs ignored), or one token where the step cannot be a block (`next_tokens`)."""
+        """A block of up to `block` tokens (one where it cannot be a block: `next_tokens`) of the first
+        1, 2, 4, ... rows that hold every row in use (all `rows` where the module's cache cannot keep
+        the others' keys and values); idle rows among them step too, their outputs ignored."""
         active = [i for i, s in enumerate(self.slots) if s is not None]
-        tokens = next_tokens(self.module, self.slots, self.obs, self.cont, self.block, self.device,
+        n = min(self.rows, 1 << active[-1].bit_length()) if self.prefixes else self.rows
+        obs = {name: v[:n] for name, v in self.obs.items()}  # views: the windows below append in place
+        tokens = next_tokens(self.module, self.slots[:n], obs, self.cont[:n], self.block, self.device,
                              bool(self.waiting))
         k = len(tokens)
         self.cont[:] = True
         self.stats["steps"] += k
         self.stats["blocks"] += 1
         self.stats["max_active"] = max(self.stats["max_active"], len(active))
-        # Every window appends its row's tokens, as the env's observation does: the prompt and
-        # generated tokens right-aligned in a window that holds them all.
-        ids, mask = self.obs["input_ids"], self.obs["attention_mask"]
-        ids[:, :-k] = ids[:, k:].copy()
-        ids[:, -k:] = tokens.numpy().T
-        mask[:, :-k] = mask[:, k:].copy()
-        mask[:, -k:] = 1
+        append_windows(obs, tokens.numpy())
         per_row = tokens.T.tolist()
         for i in active:
             row = self.slots[i]
