@@ -4,12 +4,13 @@ HTTP: completions/s and tokens/s with blocks on the decode engine against one ca
     python benchmarks/serve_batch.py [--model tiny-gpt2] [--vocab 52 50257] [--rows 16] [--completions 160]
                                      [--new 20] [--block 8] [--mix default|settings] [--reps 3]
                                      [--device cpu|cuda] [--precision fp32|bf16] [--paths blocks stepwise]
-                                     [--count-ops]
+                                     [--count-ops] [--one-by-one]
 
 For each vocabulary it builds the fast EnvRunner's module on --device (random weights, the
 synthetic numbers task with --vocab - 2 number tokens; no download), then per path runs one
 warm-up round and --reps timed rounds: --completions completions of up to --new tokens submitted
-at once, one job each, to a Batcher of --rows rows, and prints the median completions/s and
+at once (`--one-by-one`: each once the one before it finished, as a lone client sends them), one
+job each, to a Batcher of --rows rows, and prints the median completions/s and
 generated tokens/s. `--mix default`: every completion sampled at temperature 1; `settings`: a mix
 of greedy rows, temperatures, top_p and every stateless requested sampler. `--paths`: `blocks`
 (the default path: blocks of --block steps on the decode engine, `decoding.rows_block`) and/or
@@ -50,9 +51,11 @@ def completions(n: int, new: int, mix: str, seed: int) -> list:
     return [Completion(PROMPTS[i % len(PROMPTS)], seed + i, new, **settings[i % len(settings)]) for i in range(n)]
 
 
-def run_round(batcher, items) -> int:
+def run_round(batcher, items, one_by_one: bool = False) -> int:
     from agents.serve.batching import Job
 
+    if one_by_one:  # a lone client: each completion submitted once the one before it finished
+        return sum(batcher.submit(Job([c])).wait(timeout=600)[0]["num_generated"] for c in items)
     jobs = [batcher.submit(Job([c])) for c in items]
     return sum(j.wait(timeout=600)[0]["num_generated"] for j in jobs)
 
@@ -82,6 +85,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="the policy's weights")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--one-by-one", action="store_true",
+                   help="submit each completion once the one before it finished (a lone client), not all at once")
     p.add_argument("--paths", nargs="+", default=["blocks", "stepwise"], choices=("blocks", "stepwise"))
     p.add_argument("--count-ops", action="store_true",
                    help="instead of timing: one round per path with the decode engine's graphs emulated on the "
@@ -95,7 +100,7 @@ def main(argv=None) -> int:
     device = "cpu" if args.count_ops else args.device
     what = "ops outside the engine's graphs (emulated on the CPU)" if args.count_ops else "timed"
     print(f"model={args.model} rows={args.rows} completions={args.completions} new={args.new} block={args.block} "
-          f"mix={args.mix} device={device} precision={args.precision} torch={torch.__version__}: {what}", flush=True)
+          f"mix={args.mix} one_by_one={args.one_by_one} device={device} precision={args.precision} torch={torch.__version__}: {what}", flush=True)
     for vocab in args.vocab:
         ns = argparse.Namespace(model=args.model, vocab=vocab, batch=args.rows, prompt=5, new=args.new,
                                 device=device, precision="fp32" if args.count_ops else args.precision)
@@ -131,7 +136,8 @@ def main(argv=None) -> int:
                     for rep in range(args.reps):
                         sync(torch.device(device))
                         start = time.perf_counter()
-                        tokens.append(run_round(batcher, completions(args.completions, args.new, args.mix, rep + 1)))
+                        tokens.append(run_round(batcher, completions(args.completions, args.new, args.mix, rep + 1),
+                                                args.one_by_one))
                         sync(torch.device(device))
                         times.append(time.perf_counter() - start)
                 finally:

@@ -418,6 +418,9 @@ def test_a_streamed_completion_is_openais_chunks_with_the_text_of_the_whole_repl
                                                              "stream_options": {"include_usage": True}}) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             events = events_of(r)
+        # choice k draws with seed + k (docs/serving.md): choice 2 is prompt "5"'s first at seed 7
+        alone = client.post("/v1/completions", json={**body, "prompt": "5", "n": 1, "seed": 7}).json()
+    assert alone["choices"][0]["text"] == whole["choices"][2]["text"]
     assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"] == whole["usage"]
     texts, finish = {}, {}
     for e in events[:-2]:

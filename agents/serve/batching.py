@@ -434,7 +434,7 @@ class Batcher:
         1, 2, 4, ... rows that hold every row in use (all `rows` where the module's cache cannot keep
         the others' keys and values); idle rows among them step too, their outputs ignored."""
         active = [i for i, s in enumerate(self.slots) if s is not None]
-        n = min(self.rows, 1 << active[-1].bit_length()) if self.prefixes else self.rows
+        n = min(self.rows, 1 << active[-1].bit_length()) if self.prefixes and active else self.rows
         obs = {name: v[:n] for name, v in self.obs.items()}  # views: the windows below append in place
         tokens = next_tokens(self.module, self.slots[:n], obs, self.cont[:n], self.block, self.device,
                              bool(self.waiting))
