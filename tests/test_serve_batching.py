@@ -205,16 +205,16 @@ def test_a_reward_that_fails_fails_its_own_request_and_no_other(monkeypatch):
     """A scored completion whose reward raises (a non-finite score, a scorer's error): its job gets
     one error line and frees its rows; the request beside it and one waiting in the queue are
     answered (before: that job never finished, and every other job got "internal error")."""
-    import agents.serve.batching as batching
+    import agents.serve.scoring as scoring
 
-    real = batching.score
+    real = scoring.score
 
     def score(scorers, env_config, c, prompt, text):
         if c.seed == 666:
             raise ValueError("task 'x': the reward is nan for generation '...'")
         return real(scorers, env_config, c, prompt, text)
 
-    monkeypatch.setattr(batching, "score", score)
+    monkeypatch.setattr(scoring, "score", score)
     module = build_module()
     batcher = Batcher(module, dict(module.model_config["env"]), rows=2, max_queue=8, block=2)
     with batcher.cv:  # all three in before the batch starts: the bad one (2 completions), one beside, one queued
@@ -228,6 +228,34 @@ def test_a_reward_that_fails_fails_its_own_request_and_no_other(monkeypatch):
     assert load["active"] == 0 and load["waiting"] == 0
     # its other completion freed its row, and sent nothing after; both count as failed, neither as done or cancelled
     assert (load["failed"], load["cancelled"], load["completions"]) == (2, 0, 2) and bad._events.empty(), load
+    batcher.close()
+
+
+def test_a_slow_reward_does_not_stall_the_rows_of_other_requests(monkeypatch):
+    """A scored completion's reward (a classifier, say) runs in a thread of its own: while it
+    runs, other requests' rows go on and are answered (before: every row waited for it), and the
+    scored request gets its reward after."""
+    import agents.serve.scoring as scoring
+
+    real, scoring_started, release = scoring.score, threading.Event(), threading.Event()
+
+    def score(scorers, env_config, c, prompt, text):
+        scoring_started.set()
+        assert release.wait(timeout=60)
+        return real(scorers, env_config, c, prompt, text)
+
+    monkeypatch.setattr(scoring, "score", score)
+    module = build_module()
+    batcher = Batcher(module, dict(module.model_config["env"]), rows=2, block=2)
+    try:
+        scored = batcher.submit(Job([Completion("3 7 12", 0, 2, meta={})]))
+        assert scoring_started.wait(timeout=60)
+        other = batcher.submit(Job([Completion("1 2", 1, 12)])).wait(timeout=30)  # answered meanwhile
+        assert other[0]["num_generated"] >= 1 and scored.results == [None]
+    finally:
+        release.set()
+    (result,) = scored.wait(timeout=60)
+    assert result["reward"] is not None and batcher.load()["completions"] == 2
     batcher.close()
 
 

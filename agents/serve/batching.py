@@ -5,7 +5,8 @@ A request is a `Job` of one or more `Completion`s (a prompt, a seed and its own 
 parameters). Each completion waits in a bounded queue for a free row; at the next block boundary
 it takes the row (its environment reset with the prompt: the row restarts, so the policy's KV
 cache prefills it), and when it finishes (EOS, its `max_tokens`, one of its stop strings, or its
-job cancelled) its text goes back to the job and the row is free for the next completion. A full
+job cancelled) the row is free for the next completion and its text goes back to the job (a scored
+one's with its reward, computed in a thread of its own: `scoring.HandOver`). A full
 queue refuses a job at once (`Busy`: HTTP 429).
 
 Every row starts in the checkpoint's own environment (`env.text_env.TokenGenerationEnv` with the
@@ -44,6 +45,7 @@ import numpy as np
 import torch
 
 from agents.samplers import row_tokens
+from agents.serve.scoring import HandOver
 from agents.serve.row_sampling import mirostat_rows, requests_mirostat, row_inputs, row_uniforms, update_mirostat
 from agents.serve.options import BATCH_BLOCK  # decode steps per block (defined with the CLI's other defaults)
 
@@ -88,6 +90,7 @@ class Job:
         self.error: str | None = None
         self._loop = loop
         self._events = asyncio.Queue() if loop is not None else queue.Queue()
+        self._lock = threading.Lock()  # the batch's thread and the scoring one both end completions
 
     def cancel(self) -> None:
         """The client went away: the job's rows are freed at the next block boundary."""
@@ -102,15 +105,17 @@ class Job:
             self._events.put((kind, index, value))
 
     def _finish(self, index: int, result: dict) -> None:
-        self.results[index] = result
-        self._emit("finish", index, result)
-        if all(r is not None for r in self.results):
-            self._emit("done", None, None)
+        with self._lock:
+            self.results[index] = result
+            self._emit("finish", index, result)
+            if all(r is not None for r in self.results):
+                self._emit("done", None, None)
 
     def _fail(self, message: str) -> None:
-        if self.error is None and not all(r is not None for r in self.results):
-            self.error = message
-            self._emit("error", None, message)
+        with self._lock:
+            if self.error is None and not all(r is not None for r in self.results):
+                self.error = message
+                self._emit("error", None, message)
 
     async def events(self):
         """The job's events, as an async iterator (for a job made with an event loop)."""
@@ -208,27 +213,6 @@ def next_tokens(module, slots: list, obs: dict, cont: np.ndarray, block: int, de
     return tokens[None]
 
 
-def score(scorers: dict, env_config: dict, c: Completion, prompt: str, text: str) -> float:
-    """The task's reward for `text`, as the env of the completion's length gives it (a dense
-    reward's return is the same final metric); `scorers` keeps one env per length."""
-    from env.text_env import TokenGenerationEnv
-
-    if c.max_tokens not in scorers:
-        scorers[c.max_tokens] = TokenGenerationEnv({**env_config, "max_new_tokens": c.max_tokens})
-    return scorers[c.max_tokens].score([prompt], [text], [c.meta])[0]
-
-
-def hand_over(row, reason: str, text: str, scorers: dict, env_config: dict) -> None:
-    """A finished row's (`_Row`) completion to its job: the rest of a streamed text, then its
-    result, with its reward where it is scored."""
-    c = row.completion
-    reward = None if c.meta is None else score(scorers, env_config, c, row.prompt, text)
-    if row.job.stream and text.startswith(row.sent) and len(text) > len(row.sent):
-        row.job._emit("delta", row.index, text[len(row.sent):])
-    row.job._finish(row.index, {"text": text, "finish_reason": reason, "num_generated": len(row.tokens),
-                                "prompt": row.prompt, "prompt_tokens": row.prompt_tokens, "reward": reward})
-
-
 def append_windows(obs: dict, tokens: np.ndarray) -> None:
     """Appends each row's tokens ((steps, rows)) to its window in `obs` in place, as the env's
     observation does: the prompt and generated tokens right-aligned in a window that holds them all."""
@@ -302,7 +286,7 @@ class Batcher:
         self.env = TokenGenerationEnv(self.env_config)  # resets a row's window (the rows' windows live in obs)
         self.device = policy_device(module)
         self.eos_id, self.tokenizer, self.max_new_tokens = self.env.eos_id, self.env.tokenizer, self.env.max_new_tokens
-        self._scorers: dict[int, TokenGenerationEnv] = {}  # max_tokens -> an env scoring at that length
+        self.hand_over = HandOver(self.env_config, self._count)  # a finished completion to its job
         self.slots: list[_Row | None] = [None] * self.rows
         self.obs: dict[str, np.ndarray] | None = None
         self.cont = np.zeros(self.rows, dtype=bool)
@@ -351,6 +335,7 @@ class Batcher:
             self.cv.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.hand_over.close()
 
     # -- the batch (its own thread) ------------------------------------------------------------
 
@@ -363,7 +348,11 @@ class Batcher:
 
     def _lost(self, job: Job) -> None:
         """Counts a completion of `job` that ends unfinished: failed with its job, else cancelled."""
-        self.stats["failed" if job.error is not None else "cancelled"] += 1
+        self._count("failed" if job.error is not None else "cancelled")
+
+    def _count(self, outcome: str) -> None:  # from the batch's thread or the scoring one
+        with self.cv:
+            self.stats[outcome] += 1
 
     def _run(self) -> None:
         while True:
@@ -459,21 +448,12 @@ class Batcher:
             self.on_step()
 
     def _end(self, i: int, reason: str, text: str | None = None) -> None:
-        """Frees row i after its text (and reward) went to its job; a failing reward fails that job alone."""
-        row, handed = self.slots[i], False
-        if row.job.error is None and reason != "cancelled":  # a completion of a job still going: its text to the job
-            text = row.text(self.tokenizer) if text is None else text
-            try:
-                hand_over(row, reason, text, self._scorers, self.env_config)
-                handed = True
-            except Exception as e:
-                row.job._fail(f"reward: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
-                row.job.cancel()
-        if handed:
-            self.stats["completions"] += 1
-        else:
-            self._lost(row.job)
-        self.slots[i] = None
+        """Frees row i; a completion of a job still going goes to it (`HandOver`: a scored one in a
+        thread of its own, while the rows go on)."""
+        row, self.slots[i] = self.slots[i], None
+        if row.job.error is not None or reason == "cancelled":
+            return self._lost(row.job)
+        self.hand_over(row, reason, row.text(self.tokenizer) if text is None else text)
 
     def _fail_all(self, message: str, admitted: list = ()) -> None:
         """The batch failed: every completion it holds (in a row, starting, waiting) fails with `message`."""
