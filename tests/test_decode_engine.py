@@ -151,6 +151,30 @@ def test_a_step_over_the_first_rows_gives_their_window_pass_and_leaves_the_other
 
 
 @torch.no_grad()
+def test_a_call_over_other_rows_between_two_calls_restarts_the_rows_said_to_continue():
+    """A cache whose caller did not set `engine_rows` (not a serving batch): a call over 2 other
+    windows between two calls over 4 rows, the second saying its rows continue, restarts them
+    (their ring was written over), so every hidden state is the uncached pass's."""
+    module, trunk, ids, mask = _engine_and_window(B=4, L=10)
+    cache = RingKVCache()
+
+    def call(ids, mask, cont):
+        return cache.hidden_at_last_token(trunk, {"input_ids": ids, "attention_mask": mask}, cont)
+
+    def appended(ids, mask, token):
+        return torch.cat([ids[:, 1:], token[:, None]], 1), torch.cat([mask[:, 1:], torch.ones_like(mask[:, :1])], 1)
+
+    call(ids, mask, torch.zeros(4, dtype=torch.bool))
+    ids, mask = appended(ids, mask, torch.tensor([3, 4, 5, 6]))
+    call(ids, mask, torch.ones(4, dtype=torch.bool))
+    call(ids[:2].flip(-1), mask[:2], None)  # another caller's 2 windows
+    ids, mask = appended(ids, mask, torch.tensor([7, 8, 9, 10]))
+    hidden = call(ids, mask, torch.ones(4, dtype=torch.bool))
+    want = trunk(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).last_hidden_state[:, -1]
+    torch.testing.assert_close(hidden, want, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("sampler", [None, {"name": "top_k", "k": 4}, {"name": "top_p", "p": 0.8},
                                      {"name": "typical", "p": 0.9}, {"name": "eta", "eta": 0.01}])
 def test_static_step_compiles_with_fullgraph_and_gives_the_eager_steps_outputs(sampler):

@@ -293,6 +293,30 @@ def test_a_stream_holds_back_a_character_whose_bytes_are_not_all_written():
     batcher.close()
 
 
+def test_a_row_keeps_its_text_while_rows_join_and_leave_around_it(module):
+    """A completion running alone (one row stepped) while others join in the rows after it (2,
+    then 4 rows stepped) and end before it (back to 1): its text is the one it gets alone, with
+    the policy's own stateful sampler (mirostat's mu per row) carried across (before: a
+    change in the rows stepped started every row's mu over)."""
+    batcher = Batcher(module, dict(module.model_config["env"]), rows=4, block=1)
+    a, late = Completion("3 7 12", 5, 20), {3: Completion("1 2", 9, 15), 6: Completion("5", 3, 4)}
+    alone = run_alone(batcher, [a, *late.values()])
+    start, jobs = batcher.stats["blocks"], []
+
+    def join():
+        if batcher.stats["blocks"] - start in late and len(jobs) < 3:
+            jobs.append(batcher.submit(Job([late[batcher.stats["blocks"] - start]])))
+
+    batcher.on_step = join
+    jobs.insert(0, batcher.submit(Job([a])))
+    results = [jobs[0].wait(timeout=60)[0]]
+    batcher.on_step = None
+    results += [j.wait(timeout=60)[0] for j in jobs[1:]]
+    assert len(results) == 3 and [r["text"] for r in results] == [r["text"] for r in alone]
+    assert results[0]["num_generated"] > 3 + results[1]["num_generated"]  # it ran on after the others ended
+    batcher.close()
+
+
 def test_a_lone_request_steps_one_row_of_the_batch():
     """A replica of 8 rows serving one request steps one row (the first 1, 2, 4 or 8 rows that hold
     the rows in use; before: all 8), and rows that join later take the rows after it with the texts

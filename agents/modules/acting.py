@@ -69,13 +69,19 @@ class RowSamplerState:
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
         self.ids = self.mask = self.state = self.source = None
+        self.row_prefixes = False  # True: calls over another number of rows continue the rows `cont` says
 
     def __call__(self, obs: dict, source_logits: torch.Tensor, cont=None) -> torch.Tensor:
         ids, mask = obs["input_ids"], obs["attention_mask"]
         state = self.sampler.initial_state(ids.shape[0], device=source_logits.device)
-        cont = rows_that_continue(self.ids, self.mask, ids, mask, cont)
+        if self.row_prefixes and cont is not None and self.ids is not None and len(self.ids) != len(ids):
+            cont = torch.as_tensor(cont, dtype=torch.bool, device=ids.device)  # a serving batch's first rows
+        else:
+            cont = rows_that_continue(self.ids, self.mask, ids, mask, cont)
         if cont.any():  # the token each continuing row appended is its last column
-            state[cont] = self.sampler.next_state(self.state[cont], self.source[cont], ids[cont, -1])
+            m = min(len(cont), len(self.state))  # rows the last call did not step carry none (idle ones)
+            keep = cont[:m]
+            state[:m][keep] = self.sampler.next_state(self.state[:m][keep], self.source[:m][keep], ids[:m][keep, -1])
         self.ids, self.mask, self.state, self.source = ids, mask, state, source_logits
         return state
 

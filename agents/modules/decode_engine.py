@@ -111,10 +111,10 @@ class RingBuffers:
     # -- the static step ------------------------------------------------------------------
 
     def step_hidden(self, token: torch.Tensor) -> torch.Tensor:
-        """Appends `token` (B,) to each of the first B rows (B <= rows; the others' columns at the
-        slot are left as they were): advances the slot, writes each layer's new key and value there,
-        and returns the final hidden state at the new token (B, D). Fixed shapes, in-place writes,
-        no host sync."""
+        """Appends `token` (B,) to each of the first B rows (B <= rows; the others' keys and values
+        at the slot are left as they were, the column marked real: such rows restart before they
+        are read): advances the slot, writes each layer's new key and value there, and returns the
+        final hidden state at the new token (B, D). Fixed shapes, in-place writes, no host sync."""
         trunk, B, heads, hd = self.trunk, token.shape[0], self.heads, self.head_dim
         D = heads * hd
         slot = self.slot.add_(1).remainder_(self.length)
@@ -363,8 +363,8 @@ class RingKVCache(WindowKVCache):
         self.static_restarts: bool | None = None
         self.static_blocks = True  # a block's steps after the first as one static function (`continue_block`)
         self.tail_keys: list = []  # tails whose graphs are kept, oldest first (`decoding.keep_graphs_of`)
-        # rows an engine is made with, at least a call's: a serving batch then steps only its first
-        # rows in use on the same ring (calls of fewer rows, `DecodeEngine.part`)
+        # rows an engine is made with, at least a call's, set by a serving batch that steps only
+        # its first rows in use on the same ring (calls of fewer rows, `DecodeEngine.part`)
         self.engine_rows = 0
 
     def invalidate(self) -> None:
@@ -426,14 +426,14 @@ class RingKVCache(WindowKVCache):
         return out
 
     def _continuing(self, ids, mask, cont) -> torch.Tensor:
-        """Which rows continue, on the CPU. A call over another number of the engine's first rows
-        than the last one's continues the rows `cont` says (a serving batch's: rows the last call
-        did not step are idle ones, whose tokens are not read, or restart)."""
-        if not self.loaded or self.ids is None or self.ids.shape[1] != ids.shape[1] or (
-                self.ids.shape[0] != ids.shape[0] and cont is None):
+        """Which rows continue, on the CPU. A call over another number of rows than the last one's
+        restarts every row, unless a caller that set `engine_rows` gives `cont` (a serving batch:
+        rows the last call did not step are idle ones, whose tokens are not read, or restart)."""
+        if not self.loaded or self.ids is None or self.ids.shape[1] != ids.shape[1]:
             return torch.zeros(ids.shape[0], dtype=torch.bool)
         if self.ids.shape[0] != ids.shape[0]:
-            return torch.as_tensor(cont, dtype=torch.bool, device="cpu")
+            return (torch.as_tensor(cont, dtype=torch.bool, device="cpu") if self.engine_rows and cont is not None
+                    else torch.zeros(ids.shape[0], dtype=torch.bool))
         return rows_that_continue(self.ids, self.mask, ids, mask, cont, host=True)
 
     @torch.no_grad()

@@ -40,8 +40,9 @@ SAMPLING_SETTINGS_KEPT = 4
 
 
 def keep_graphs_of(engine, keys: list, key, kept: int = SAMPLING_SETTINGS_KEPT) -> None:
-    """Notes `key` (a tail's graph key) as the newest in `keys`, and drops the graphs of the oldest
-    keys past `kept` from `engine` (a step's, its tail's, its restarts' and its blocks')."""
+    """Notes `key` (a tail's graph key) as the newest in `keys`, and drops the graphs (and compiled
+    functions) of the oldest keys past `kept` from `engine` (a step's, its tail's, its restarts' and
+    its blocks')."""
     if key in keys:
         keys.remove(key)
     keys.append(key)
@@ -50,9 +51,10 @@ def keep_graphs_of(engine, keys: list, key, kept: int = SAMPLING_SETTINGS_KEPT) 
 
     while len(keys) > kept:
         old = keys.pop(0)
-        names = [n for n in (engine.graphs if engine is not None else ()) if isinstance(tail_key(n), tuple)]
+        names = {*engine.graphs, *engine.compiled} if engine is not None else ()
+        names = [n for n in names if isinstance(tail_key(n), tuple)]
         for name in [n for n in names if old in (tail_key(n), tail_key(n)[-1])]:
-            del engine.graphs[name]
+            engine.graphs.pop(name, None)
             engine.compiled.pop(name, None)
 
 

@@ -213,6 +213,22 @@ def next_tokens(module, slots: list, obs: dict, cont: np.ndarray, block: int, de
     return tokens[None]
 
 
+def steps_row_prefixes(module, rows: int) -> bool:
+    """Whether a batch of `rows` rows of `module` may step only its first rows in use: where the
+    decode engine keeps the other rows' keys and values. Then the module's caches (its mask LM's
+    too) and its stateful sampler's per-row state are told to take calls over any number of their
+    first rows, continuing the rows the batch says (`engine_rows`, `row_prefixes`)."""
+    cache = getattr(module, "kv_cache", None)
+    if not (hasattr(cache, "steps_row_prefixes") and cache.steps_row_prefixes(module._trunk(module.lm))):
+        return False
+    for c in (cache, getattr(module, "mask_kv_cache", None)):
+        if hasattr(c, "engine_rows"):
+            c.engine_rows = rows
+    if getattr(module, "row_sampler_state", None) is not None:
+        module.row_sampler_state.row_prefixes = True
+    return True
+
+
 def append_windows(obs: dict, tokens: np.ndarray) -> None:
     """Appends each row's tokens ((steps, rows)) to its window in `obs` in place, as the env's
     observation does: the prompt and generated tokens right-aligned in a window that holds them all."""
@@ -298,10 +314,7 @@ class Batcher:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._starting = 0  # completions taken from the queue whose rows are being started
-        cache = getattr(module, "kv_cache", None)  # steps only its first rows in use where the engine keeps the rest
-        self.prefixes = hasattr(cache, "steps_row_prefixes") and cache.steps_row_prefixes(module._trunk(module.lm))
-        if self.prefixes:
-            cache.engine_rows = self.rows
+        self.prefixes = steps_row_prefixes(module, self.rows)  # steps only its first rows in use
         self.on_step = None  # called after each block, in the batch's thread (tests pause it here)
 
     # -- the consumers' side (any thread) ------------------------------------------------------
