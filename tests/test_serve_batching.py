@@ -259,21 +259,11 @@ def test_a_slow_reward_does_not_stall_the_rows_of_other_requests(monkeypatch):
     batcher.close()
 
 
-def test_a_stream_holds_back_a_character_whose_bytes_are_not_all_written():
-    """A byte-level BPE tokenizer (GPT-2's kind) writes 'é' and '😀' over several tokens, and decodes
-    a character cut between them as U+FFFD: the stream sends no U+FFFD, goes on after the
-    character is whole, and its deltas add up to the text (before: it sent the U+FFFD and stopped)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
+def streamed(tokenizer, ids: list) -> tuple[list, dict]:
+    """A streamed completion that writes the tokens `ids` (through `tokenizer`) one step at a
+    time: its deltas and its result."""
     import agents.serve.batching as batching
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    bpe.train_from_iterator(["abc"], trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe)
-    ids = tokenizer("ok é😀 done", add_special_tokens=False)["input_ids"]
-    assert "\ufffd" in tokenizer.decode(ids[:4])  # 'é' is two byte tokens here
     module = build_module()
     batcher = Batcher(module, dict(module.model_config["env"]), rows=1, block=1)
     assert batcher.eos_id not in ids
@@ -289,8 +279,25 @@ def test_a_stream_holds_back_a_character_whose_bytes_are_not_all_written():
                 deltas.append(value)
             else:
                 finish = value
-    assert "".join(deltas) == finish["text"] == "ok é😀 done" and not any("\ufffd" in d for d in deltas), deltas
     batcher.close()
+    return deltas, finish
+
+
+def test_a_stream_holds_back_a_character_whose_bytes_are_not_all_written():
+    """A byte-level BPE tokenizer (GPT-2's kind) writes 'é' and '😀' over several tokens, and decodes
+    a character cut between them as U+FFFD: the stream sends no U+FFFD, goes on after the
+    character is whole, and its deltas add up to the text (before: it sent the U+FFFD and stopped)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(["abc"], trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    ids = tokenizer("ok é😀 done", add_special_tokens=False)["input_ids"]
+    assert "\ufffd" in tokenizer.decode(ids[:4])  # 'é' is two byte tokens here
+    deltas, finish = streamed(tokenizer, ids)
+    assert "".join(deltas) == finish["text"] == "ok é😀 done" and not any("\ufffd" in d for d in deltas), deltas
 
 
 def test_a_row_keeps_its_text_while_rows_join_and_leave_around_it(module):
@@ -345,32 +352,15 @@ def test_a_stream_through_a_tokenizer_that_cleans_up_spaces_sends_the_text_it_en
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    import agents.serve.batching as batching
-
     words = ["[UNK]", "I", "don", "'", "t", "go", ",", "ok", ".", "yes"]
     wordpiece = Tokenizer(models.WordPiece({w: 100 + i for i, w in enumerate(words)}, unk_token="[UNK]"))
     wordpiece.pre_tokenizer, wordpiece.decoder = pre_tokenizers.BertPreTokenizer(), decoders.WordPiece()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=wordpiece, unk_token="[UNK]", clean_up_tokenization_spaces=True)
     ids = tokenizer("I don't go, ok. yes", add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids[:3]) == "I don '" and tokenizer.decode(ids) == "I don't go, ok. yes"
-    module = build_module()
-    batcher = Batcher(module, dict(module.model_config["env"]), rows=1, block=1)
-    assert batcher.eos_id not in ids
-    batcher.tokenizer = tokenizer
-    written = iter(ids)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(batching, "next_tokens", lambda *args: torch.tensor([[next(written)]]))
-        job = batcher.submit(Job([Completion("3 7 12", 0, len(ids))], stream=True))
-        deltas, finish = [], None
-        while finish is None:
-            kind, _, value = job._events.get(timeout=60)
-            if kind == "delta":
-                deltas.append(value)
-            else:
-                finish = value
+    deltas, finish = streamed(tokenizer, ids)
     assert "".join(deltas) == finish["text"] == "I don't go, ok. yes", deltas
     assert deltas == ["I", " don", "'t", " go,", " ok. yes"]  # each word once the next one began; the rest at the end
-    batcher.close()
 
 
 def test_completions_starting_in_rows_count_against_the_queue_bound_and_each_unfinished_one_is_counted():
