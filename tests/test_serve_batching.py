@@ -7,6 +7,7 @@ The OpenAI client against a running server is in tests/test_serve_openai.py.
 """
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -256,6 +257,58 @@ def test_a_slow_reward_does_not_stall_the_rows_of_other_requests(monkeypatch):
         release.set()
     (result,) = scored.wait(timeout=60)
     assert result["reward"] is not None and batcher.load()["completions"] == 2
+    batcher.close()
+
+
+def until(condition, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_rewards_wait_for_a_graph_capture_and_a_closing_replica_fails_the_ones_queued():
+    """A reward runs under the decode engine's CAPTURE_LOCK (on a GPU no other thread's CUDA work
+    may run while a graph is captured): held, the reward waits and `load` counts it as scoring.
+    Closing the replica fails the rewards still queued (before: their requests never finished)."""
+    from agents.modules.decode_engine import CAPTURE_LOCK
+
+    module = build_module()
+    batcher = Batcher(module, dict(module.model_config["env"]), rows=2, block=2)
+    with CAPTURE_LOCK:  # a capture under way
+        first, second = (batcher.submit(Job([Completion("3 7 12", s, 2, meta={})])) for s in (0, 1))
+        with pytest.raises(TimeoutError):
+            first.wait(timeout=2)
+        load = batcher.load()
+        assert (load["scoring"], load["completions"], load["active"]) == (2, 0, 0), load
+        batcher.close()  # the second is still queued: it fails; the first is being scored
+    with pytest.raises(RuntimeError, match=r"^the server closed before its reward was computed$"):
+        second.wait(timeout=60)
+    assert first.wait(timeout=60)[0]["reward"] is not None
+    load = batcher.load()
+    assert (load["scoring"], load["completions"], load["failed"]) == (0, 1, 1), load
+
+
+def test_a_completion_being_scored_when_the_batch_fails_counts_as_failed(monkeypatch):
+    """A request whose first completion is being scored when the batch fails: it gets the batch's
+    error alone, and that completion counts as failed, not as done (before: done)."""
+    import agents.serve.batching as batching
+    from agents.modules.decode_engine import CAPTURE_LOCK
+
+    module = build_module()
+    batcher = Batcher(module, dict(module.model_config["env"]), rows=2, block=1)
+    real, fail = batching.next_tokens, threading.Event()
+    monkeypatch.setattr(batching, "next_tokens", lambda *args: (_ for _ in ()).throw(RuntimeError("boom"))
+                        if fail.is_set() else real(*args))
+    with CAPTURE_LOCK:  # the first completion's reward waits
+        job = batcher.submit(Job([Completion("3 7 12", 0, 2, meta={}), Completion("3 7 12", 1, 20, meta={})]))
+        until(lambda: batcher.load()["scoring"] == 1)
+        fail.set()
+        with pytest.raises(RuntimeError, match=r"^internal error: RuntimeError: boom$"):
+            job.wait(timeout=60)
+    until(lambda: batcher.load()["scoring"] == 0)
+    load = batcher.load()
+    assert (load["failed"], load["completions"]) == (2, 0), load
     batcher.close()
 
 

@@ -26,6 +26,8 @@ Only a plain `GPT2Model` trunk qualifies (`_plain_gpt2_blocks`); others keep `Wi
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch._dynamo.exc import TorchDynamoException
@@ -37,6 +39,9 @@ from agents.modules.prefill_store import stack_layers
 
 
 COMPILE_BACKEND = "inductor"  # compile_step's backend
+# Held while a graph is captured: no other thread's CUDA work may run then (a serving replica's
+# rewards, scored in a thread of their own, take it).
+CAPTURE_LOCK = threading.Lock()
 
 
 def compiled_once(fn):
@@ -296,7 +301,7 @@ class DecodeEngine(RingBuffers):
         after warm-up runs whose effects on the ring are undone: (graph, static inputs, static output)."""
         self._warm_up(run, steps=steps)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with CAPTURE_LOCK, torch.cuda.graph(graph):
             out = run()
         return graph, static_inputs, out
 

@@ -90,19 +90,20 @@ class Job:
         self.error: str | None = None
         self._loop = loop
         self._events = asyncio.Queue() if loop is not None else queue.Queue()
-        self._lock = threading.Lock()  # the batch's thread and the scoring one both end completions
+        self._lock = threading.RLock()  # the batch's thread and the scoring one both send events
 
     def cancel(self) -> None:
         """The client went away: the job's rows are freed at the next block boundary."""
         self.cancelled = True
 
     def _emit(self, kind: str, index, value) -> None:
-        if self.error is not None and kind != "error":  # a failed job's other rows: nothing after its error
-            return
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, index, value))
-        else:
-            self._events.put((kind, index, value))
+        with self._lock:
+            if self.error is not None and kind != "error":  # a failed job's other rows: nothing after its error
+                return
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, index, value))
+            else:
+                self._events.put((kind, index, value))
 
     def _finish(self, index: int, result: dict) -> None:
         with self._lock:
@@ -339,8 +340,8 @@ class Batcher:
         engine = getattr(getattr(self.module, "kv_cache", None), "engine", None)
         with self.cv:
             return {"rows": self.rows, "active": self.rows - self._open_rows(),
-                    "waiting": self._queued(), "max_queue": self.max_queue, **self.stats,
-                    "graphs_captured": getattr(engine, "captures", 0)}
+                    "waiting": self._queued(), "max_queue": self.max_queue, "scoring": self.hand_over.scoring,
+                    **self.stats, "graphs_captured": getattr(engine, "captures", 0)}
 
     def close(self) -> None:
         with self.cv:

@@ -4,7 +4,11 @@ own, one at a time in the order they finished, so that the batch's rows go on st
 The counters (`Batcher.load`) are updated before the job hears of it."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import logging
+import queue
+import threading
+
+logger = logging.getLogger(__name__)
 
 
 def score(scorers: dict, env_config: dict, c, prompt: str, text: str) -> float:
@@ -17,41 +21,83 @@ def score(scorers: dict, env_config: dict, c, prompt: str, text: str) -> float:
     return scorers[c.max_tokens].score([prompt], [text], [c.meta])[0]
 
 
+def one_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
 class HandOver:
     """Called with a finished row (`batching._Row`), its finish reason and text. `count(outcome)`
-    ("completions", "failed" or "cancelled") is called once per completion, before its job's events."""
+    ("completions", "failed" or "cancelled") is called once per completion, before its job's events.
+    A reward runs under the decode engine's CAPTURE_LOCK (no CUDA work while a graph is captured)."""
 
     def __init__(self, env_config: dict, count):
         self.env_config, self.count = dict(env_config), count
         self.scorers: dict = {}  # max_tokens -> an env scoring at that length (used in one thread only)
-        self._pool: ThreadPoolExecutor | None = None
+        self._queue: queue.Queue = queue.Queue()  # (row, reason, text) waiting for their reward; None: stop
+        self._thread: threading.Thread | None = None
+        self._busy = False  # the scoring thread is handing one over (set by that thread only)
+
+    @property
+    def scoring(self) -> int:
+        """Completions waiting for their reward or being scored."""
+        return self._queue.qsize() + self._busy
 
     def __call__(self, row, reason: str, text: str) -> None:
         if row.completion.meta is None:
             return self._hand_over(row, reason, text)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring")
-        self._pool.submit(self._hand_over, row, reason, text)
+        if self._thread is None:  # a daemon: a process that ends does not wait for queued rewards
+            self._thread = threading.Thread(target=self._work, name="scoring", daemon=True)
+            self._thread.start()
+        self._queue.put((row, reason, text))
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        """Completions still waiting for their reward fail (the replica is closing)."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self._fail(item[0].job, "the server closed before its reward was computed")
+        self._queue.put(None)
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._busy = True
+            try:
+                self._hand_over(*item)
+            except Exception as e:  # not the reward's (that fails its job alone): logged, and its job fails
+                logger.exception("handing a completion over failed")
+                self._fail(item[0].job, f"internal error: {one_line(e)}")
+            finally:
+                self._busy = False
+
+    def _fail(self, job, message: str) -> None:
+        self.count("failed")
+        job._fail(message)
+        job.cancel()  # its other rows are freed at the next block
 
     def _hand_over(self, row, reason: str, text: str) -> None:
         """The rest of a streamed text, then the result, with its reward where it is scored; a
-        reward that fails fails its job alone (its other rows are freed at the next block)."""
+        reward that fails fails its job alone."""
+        from agents.modules.decode_engine import CAPTURE_LOCK
+
         job, c = row.job, row.completion
         if job.error is not None or job.cancelled:  # while its reward waited
             return self.count("failed" if job.error is not None else "cancelled")
         try:
-            reward = None if c.meta is None else score(self.scorers, self.env_config, c, row.prompt, text)
+            if c.meta is None:
+                reward = None
+            else:
+                with CAPTURE_LOCK:
+                    reward = score(self.scorers, self.env_config, c, row.prompt, text)
         except Exception as e:
-            self.count("failed")
-            job._fail(f"reward: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
-            job.cancel()
-            return
-        self.count("completions")
-        if job.stream and text.startswith(row.sent) and len(text) > len(row.sent):
-            job._emit("delta", row.index, text[len(row.sent):])
-        job._finish(row.index, {"text": text, "finish_reason": reason, "num_generated": len(row.tokens),
-                                "prompt": row.prompt, "prompt_tokens": row.prompt_tokens, "reward": reward})
+            return self._fail(job, f"reward: {one_line(e)}")
+        with job._lock:  # a job failed meanwhile (the batch failed) gets nothing more, counted failed
+            if job.error is not None:
+                return self.count("failed")
+            self.count("completions")
+            if job.stream and text.startswith(row.sent) and len(text) > len(row.sent):
+                job._emit("delta", row.index, text[len(row.sent):])
+            job._finish(row.index, {"text": text, "finish_reason": reason, "num_generated": len(row.tokens),
+                                    "prompt": row.prompt, "prompt_tokens": row.prompt_tokens, "reward": reward})
