@@ -171,10 +171,10 @@ class RingBuffers:
     def load_rows(self, rows: torch.Tensor | None, layers, mask: torch.Tensor) -> None:
         """Writes prefilled windows (keys and values stacked (2, layers, n, heads, L, hd), or per
         layer [(keys, values)], in the env's window layout, newest column last) into `rows` (None:
-        the first n rows, the others left stale), rotated so that the newest column sits at the current slot: a few tensor ops
-        whatever the number of layers. Loading every row starts the ring over in the window's own
-        layout (newest column at slot L-1), so what follows a full load does not depend on the
-        steps before it (float rounding included)."""
+        the first n rows, the others left stale), rotated so that the newest column sits at the
+        current slot: a few tensor ops whatever the number of layers. Loading every row starts the
+        ring over in the window's own layout (newest column at slot L-1), so what follows a full
+        load does not depend on the steps before it (float rounding included)."""
         if rows is None:
             self.slot_host = self.length - 1
             self.slot.fill_(self.slot_host)
