@@ -37,7 +37,8 @@
 #              against one module call per token (stepwise), same run (not yet run)
 #   serve_batch  serve_batch.py at GPT-2-small shape (vocabulary 50,257, bf16 weights): a replica's
 #              continuous batching in-process, 16 and 64 rows, blocks of 8 on the decode engine
-#              against one module call per token, then the mix of per-request settings (not yet run)
+#              against one module call per token, then the mix of per-request settings, then a lone
+#              client on 64 rows (--one-by-one: one row stepped, its graphs captured apart) (not yet run)
 # rollouts_bf16, peer_bf16 and peer_fp32: the same with the rollouts' weights in bf16 or fp32
 # (env_runners.precision; its default, auto, is bf16 on a GPU with bf16, so peer is peer_bf16 there);
 # rollouts_tf32: fp32 weights with TF32 matmuls on every path (as a training run's process has them).
@@ -140,7 +141,10 @@ for step in "${steps[@]}"; do
              --precision bf16; done
              run "serve_batch_settings$tag" 200 $PY benchmarks/serve_batch.py --device cuda \
              --model gpt2-small-shaped --vocab 50257 --rows 16 --completions 128 --reps 3 --precision bf16 \
-             --mix settings ;;
+             --mix settings
+             run "serve_batch_lone$tag" 200 $PY benchmarks/serve_batch.py --device cuda \
+             --model gpt2-small-shaped --vocab 50257 --rows 64 --completions 32 --new 64 --one-by-one \
+             --paths blocks --reps 2 --precision bf16 ;;
     seeds) for seed in ${SEEDS:-1 2}; do for precision in fp32 bf16; do
              run "seeds_${precision}_seed$seed$tag" 150 $PY benchmarks/peer_trl.py --device cuda \
              --model gpt2-small-shaped --seconds 60 --project-only \
