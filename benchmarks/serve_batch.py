@@ -100,7 +100,8 @@ def main(argv=None) -> int:
     device = "cpu" if args.count_ops else args.device
     what = "ops outside the engine's graphs (emulated on the CPU)" if args.count_ops else "timed"
     print(f"model={args.model} rows={args.rows} completions={args.completions} new={args.new} block={args.block} "
-          f"mix={args.mix} one_by_one={args.one_by_one} device={device} precision={args.precision} torch={torch.__version__}: {what}", flush=True)
+          f"mix={args.mix} one_by_one={args.one_by_one} device={device} precision={args.precision} "
+          f"torch={torch.__version__}: {what}", flush=True)
     for vocab in args.vocab:
         ns = argparse.Namespace(model=args.model, vocab=vocab, batch=args.rows, prompt=5, new=args.new,
                                 device=device, precision="fp32" if args.count_ops else args.precision)

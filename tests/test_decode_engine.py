@@ -79,6 +79,12 @@ def _engine_and_window(B=5, L=10):
     return module, trunk, ids, mask
 
 
+def uncached_last_hidden(trunk, ids, mask) -> torch.Tensor:
+    """The trunk's uncached pass over whole windows: the hidden state at each row's newest token."""
+    return trunk(input_ids=ids, attention_mask=mask,
+                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).last_hidden_state[:, -1]
+
+
 def _two_loaded_engines(sampler=None):
     """(module, ids, mask, engine, engine): two engines over the module's trunk, loaded with the same
     windows (dynamo's caches reset, for the tests that compile)."""
@@ -114,9 +120,7 @@ def test_ring_step_equals_a_whole_window_pass_as_the_slot_wraps_around():
             ids = torch.cat([ids[:, 1:], token[:, None]], 1)
             mask = torch.cat([mask[:, 1:], torch.ones(5, 1, dtype=torch.long)], 1)
             hidden = engine.step(token)
-            want = trunk(input_ids=ids, attention_mask=mask,
-                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).last_hidden_state[:, -1]
-            torch.testing.assert_close(hidden, want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(hidden, uncached_last_hidden(trunk, ids, mask), atol=1e-5, rtol=1e-5)
     # a full load starts the ring at slot 9; 18 steps later (past its end twice): 7, on the device and the host
     assert engine.slot_host == int(engine.slot) == 7
 
@@ -140,10 +144,8 @@ def test_a_step_over_the_first_rows_gives_their_window_pass_and_leaves_the_other
         ids = torch.cat([ids[:, 1:], token[:, None]], 1)
         mask = torch.cat([mask[:, 1:], torch.ones(5, 1, dtype=torch.long)], 1)
         hidden = engine.step(token[:rows])
-        want = trunk(input_ids=ids[:3], attention_mask=mask[:3],
-                     position_ids=(mask[:3].cumsum(-1) - 1).clamp(min=0)).last_hidden_state[:, -1]
         assert hidden.shape == (rows, trunk.embed_dim)
-        torch.testing.assert_close(hidden[:3], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hidden[:3], uncached_last_hidden(trunk, ids[:3], mask[:3]), atol=1e-5, rtol=1e-5)
         if rows == 3:
             assert torch.equal(engine.kv[:, :, 3:], others)
     if captured:
@@ -170,8 +172,7 @@ def test_a_call_over_other_rows_between_two_calls_restarts_the_rows_said_to_cont
     call(ids[:2].flip(-1), mask[:2], None)  # another caller's 2 windows
     ids, mask = appended(ids, mask, torch.tensor([7, 8, 9, 10]))
     hidden = call(ids, mask, torch.ones(4, dtype=torch.bool))
-    want = trunk(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).last_hidden_state[:, -1]
-    torch.testing.assert_close(hidden, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden, uncached_last_hidden(trunk, ids, mask), atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()

@@ -392,9 +392,10 @@ def test_a_lone_request_steps_one_row_of_the_batch():
             batcher.submit(Job([Completion("1 2", s, 6 + s)])) for s in range(4)]
     together = [j.wait(timeout=60)[0] for j in jobs]
     assert together[0]["text"] == alone["text"]
-    assert [r["text"] for r in together[1:]] == [batcher.submit(Job([Completion("1 2", s, 6 + s)])).wait(timeout=60)[0]["text"]
-                                                for s in range(4)]
+    assert [r["text"] for r in together[1:]] == [r["text"] for r in run_alone(batcher, [Completion("1 2", s, 6 + s)
+                                                                                       for s in range(4)])]
     batcher.close()
+    assert batcher.load()["scoring"] == 0  # none was scored: closing leaves none waiting for a reward
 
 
 def test_a_stream_through_a_tokenizer_that_cleans_up_spaces_sends_the_text_it_ends_with():

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from agents.samplers import row_tokens
-from agents.serve.scoring import HandOver
+from agents.serve.scoring import HandOver, one_line
 from agents.serve.row_sampling import mirostat_rows, requests_mirostat, row_inputs, row_uniforms, update_mirostat
 from agents.serve.options import BATCH_BLOCK  # decode steps per block (defined with the CLI's other defaults)
 
@@ -383,7 +383,7 @@ class Batcher:
                     self.step()
             except Exception as e:  # a bug or a task failure: fail what is running, keep serving
                 logger.exception("the batch failed")
-                self._fail_all(f"internal error: {type(e).__name__}: {' '.join(str(e).split())[:300]}",
+                self._fail_all(f"internal error: {one_line(e)}",
                                [job for _, job, _, _ in admitted])  # taken from the queue, not started
 
     def _drop_cancelled(self) -> None:

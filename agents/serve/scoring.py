@@ -22,6 +22,7 @@ def score(scorers: dict, env_config: dict, c, prompt: str, text: str) -> float:
 
 
 def one_line(e: Exception) -> str:
+    """An exception as one line: its type and its message's first 300 characters, spaces folded."""
     return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
@@ -59,7 +60,8 @@ class HandOver:
                 break
             if item is not None:
                 self._fail(item[0].job, "the server closed before its reward was computed")
-        self._queue.put(None)
+        if self._thread is not None:  # its thread ends (none started: nothing would take the None)
+            self._queue.put(None)
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
